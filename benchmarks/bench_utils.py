@@ -1,0 +1,102 @@
+"""Timing helpers shared by the micro-benchmarks.
+
+GPU time comes from CUDA-graph replay: each graph runs the op once on each of several input sets
+(together several times the L2 size, so no input is served from L2), every call writing its own
+output; replays are timed with CUDA events and the median per-call time is reported. Bandwidth
+counts bytes read + bytes written, and is compared with a device-to-device copy measured the same
+way in the same process.
+"""
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def l2_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+
+
+def input_sets(make, bytes_per_set: int, min_sets: int = 2):
+    """Enough freshly made input sets that together they are >= 4x the L2 size."""
+    count = max(min_sets, math.ceil(4 * l2_bytes() / max(bytes_per_set, 1)))
+    return [make() for _ in range(count)]
+
+
+def graph_time_us(fn, arg_sets, replays: int = 30, warmup_replays: int = 3) -> float:
+    """Median GPU time per call of fn(*args), in µs, from CUDA-graph replays over arg_sets."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compilation, autotuning, lazy init) off the graph
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    outputs = []  # kept alive so every call writes its own buffer
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            outputs.append(fn(*args))
+    for _ in range(warmup_replays):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times_ms = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times_ms.append(start.elapsed_time(end))
+    del graph, outputs
+    return statistics.median(times_ms) * 1000.0 / len(arg_sets)
+
+
+def copy_bandwidth_tbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in TB/s (read + write counted) over rotated 1 GiB buffers."""
+    sets = [(torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_(),)
+            for _ in range(2)]
+    dst = [torch.empty_like(s[0]) for s in sets]
+    pairs = [(d, s[0]) for d, s in zip(dst, sets)]
+    us = graph_time_us(lambda d, s: d.copy_(s), pairs)
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    info = {"device": props.name, "sms": props.multi_processor_count, "l2_mb": props.L2_cache_size / 2**20,
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def bar_chart(path: Path, title: str, shapes, columns, tbs, copy_tbs: float) -> None:
+    """Grouped bars of TB/s per shape and column, with the measured copy bandwidth as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 4.5))
+    width = 0.8 / len(columns)
+    for i, column in enumerate(columns):
+        xs = [s + (i - (len(columns) - 1) / 2) * width for s in range(len(shapes))]
+        ax.bar(xs, [tbs[shape].get(column, 0.0) for shape in shapes], width, label=column)
+    ax.axhline(copy_tbs, color="black", linestyle="--", linewidth=1, label=f"copy {copy_tbs:.2f} TB/s")
+    ax.set_xticks(range(len(shapes)), shapes, rotation=15, fontsize=8)
+    ax.set_ylabel("TB/s (read + write)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

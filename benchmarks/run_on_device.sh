@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One batched GPU session: install carried wheels (.whl/), build the extension, print the
+# environment report, run the GPU tests and the benchmarks. Logs and results go to $OUT
+# (default: results/), at most 8 files.
+#   bash benchmarks/run_on_device.sh [pytest -k expression]
+set -uo pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+start=$(date +%s)
+if ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install -e . --no-build-isolation >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m ltx_kernels 2>&1 | tee "$OUT/env.txt"
+python3 -m pytest tests -q -m gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/tests.log" | tail -15
+for weight in bf16 none; do
+  python3 benchmarks/benchmark_rmsnorm.py --weight "$weight" --out "$OUT"
+done 2>&1 | tee "$OUT/bench_rmsnorm.log"

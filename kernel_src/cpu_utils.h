@@ -1,0 +1,111 @@
+/*
+ * Portable C helpers shared by the CPU implementations of ltx_kernels, written once:
+ * bit-exact fp16/bf16 <-> fp32 conversion (round to nearest even, as CUDA's __float2*_rn),
+ * element load/store by dtype and row addressing of ltx_rows_t.
+ */
+#ifndef LTX_CPU_UTILS_H_
+#define LTX_CPU_UTILS_H_
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ltx_kernels.h"
+
+static inline float ltx_bits_to_float(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint32_t ltx_float_to_bits(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+static inline float ltx_bf16_to_float(uint16_t h) { return ltx_bits_to_float((uint32_t)h << 16); }
+
+static inline uint16_t ltx_float_to_bf16(float f) {
+  uint32_t bits = ltx_float_to_bits(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+static inline float ltx_half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return ltx_bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 is exact in fp32 */
+    const float magnitude = (float)mantissa * 5.9604644775390625e-08f;
+    return sign ? -magnitude : magnitude;
+  }
+  return ltx_bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+static inline uint16_t ltx_float_to_half(float f) {
+  const uint32_t bits = ltx_float_to_bits(f);
+  const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+  uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u; /* NaN */
+  if (magnitude >= 0x47800000u) return sign | 0x7c00u; /* >= 65536 (and inf): inf */
+  if (magnitude < 0x38800000u) { /* below 2^-14: subnormal half, units of 2^-24 */
+    const float units = ltx_bits_to_float(magnitude) * 16777216.0f; /* exact scaling */
+    return sign | (uint16_t)nearbyintf(units);                      /* ties to even */
+  }
+  magnitude += 0xfffu + ((magnitude >> 13) & 1u); /* round to nearest even at bit 13 */
+  return sign | (uint16_t)((magnitude - 0x38000000u) >> 13); /* rebias; may round up to inf */
+}
+
+static inline int ltx_dtype_size(ltx_dtype_t dtype) { return dtype == LTX_FLOAT32 ? 4 : 2; }
+
+/* Element i of an array of `dtype`, as float. */
+static inline float ltx_load(const void* base, ltx_dtype_t dtype, int64_t i) {
+  switch (dtype) {
+    case LTX_FLOAT16: return ltx_half_to_float(((const uint16_t*)base)[i]);
+    case LTX_BFLOAT16: return ltx_bf16_to_float(((const uint16_t*)base)[i]);
+    default: return ((const float*)base)[i];
+  }
+}
+
+/* Store v, rounded to nearest even, as element i of an array of `dtype`. */
+static inline void ltx_store(void* base, ltx_dtype_t dtype, int64_t i, float v) {
+  switch (dtype) {
+    case LTX_FLOAT16: ((uint16_t*)base)[i] = ltx_float_to_half(v); break;
+    case LTX_BFLOAT16: ((uint16_t*)base)[i] = ltx_float_to_bf16(v); break;
+    default: ((float*)base)[i] = v; break;
+  }
+}
+
+/* v rounded to `dtype` and widened back: models a `.to(dtype)` of the PyTorch code. */
+static inline float ltx_round_to(ltx_dtype_t dtype, float v) {
+  switch (dtype) {
+    case LTX_FLOAT16: return ltx_half_to_float(ltx_float_to_half(v));
+    case LTX_BFLOAT16: return ltx_bf16_to_float(ltx_float_to_bf16(v));
+    default: return v;
+  }
+}
+
+static inline int ltx_valid_dtype(ltx_dtype_t dtype) {
+  return dtype == LTX_FLOAT32 || dtype == LTX_FLOAT16 || dtype == LTX_BFLOAT16;
+}
+
+static inline int64_t ltx_num_rows(const ltx_rows_t* r) { return r->size[0] * r->size[1] * r->size[2]; }
+
+static inline int ltx_valid_rows(const ltx_rows_t* r) {
+  int d;
+  for (d = 0; d < LTX_MAX_ROW_DIMS; ++d)
+    if (r->size[d] < 0) return 0;
+  return ltx_valid_dtype(r->dtype) && (r->data != NULL || ltx_num_rows(r) == 0);
+}
+
+/* Address of the first element of row `row` (see ltx_rows_t). */
+static inline void* ltx_row_ptr(const ltx_rows_t* r, int64_t row) {
+  const int64_t i2 = row % r->size[2], rest = row / r->size[2];
+  const int64_t i1 = rest % r->size[1], i0 = rest / r->size[1];
+  const int64_t offset = i0 * r->stride[0] + i1 * r->stride[1] + i2 * r->stride[2];
+  return (char*)r->data + offset * ltx_dtype_size(r->dtype);
+}
+
+#endif /* LTX_CPU_UTILS_H_ */

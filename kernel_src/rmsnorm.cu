@@ -1,0 +1,194 @@
+// RMSNorm over the last dimension (CUDA), with diffusers' RMSNorm rounding points
+// (see ltx_rmsnorm_cuda in ltx_kernels.h).
+#include <algorithm>
+
+#include "device_utils.cuh"
+
+namespace ltx {
+namespace {
+
+constexpr int kSlots = 8;              // packs a thread caches in registers (cached kernel)
+constexpr int kMaxThreadsPerRow = 1024;
+constexpr int kRowBlockThreads = 256;  // block size when several rows share a block
+
+template <typename Tx, typename Tw, typename To>
+struct RmsNormArgs {
+  To* out;
+  RowIndex out_rows;
+  const Tx* x;
+  RowIndex x_rows;
+  const Tw* weight;  // unused when Tw is NoWeight
+  int64_t rows;
+  int hidden;
+  float inv_hidden;
+  float eps;
+};
+
+// Output value for the normalized y = float(x) * rsqrt(...), rounded where diffusers rounds.
+template <typename Tw>
+__device__ __forceinline__ float rms_output(float y, float w) {
+  if constexpr (std::is_same_v<Tw, NoWeight>) {
+    return y;
+  } else if constexpr (std::is_same_v<Tw, float>) {
+    return y * w;
+  } else {
+    return round_to<Tw>(y) * w;  // `.to(weight.dtype) * weight`
+  }
+}
+
+// Row-cached RMSNorm. Each row is owned by tpr = 2^log2_tpr consecutive threads of a block (a
+// block holds blockDim.x / tpr rows). Thread t of a row loads packs t, t + tpr, ... (kVec
+// elements each, at most kSlots of them) into registers, so x is read from memory exactly once:
+// all loads are issued first, the sum of squares is reduced across the row's threads (shuffles,
+// then shared memory when the row spans several warps), and the cached packs are scaled and stored.
+template <typename Tx, typename Tw, typename To, int kVec>
+__global__ void __launch_bounds__(kMaxThreadsPerRow)
+    rmsnorm_cached_kernel(const RmsNormArgs<Tx, Tw, To> a, const int log2_tpr) {
+  __shared__ float warp_partials[kMaxThreadsPerRow / 32];
+  const int tpr = 1 << log2_tpr;
+  const int lane_in_row = threadIdx.x & (tpr - 1);
+  const int64_t row =
+      static_cast<int64_t>(blockIdx.x) * (blockDim.x >> log2_tpr) + (threadIdx.x >> log2_tpr);
+  const bool active = row < a.rows;  // inactive threads still join the reductions
+  const int n_packs = a.hidden / kVec;
+
+  const Tx* x_row = a.x + (active ? a.x_rows.offset(row) : 0);
+  Pack<Tx, kVec> xs[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int p = s * tpr + lane_in_row;
+    if (active && p < n_packs) xs[s].load(x_row + static_cast<int64_t>(p) * kVec);
+  }
+  float sumsq = 0.f;
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int p = s * tpr + lane_in_row;
+    if (active && p < n_packs) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) sumsq += xs[s].get(i) * xs[s].get(i);
+    }
+  }
+  sumsq = group_sum(sumsq, tpr < 32 ? tpr : 32);
+  if (tpr > 32) {  // same branch for the whole block
+    const int warp = threadIdx.x >> 5, warps_per_row = tpr >> 5;
+    if ((threadIdx.x & 31) == 0) warp_partials[warp] = sumsq;
+    __syncthreads();
+    const int first = warp - warp % warps_per_row;
+    sumsq = 0.f;
+    for (int w = 0; w < warps_per_row; ++w) sumsq += warp_partials[first + w];
+  }
+  if (!active) return;
+  const float rstd = rsqrtf(sumsq * a.inv_hidden + a.eps);
+
+  To* out_row = a.out + a.out_rows.offset(row);
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int p = s * tpr + lane_in_row;
+    if (p < n_packs) {
+      const int64_t col = static_cast<int64_t>(p) * kVec;
+      Pack<To, kVec> o;
+      if constexpr (std::is_same_v<Tw, NoWeight>) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) o.set(i, rms_output<Tw>(xs[s].get(i) * rstd, 1.f));
+      } else {
+        Pack<Tw, kVec> w;
+        w.load(a.weight + col);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) o.set(i, rms_output<Tw>(xs[s].get(i) * rstd, w.get(i)));
+      }
+      o.store(out_row + col);
+    }
+  }
+}
+
+// Streaming RMSNorm for rows too long to cache in registers: one block per row (grid-stride over
+// rows), scalar accesses, two passes over the row (the second mostly hits L1/L2).
+template <typename Tx, typename Tw, typename To>
+__global__ void __launch_bounds__(kMaxThreadsPerRow)
+    rmsnorm_streaming_kernel(const RmsNormArgs<Tx, Tw, To> a) {
+  __shared__ float scratch[32];
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const Tx* x_row = a.x + a.x_rows.offset(row);
+    float sumsq = 0.f;
+    for (int i = threadIdx.x; i < a.hidden; i += blockDim.x) {
+      const float v = to_float(x_row[i]);
+      sumsq += v * v;
+    }
+    sumsq = block_sum(sumsq, scratch);
+    const float rstd = rsqrtf(sumsq * a.inv_hidden + a.eps);
+    To* out_row = a.out + a.out_rows.offset(row);
+    for (int i = threadIdx.x; i < a.hidden; i += blockDim.x) {
+      float w = 1.f;
+      if constexpr (!std::is_same_v<Tw, NoWeight>) w = to_float(a.weight[i]);
+      out_row[i] = from_float<To>(rms_output<Tw>(to_float(x_row[i]) * rstd, w));
+    }
+  }
+}
+
+template <typename Tx, typename Tw, typename To, int kVec>
+int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
+  const int n_packs = a.hidden / kVec;
+  int log2_tpr = 0;
+  while ((kSlots << log2_tpr) < n_packs) ++log2_tpr;
+  const int tpr = 1 << log2_tpr;
+  const int threads = std::max(tpr, kRowBlockThreads);
+  const int rows_per_block = threads / tpr;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  rmsnorm_cached_kernel<Tx, Tw, To, kVec><<<blocks, threads, 0, stream>>>(a, log2_tpr);
+  return launch_status();
+}
+
+template <typename Tx, typename Tw, typename To>
+int launch_streaming(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
+  const int64_t blocks = std::min<int64_t>(a.rows, int64_t{1} << 20);
+  rmsnorm_streaming_kernel<Tx, Tw, To><<<blocks, kRowBlockThreads, 0, stream>>>(a);
+  return launch_status();
+}
+
+template <typename Tx, typename Tw, typename To>
+int rmsnorm_typed(const ltx_rows_t& out, const ltx_rows_t& x, const void* weight, int hidden,
+                  float eps, cudaStream_t stream) {
+  const RmsNormArgs<Tx, Tw, To> a{static_cast<To*>(out.data),
+                                  RowIndex::of(out),
+                                  static_cast<const Tx*>(x.data),
+                                  RowIndex::of(x),
+                                  static_cast<const Tw*>(weight),
+                                  num_rows(x),
+                                  hidden,
+                                  1.f / static_cast<float>(hidden),
+                                  eps};
+  constexpr int kVec = 16 / sizeof(Tx);
+  bool vectorizable = hidden % kVec == 0 && rows_aligned(x, sizeof(Tx), 16) &&
+                      rows_aligned(out, sizeof(To), pack_alignment<To, kVec>());
+  if constexpr (!std::is_same_v<Tw, NoWeight>)
+    vectorizable = vectorizable &&
+                   reinterpret_cast<uintptr_t>(weight) % pack_alignment<Tw, kVec>() == 0;
+  if (vectorizable && hidden / kVec <= kSlots * kMaxThreadsPerRow)
+    return launch_cached<Tx, Tw, To, kVec>(a, stream);
+  if (hidden <= kSlots * kMaxThreadsPerRow) return launch_cached<Tx, Tw, To, 1>(a, stream);
+  return launch_streaming<Tx, Tw, To>(a, stream);
+}
+
+}  // namespace
+}  // namespace ltx
+
+extern "C" int ltx_rmsnorm_cuda(ltx_rows_t out, ltx_rows_t x, const void* weight,
+                                ltx_dtype_t weight_dtype, int64_t hidden, float eps,
+                                ltx_stream_t stream) {
+  using namespace ltx;
+  if (!valid_rows(out) || !valid_rows(x) || num_rows(out) != num_rows(x) || hidden < 0 ||
+      hidden > INT32_MAX || !(eps >= 0.f))
+    return LTX_ERR_INVALID_ARGUMENT;
+  if (out.dtype != (weight ? weight_dtype : x.dtype)) return LTX_ERR_INVALID_ARGUMENT;
+  if (num_rows(x) == 0 || hidden == 0) return LTX_OK;
+  if (!x.data || !out.data) return LTX_ERR_INVALID_ARGUMENT;
+  return dispatch_float(x.dtype, [&](auto x_tag) {
+    return dispatch_optional_float(weight != nullptr, weight_dtype, [&](auto w_tag) {
+      using Tx = typename decltype(x_tag)::type;
+      using Tw = typename decltype(w_tag)::type;
+      using To = std::conditional_t<std::is_same_v<Tw, NoWeight>, Tx, Tw>;
+      return rmsnorm_typed<Tx, Tw, To>(out, x, weight, static_cast<int>(hidden), eps,
+                                       reinterpret_cast<cudaStream_t>(stream));
+    });
+  });
+}

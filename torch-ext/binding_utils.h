@@ -1,0 +1,108 @@
+// Helpers shared by every op binding: argument checks whose messages name the op and the argument,
+// dtype mapping, ltx_rows_t views of tensors, and launcher status handling.
+#pragma once
+
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "../kernel_src/ltx_kernels.h"
+
+namespace ltx_binding {
+
+inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return LTX_FLOAT32;
+    case at::kHalf: return LTX_FLOAT16;
+    case at::kBFloat16: return LTX_BFLOAT16;
+    default: TORCH_CHECK(false, "unsupported dtype ", type);  // callers check first
+  }
+}
+
+inline bool is_supported_float(at::ScalarType type) {
+  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
+}
+
+// An activation [..., hidden]: float32/float16/bfloat16, at least 1-D, last dim contiguous.
+inline void check_activation(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", name,
+              " must have a contiguous last dimension (stride 1), got strides ", t.strides(),
+              " for shape ", t.sizes());
+}
+
+// Every tensor of an op lives on the device of its first activation.
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                              const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name,
+              " is on ", ref.device(), "; all tensors must be on the same device");
+}
+
+// A per-channel parameter: 1-D with `hidden` contiguous float elements on x's device.
+inline void check_channel_vector(const char* op, const char* name, const at::Tensor& t,
+                                 int64_t hidden, const at::Tensor& x) {
+  check_same_device(op, name, t, "x", x);
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == hidden, op, ": ", name,
+              " must have shape [hidden] = [", hidden, "] (x.shape[-1]), got ", t.sizes());
+  TORCH_CHECK(t.stride(0) == 1 || hidden <= 1, op, ": ", name,
+              " must be contiguous, got stride ", t.stride(0));
+}
+
+inline void check_eps(const char* op, double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+}
+
+// The rows of t (all dims but the last) as at most LTX_MAX_ROW_DIMS (size, stride) levels:
+// size-1 dims are dropped and dims that step evenly into each other are merged, so any view whose
+// rows are evenly spaced, and [B, S, D]-style views with arbitrary strides, need no copy.
+inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> levels;  // (size, stride), outermost first
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    const int64_t size = t.size(d), stride = t.stride(d);
+    if (size == 1) continue;
+    if (!levels.empty() && levels.back().second == stride * size)
+      levels.back() = {levels.back().first * size, stride};
+    else
+      levels.emplace_back(size, stride);
+  }
+  TORCH_CHECK(levels.size() <= LTX_MAX_ROW_DIMS, op, ": ", name, " with shape ", t.sizes(),
+              " and strides ", t.strides(), " has rows spread over more than ", LTX_MAX_ROW_DIMS,
+              " unmergeable dimensions; pass ", name, ".contiguous() instead");
+  ltx_rows_t rows;
+  rows.data = const_cast<void*>(t.data_ptr());
+  rows.dtype = to_ltx_dtype(t.scalar_type());
+  const size_t pad = LTX_MAX_ROW_DIMS - levels.size();
+  for (size_t d = 0; d < LTX_MAX_ROW_DIMS; ++d) {
+    rows.size[d] = d < pad ? 1 : levels[d - pad].first;
+    rows.stride[d] = d < pad ? 0 : levels[d - pad].second;
+  }
+  return rows;
+}
+
+inline const void* optional_data(const std::optional<at::Tensor>& t) {
+  return t ? t->data_ptr() : nullptr;
+}
+
+inline ltx_dtype_t optional_dtype(const std::optional<at::Tensor>& t) {
+  return t ? to_ltx_dtype(t->scalar_type()) : LTX_FLOAT32;
+}
+
+std::string launcher_error(int status);  // defined in torch_binding.cpp
+
+inline void check_status(const char* op, int status) {
+  TORCH_CHECK(status == LTX_OK, op, ": kernel failed: ", launcher_error(status));
+}
+
+// Split [0, rows) into chunks of at least `min_elements` elements for at::parallel_for.
+inline int64_t cpu_grain(int64_t hidden, int64_t min_elements = 1 << 15) {
+  return std::max<int64_t>(1, min_elements / std::max<int64_t>(hidden, 1));
+}
+
+}  // namespace ltx_binding

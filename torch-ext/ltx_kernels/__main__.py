@@ -1,0 +1,75 @@
+"""`python -m ltx_kernels`: an environment report to paste into bug reports.
+
+Prints the Python, torch and CUDA versions, each visible GPU with its compute capability, how the
+extension was built (torch and nvcc versions, compiled architectures), and whether every op loads
+and agrees with its reference on a small random input on each available device.
+"""
+import platform
+import sys
+
+import torch
+
+import ltx_kernels
+from ltx_kernels import reference
+
+
+def _smoke_inputs(op: str, device: str):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    if op == "rmsnorm":
+        x = torch.randn(5, 96, generator=g).to(device, torch.bfloat16)
+        w = torch.randn(96, generator=g).to(device, torch.bfloat16)
+        return (x, w, 1e-6)
+    raise KeyError(op)
+
+
+def _check_op(op: str, device: str) -> str:
+    try:
+        args = _smoke_inputs(op, device)
+        out = getattr(ltx_kernels, op)(*args)
+        ref = getattr(reference, op)(*args, compute_dtype=torch.float64)
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        return f"ok (rel. L2 error vs reference {err:.1e})" if err < 1e-2 else f"WRONG (rel. L2 {err:.1e})"
+    except Exception as error:  # the report must finish whatever fails
+        return f"FAILED: {type(error).__name__}: {str(error).splitlines()[0]}"
+
+
+def main() -> int:
+    print("ltx_kernels environment report")
+    print(f"  ltx_kernels      {ltx_kernels.__version__} ({ltx_kernels.__file__})")
+    print(f"  python           {sys.version.split()[0]} ({platform.platform()})")
+    print(f"  torch            {torch.__version__} (CUDA {torch.version.cuda}, "
+          f"cuDNN {torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None})")
+    try:
+        from ltx_kernels import _build_info as build
+        print(f"  built against    torch {build.TORCH_VERSION}, nvcc {build.NVCC_VERSION}")
+        print(f"  compiled archs   {build.CUDA_ARCHS}  ({' '.join(build.GENCODE_FLAGS)})")
+        if build.TORCH_VERSION != torch.__version__:
+            print("  WARNING          the extension was built against another torch: rebuild it")
+    except ImportError:
+        print("  built against    unknown (no _build_info: not built with setup.py)")
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"  cuda:{i}           {p.name}, compute capability {p.major}.{p.minor}, "
+                  f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
+            if (p.major, p.minor) < (9, 0):
+                print("                   this GPU predates Hopper: the kernels are built for sm_90a")
+        devices.append("cuda")
+    else:
+        print("  cuda             no CUDA device visible")
+    if ltx_kernels.load_error is not None:
+        print(f"  extension        FAILED TO LOAD: {ltx_kernels.load_error}")
+        return 1
+    print("  extension        loaded")
+    failures = 0
+    for op in ltx_kernels.OPS:
+        for device in devices:
+            status = _check_op(op, device)
+            failures += not status.startswith("ok")
+            print(f"  op {op:<13} {device:<5} {status}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
