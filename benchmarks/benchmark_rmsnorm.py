@@ -77,9 +77,11 @@ def main() -> int:
     dtype = dtypes[args.dtype]
     w_dtype = None if args.weight == "none" else dtypes[args.weight]
     env = bench_utils.environment()
-    copy_tbs = bench_utils.copy_bandwidth_tbs()
+    copy = bench_utils.copy_bandwidth()
+    copy_tbs = copy["best"]
     print(f"# RMSNorm, x {args.dtype}, weight {args.weight} | {env['device']} | torch {env['torch']} "
-          f"| copy bandwidth {copy_tbs:.2f} TB/s")
+          f"| copy bandwidth {copy_tbs:.2f} TB/s (best of " +
+          ", ".join(f"{k} {v:.2f}" for k, v in copy.items() if k != "best") + ")")
     rows, tbs_by_shape, names = [], {}, []
     for shape in SHAPES:
         hidden = shape[-1]
@@ -125,7 +127,7 @@ def main() -> int:
     for what, ok in verdicts:
         print(f"  [{'PASS' if ok else 'MISS'}] {what}")
     stem = f"benchmark_rmsnorm_{args.dtype}_w{args.weight}"
-    bench_utils.write_json(args.out / f"{stem}.json", {"environment": env, "copy_tbs": copy_tbs,
+    bench_utils.write_json(args.out / f"{stem}.json", {"environment": env, "copy_tbs": copy,
                                                       "dtype": args.dtype, "weight": args.weight,
                                                       "rows": rows, "targets": verdicts})
     bench_utils.bar_chart(args.out / f"{stem}.png", f"RMSNorm x {args.dtype}, weight {args.weight} — "

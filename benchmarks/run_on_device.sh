@@ -20,6 +20,11 @@ fi
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m ltx_kernels 2>&1 | tee "$OUT/env.txt"
 python3 -m pytest tests -q -m gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/tests.log" | tail -15
-for weight in bf16 none; do
-  python3 benchmarks/benchmark_rmsnorm.py --weight "$weight" --out "$OUT"
-done 2>&1 | tee "$OUT/bench_rmsnorm.log"
+{
+  for weight in bf16 none; do
+    python3 benchmarks/benchmark_rmsnorm.py --weight "$weight" --out "$OUT/bench"
+  done
+  echo "## the same with programmatic dependent launch off (LTX_KERNELS_PDL=0)"
+  LTX_KERNELS_PDL=0 python3 benchmarks/benchmark_rmsnorm.py --weight bf16 --out "$OUT/bench_nopdl"
+} 2>&1 | tee "$OUT/bench.log"
+tar czf "$OUT/bench.tgz" -C "$OUT" bench bench_nopdl && rm -rf "$OUT/bench" "$OUT/bench_nopdl"

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "ltx_kernels.h"
 
@@ -82,6 +83,12 @@ struct Pack {
     for (int c = 0; c < kChunks; ++c)
       chunk_to_words(__ldg(reinterpret_cast<const Chunk*>(src) + c), w + c * kWordsPerChunk);
   }
+  // Plain load (shared or global memory); `src` must be aligned to kChunkBytes.
+  __device__ __forceinline__ void load_plain(const T* src) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      chunk_to_words(reinterpret_cast<const Chunk*>(src)[c], w + c * kWordsPerChunk);
+  }
   __device__ __forceinline__ void store(T* dst) const {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
@@ -142,15 +149,28 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // ---------------------------------------------------------------------------------------------
 // Rows.
 // ---------------------------------------------------------------------------------------------
-// Element offset of a row's first element (see ltx_rows_t).
+// Element offset of a row's first element (see ltx_rows_t). Evenly spaced rows (one level) need
+// no division; otherwise the row index is split with 32-bit divisions when it fits (64-bit
+// division is a long emulated sequence on the GPU, on every row's critical path).
 struct RowIndex {
   int64_t size1, size2;
   int64_t stride0, stride1, stride2;
+  bool flat;        // size[0] == size[1] == 1: offset = row * stride2
+  bool index_32bit; // every row index fits in 32 bits
 
   static RowIndex of(const ltx_rows_t& r) {
-    return RowIndex{r.size[1], r.size[2], r.stride[0], r.stride[1], r.stride[2]};
+    const int64_t rows = r.size[0] * r.size[1] * r.size[2];
+    return RowIndex{r.size[1],   r.size[2],   r.stride[0],          r.stride[1],
+                    r.stride[2], r.size[0] == 1 && r.size[1] == 1, rows <= UINT32_MAX};
   }
   __device__ __forceinline__ int64_t offset(int64_t row) const {
+    if (flat) return row * stride2;
+    if (index_32bit) {
+      const uint32_t r = static_cast<uint32_t>(row), s2 = static_cast<uint32_t>(size2),
+                     s1 = static_cast<uint32_t>(size1);
+      const uint32_t q = r / s2, i2 = r - q * s2, i0 = q / s1, i1 = q - i0 * s1;
+      return i0 * stride0 + i1 * stride1 + i2 * stride2;
+    }
     const int64_t i2 = row % size2;
     row /= size2;
     const int64_t i1 = row % size1;
@@ -201,10 +221,63 @@ int dispatch_optional_float(bool present, ltx_dtype_t dtype, Fn&& fn) {
   return dispatch_float(dtype, fn);
 }
 
+// Multiprocessor count of the current device (cached per device; a host-side query, no sync).
+inline int sm_count() {
+  static int cache[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  if (cache[device] == 0) {
+    int count = 0;
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    cache[device] = count > 0 ? count : 132;
+  }
+  return cache[device];
+}
+
 // The status a launcher returns after its kernel launch.
 inline int launch_status() {
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? LTX_OK : static_cast<int>(err);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (PDL, sm_90+). Kernels are launched with programmatic stream
+// serialization, so their blocks may become resident while the previous kernel on the stream is
+// still finishing. Every kernel therefore calls wait_for_prior_grids() before its first global
+// memory access (it returns once the previous grid has completed and its writes are visible) and
+// allow_dependent_grids() to let the next kernel start launching early. LTX_KERNELS_PDL=0 turns it
+// off (for debugging and A/B timing).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+bool pdl_enabled();  // defined in launch.cu: LTX_KERNELS_PDL (default on)
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute; returns launch_status().
+template <typename... KernelArgs, typename... Args>
+int launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes,
+           cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  return err == cudaSuccess ? launch_status() : static_cast<int>(err);
 }
 
 }  // namespace ltx

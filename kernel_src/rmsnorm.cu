@@ -10,6 +10,7 @@ namespace {
 constexpr int kSlots = 8;              // packs a thread caches in registers (cached kernel)
 constexpr int kMaxThreadsPerRow = 1024;
 constexpr int kRowBlockThreads = 256;  // block size when several rows share a block
+constexpr size_t kMaxStagedWeightBytes = 32 * 1024;  // weights staged in shared memory
 
 template <typename Tx, typename Tw, typename To>
 struct RmsNormArgs {
@@ -38,12 +39,17 @@ __device__ __forceinline__ float rms_output(float y, float w) {
 
 // Row-cached RMSNorm. Each row is owned by tpr = 2^log2_tpr consecutive threads of a block (a
 // block holds blockDim.x / tpr rows). Thread t of a row loads packs t, t + tpr, ... (kVec
-// elements each, at most kSlots of them) into registers, so x is read from memory exactly once:
-// all loads are issued first, the sum of squares is reduced across the row's threads (shuffles,
-// then shared memory when the row spans several warps), and the cached packs are scaled and stored.
+// elements each, at most kSlots of them) into registers, so x is read from memory exactly once.
+// All x loads are issued first; while they are in flight the block copies the weight into shared
+// memory (when `stage_weight`; otherwise it is read from global memory after the reduction); the
+// sum of squares is reduced across the row's threads (shuffles, then shared memory when the row
+// spans several warps), and the cached packs are scaled and stored.
 template <typename Tx, typename Tw, typename To, int kVec>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
-    rmsnorm_cached_kernel(const RmsNormArgs<Tx, Tw, To> a, const int log2_tpr) {
+    rmsnorm_cached_kernel(const RmsNormArgs<Tx, Tw, To> a, const int log2_tpr,
+                          const bool stage_weight) {
+  constexpr bool kHasWeight = !std::is_same_v<Tw, NoWeight>;
+  extern __shared__ __align__(16) unsigned char staged_weight_bytes[];
   __shared__ float warp_partials[kMaxThreadsPerRow / 32];
   const int tpr = 1 << log2_tpr;
   const int lane_in_row = threadIdx.x & (tpr - 1);
@@ -51,14 +57,43 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
       static_cast<int64_t>(blockIdx.x) * (blockDim.x >> log2_tpr) + (threadIdx.x >> log2_tpr);
   const bool active = row < a.rows;  // inactive threads still join the reductions
   const int n_packs = a.hidden / kVec;
-
   const Tx* x_row = a.x + (active ? a.x_rows.offset(row) : 0);
+  To* out_row = a.out + (active ? a.out_rows.offset(row) : 0);
+
+  wait_for_prior_grids();
+  allow_dependent_grids();
   Pack<Tx, kVec> xs[kSlots];
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
     const int p = s * tpr + lane_in_row;
     if (active && p < n_packs) xs[s].load(x_row + static_cast<int64_t>(p) * kVec);
   }
+
+  const Tw* weight = nullptr;
+  if constexpr (kHasWeight) {
+    weight = a.weight;
+    if (stage_weight) {
+      Tw* staged = reinterpret_cast<Tw*>(staged_weight_bytes);
+      // Up to 4 packs (64 bytes at most) of weight in flight per thread.
+      constexpr int kPackBytes = kVec * sizeof(Tw);
+      constexpr int kStageUnroll = kPackBytes >= 64 ? 1 : (kPackBytes >= 16 ? 64 / kPackBytes : 4);
+      for (int first = threadIdx.x; first < n_packs; first += kStageUnroll * blockDim.x) {
+        Pack<Tw, kVec> w[kStageUnroll];  // loads first, so their latencies overlap
+#pragma unroll
+        for (int u = 0; u < kStageUnroll; ++u) {
+          const int p = first + u * blockDim.x;
+          if (p < n_packs) w[u].load(a.weight + p * kVec);
+        }
+#pragma unroll
+        for (int u = 0; u < kStageUnroll; ++u) {
+          const int p = first + u * blockDim.x;
+          if (p < n_packs) w[u].store(staged + p * kVec);
+        }
+      }
+      weight = staged;
+    }
+  }
+
   float sumsq = 0.f;
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
@@ -77,24 +112,27 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     sumsq = 0.f;
     for (int w = 0; w < warps_per_row; ++w) sumsq += warp_partials[first + w];
   }
+  if (kHasWeight && stage_weight) __syncthreads();  // the staged weight is complete
   if (!active) return;
   const float rstd = rsqrtf(sumsq * a.inv_hidden + a.eps);
 
-  To* out_row = a.out + a.out_rows.offset(row);
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
     const int p = s * tpr + lane_in_row;
     if (p < n_packs) {
-      const int64_t col = static_cast<int64_t>(p) * kVec;
+      const int col = p * kVec;
       Pack<To, kVec> o;
-      if constexpr (std::is_same_v<Tw, NoWeight>) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) o.set(i, rms_output<Tw>(xs[s].get(i) * rstd, 1.f));
-      } else {
+      if constexpr (kHasWeight) {
         Pack<Tw, kVec> w;
-        w.load(a.weight + col);
+        if (stage_weight)
+          w.load_plain(weight + col);
+        else
+          w.load(weight + col);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) o.set(i, rms_output<Tw>(xs[s].get(i) * rstd, w.get(i)));
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) o.set(i, rms_output<Tw>(xs[s].get(i) * rstd, 1.f));
       }
       o.store(out_row + col);
     }
@@ -107,6 +145,8 @@ template <typename Tx, typename Tw, typename To>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     rmsnorm_streaming_kernel(const RmsNormArgs<Tx, Tw, To> a) {
   __shared__ float scratch[32];
+  wait_for_prior_grids();
+  allow_dependent_grids();
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const Tx* x_row = a.x + a.x_rows.offset(row);
     float sumsq = 0.f;
@@ -131,18 +171,27 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   int log2_tpr = 0;
   while ((kSlots << log2_tpr) < n_packs) ++log2_tpr;
   const int tpr = 1 << log2_tpr;
-  const int threads = std::max(tpr, kRowBlockThreads);
-  const int rows_per_block = threads / tpr;
-  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
-  rmsnorm_cached_kernel<Tx, Tw, To, kVec><<<blocks, threads, 0, stream>>>(a, log2_tpr);
-  return launch_status();
+  // Several rows per block; fewer when there are few rows, so that every SM gets work.
+  int threads = std::max(tpr, kRowBlockThreads);
+  const int min_threads = std::max(tpr, 64);
+  auto blocks_for = [&](int t) { return (a.rows + t / tpr - 1) / (t / tpr); };
+  while (threads > min_threads && blocks_for(threads) < 2 * sm_count()) threads /= 2;
+  const int64_t blocks = blocks_for(threads);
+  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  size_t staged_bytes = 0;
+  if constexpr (!std::is_same_v<Tw, NoWeight>) {
+    const size_t weight_bytes = static_cast<size_t>(a.hidden) * sizeof(Tw);
+    if (weight_bytes <= kMaxStagedWeightBytes) staged_bytes = weight_bytes;
+  }
+  return launch(rmsnorm_cached_kernel<Tx, Tw, To, kVec>, dim3(static_cast<unsigned>(blocks)),
+                dim3(threads), staged_bytes, stream, a, log2_tpr, staged_bytes > 0);
 }
 
 template <typename Tx, typename Tw, typename To>
 int launch_streaming(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>(a.rows, int64_t{1} << 20);
-  rmsnorm_streaming_kernel<Tx, Tw, To><<<blocks, kRowBlockThreads, 0, stream>>>(a);
-  return launch_status();
+  return launch(rmsnorm_streaming_kernel<Tx, Tw, To>, dim3(static_cast<unsigned>(blocks)),
+                dim3(kRowBlockThreads), 0, stream, a);
 }
 
 template <typename Tx, typename Tw, typename To>

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cmath>
+#include <cstdio>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -13,13 +15,50 @@
 
 namespace ltx_binding {
 
+// Error messages are assembled as one std::string, with numbers formatted by std::to_string and
+// snprintf: no iostreams. (Streaming integers through std::ostream from inside the extension
+// crashed with the GPU machine's toolchain, gcc 13 + torch 2.11, in c10::str.)
+inline std::string text(const char* s) { return s; }
+inline std::string text(const std::string& s) { return s; }
+inline std::string text(int64_t v) { return std::to_string(v); }
+inline std::string text(int v) { return std::to_string(v); }
+inline std::string text(size_t v) { return std::to_string(v); }
+inline std::string text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+inline std::string text(c10::ScalarType t) { return c10::toString(t); }
+inline std::string text(const c10::Device& d) { return d.str(); }
+inline std::string text(c10::IntArrayRef dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+template <typename... Parts>
+std::string cat(const Parts&... parts) {
+  std::string out;
+  ((out += text(parts)), ...);
+  return out;
+}
+
+// TORCH_CHECK whose message (built only on failure) is cat(parts...).
+#define LTX_CHECK(cond, ...)                                            \
+  do {                                                                  \
+    if (C10_UNLIKELY(!(cond))) {                                        \
+      TORCH_CHECK(false, ::ltx_binding::cat(__VA_ARGS__));              \
+    }                                                                   \
+  } while (0)
+
 inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
   switch (type) {
     case at::kFloat: return LTX_FLOAT32;
     case at::kHalf: return LTX_FLOAT16;
     case at::kBFloat16: return LTX_BFLOAT16;
-    default: TORCH_CHECK(false, "unsupported dtype ", type);  // callers check first
+    default: LTX_CHECK(false, "unsupported dtype ", type);  // callers check first
   }
+  return LTX_FLOAT32;  // unreachable
 }
 
 inline bool is_supported_float(at::ScalarType type) {
@@ -28,10 +67,10 @@ inline bool is_supported_float(at::ScalarType type) {
 
 // An activation [..., hidden]: float32/float16/bfloat16, at least 1-D, last dim contiguous.
 inline void check_activation(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");
-  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
+  LTX_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");
+  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
               " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", name,
+  LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", name,
               " must have a contiguous last dimension (stride 1), got strides ", t.strides(),
               " for shape ", t.sizes());
 }
@@ -39,7 +78,7 @@ inline void check_activation(const char* op, const char* name, const at::Tensor&
 // Every tensor of an op lives on the device of its first activation.
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
                               const char* ref_name, const at::Tensor& ref) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name,
+  LTX_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name,
               " is on ", ref.device(), "; all tensors must be on the same device");
 }
 
@@ -47,16 +86,16 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
 inline void check_channel_vector(const char* op, const char* name, const at::Tensor& t,
                                  int64_t hidden, const at::Tensor& x) {
   check_same_device(op, name, t, "x", x);
-  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
+  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
               " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == hidden, op, ": ", name,
+  LTX_CHECK(t.dim() == 1 && t.size(0) == hidden, op, ": ", name,
               " must have shape [hidden] = [", hidden, "] (x.shape[-1]), got ", t.sizes());
-  TORCH_CHECK(t.stride(0) == 1 || hidden <= 1, op, ": ", name,
+  LTX_CHECK(t.stride(0) == 1 || hidden <= 1, op, ": ", name,
               " must be contiguous, got stride ", t.stride(0));
 }
 
 inline void check_eps(const char* op, double eps) {
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  LTX_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
 }
 
 // The rows of t (all dims but the last) as at most LTX_MAX_ROW_DIMS (size, stride) levels:
@@ -72,7 +111,7 @@ inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t)
     else
       levels.emplace_back(size, stride);
   }
-  TORCH_CHECK(levels.size() <= LTX_MAX_ROW_DIMS, op, ": ", name, " with shape ", t.sizes(),
+  LTX_CHECK(levels.size() <= LTX_MAX_ROW_DIMS, op, ": ", name, " with shape ", t.sizes(),
               " and strides ", t.strides(), " has rows spread over more than ", LTX_MAX_ROW_DIMS,
               " unmergeable dimensions; pass ", name, ".contiguous() instead");
   ltx_rows_t rows;
@@ -97,7 +136,7 @@ inline ltx_dtype_t optional_dtype(const std::optional<at::Tensor>& t) {
 std::string launcher_error(int status);  // defined in torch_binding.cpp
 
 inline void check_status(const char* op, int status) {
-  TORCH_CHECK(status == LTX_OK, op, ": kernel failed: ", launcher_error(status));
+  LTX_CHECK(status == LTX_OK, op, ": kernel failed: ", launcher_error(status));
 }
 
 // Split [0, rows) into chunks of at least `min_elements` elements for at::parallel_for.
