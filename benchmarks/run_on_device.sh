@@ -20,6 +20,13 @@ fi
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m ltx_kernels 2>&1 | tee "$OUT/env.txt"
 python3 -m pytest tests -q -m gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/tests.log" | tail -15
+if [ "${SANITIZE:-0}" = 1 ]; then  # memcheck and racecheck over every kernel path, on small inputs
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest tests -q -m gpu \
+      -k "hidden_size_paths or batched_views or every_weight_dtype" 2>&1 | tail -3
+    echo "compute-sanitizer $tool exit code: ${PIPESTATUS[0]}"
+  done 2>&1 | tee "$OUT/sanitizer.log"
+fi
 {
   for weight in bf16 none; do
     python3 benchmarks/benchmark_rmsnorm.py --weight "$weight" --out "$OUT/bench"

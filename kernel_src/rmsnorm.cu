@@ -171,9 +171,11 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   int log2_tpr = 0;
   while ((kSlots << log2_tpr) < n_packs) ++log2_tpr;
   const int tpr = 1 << log2_tpr;
-  // Several rows per block; fewer when there are few rows, so that every SM gets work.
+  // Several rows per block; fewer when there are few rows, so that every SM gets work. With a
+  // weight, blocks keep at least 4 rows: every block reads the whole weight (the same few lines of
+  // L2, a hot spot when hundreds of blocks start together).
   int threads = std::max(tpr, kRowBlockThreads);
-  const int min_threads = std::max(tpr, 64);
+  const int min_threads = std::max(tpr, std::is_same_v<Tw, NoWeight> ? 64 : 128);
   auto blocks_for = [&](int t) { return (a.rows + t / tpr - 1) / (t / tpr); };
   while (threads > min_threads && blocks_for(threads) < 2 * sm_count()) threads /= 2;
   const int64_t blocks = blocks_for(threads);

@@ -21,11 +21,13 @@ def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def assert_rounds_exact(out: torch.Tensor, exact: torch.Tensor, what: str = "",
-                        intermediate: torch.dtype | None = None) -> None:
+                        intermediate: torch.dtype | None = None,
+                        intermediate_scale: float = 1.0) -> None:
     """out must be the fp32-computed rounding of `exact` (the float64 value before the final
     rounding): |out - exact| <= 0.5 ulp of out.dtype + FP32_MATH_SLOP * |exact|, plus one ulp of
-    `intermediate` relative to |exact| where the op rounds an intermediate to that dtype (an fp32
-    value on a rounding boundary may round the other way). NaN and inf never pass. For fp16/bf16
+    `intermediate` where the op rounds an intermediate to that dtype (an fp32 value on a rounding
+    boundary may round the other way): 2^-mantissa relative to |exact|, and at least the spacing of
+    its subnormals times `intermediate_scale` (the largest factor applied after the rounding). NaN and inf never pass. For fp16/bf16
     outputs at least 99% of the elements must equal the correctly rounded exact value."""
     assert out.shape == exact.shape, f"{what}: shape {tuple(out.shape)} != {tuple(exact.shape)}"
     if out.numel() == 0:
@@ -35,6 +37,9 @@ def assert_rounds_exact(out: torch.Tensor, exact: torch.Tensor, what: str = "",
     relative = FP32_MATH_SLOP + (2.0 ** -MANTISSA_BITS[intermediate] if intermediate else 0.0)
     # The final rounding happens at the magnitude of the fp32 value, which may sit one binade up.
     allowed = 0.5 * ulp(exact.abs() * (1 + relative), out.dtype) + relative * exact.abs()
+    if intermediate:
+        subnormal_spacing = 2.0 ** (MIN_NORMAL_EXP[intermediate] - 1 - MANTISSA_BITS[intermediate])
+        allowed = allowed + subnormal_spacing * intermediate_scale
     excess = (out.double() - exact).abs() / allowed
     worst = excess.argmax()
     assert excess.max().item() <= 1.0, (
