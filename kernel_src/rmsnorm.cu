@@ -172,16 +172,18 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   while ((kSlots << log2_tpr) < n_packs) ++log2_tpr;
   const int tpr = 1 << log2_tpr;
   // Several rows per block; fewer when there are few rows, so that every SM gets work. With a
-  // weight, blocks keep at least 4 rows: every block reads the whole weight (the same few lines of
-  // L2, a hot spot when hundreds of blocks start together).
-  int threads = std::max(tpr, kRowBlockThreads);
-  const int min_threads = std::max(tpr, std::is_same_v<Tw, NoWeight> ? 64 : 128);
+  // weight, blocks hold 4 rows: each block stages the whole weight and waits once at a barrier,
+  // and 4 rows balance the rows held up there against the number of weight reads (all blocks
+  // read the same few L2 lines); of 4, 8 and 16 rows, 4 measured best on H200 (benchmarks/NOTES.md).
+  constexpr bool kHasWeight = !std::is_same_v<Tw, NoWeight>;
+  int threads = std::max(tpr, kHasWeight ? kRowBlockThreads / 2 : kRowBlockThreads);
+  const int min_threads = std::max(tpr, kHasWeight ? kRowBlockThreads / 2 : 64);
   auto blocks_for = [&](int t) { return (a.rows + t / tpr - 1) / (t / tpr); };
   while (threads > min_threads && blocks_for(threads) < 2 * sm_count()) threads /= 2;
   const int64_t blocks = blocks_for(threads);
   if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   size_t staged_bytes = 0;
-  if constexpr (!std::is_same_v<Tw, NoWeight>) {
+  if constexpr (kHasWeight) {
     const size_t weight_bytes = static_cast<size_t>(a.hidden) * sizeof(Tw);
     if (weight_bytes <= kMaxStagedWeightBytes) staged_bytes = weight_bytes;
   }
