@@ -23,7 +23,8 @@ python3 -m pytest tests -q -m gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/tests.log" | ta
 if [ "${SANITIZE:-0}" = 1 ]; then  # memcheck and racecheck over every kernel path, on small inputs
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest tests -q -m gpu \
-      -k "hidden_size_paths or batched_views or every_weight_dtype" 2>&1 | tail -3
+      -k "hidden_size_paths or batched_views or every_weight_dtype or (matches_reference and 2048 and 4096)" \
+      2>&1 | tail -3
     echo "compute-sanitizer $tool exit code: ${PIPESTATUS[0]}"
   done 2>&1 | tee "$OUT/sanitizer.log"
 fi

@@ -11,6 +11,7 @@ constexpr int kSlots = 8;              // packs a thread caches in registers (ca
 constexpr int kMaxThreadsPerRow = 1024;
 constexpr int kRowBlockThreads = 256;  // block size when several rows share a block
 constexpr size_t kMaxStagedWeightBytes = 32 * 1024;  // weights staged in shared memory
+constexpr int kRegisterWeightMaxThreads = 256;        // blocks of the weight-in-registers kernel
 
 template <typename Tx, typename Tw, typename To>
 struct RmsNormArgs {
@@ -37,15 +38,29 @@ __device__ __forceinline__ float rms_output(float y, float w) {
   }
 }
 
+// Blocks of `threads` threads of kKernel that fit on one SM (cached per kernel and block size).
+template <auto kKernel>
+int resident_blocks_per_sm(int threads) {
+  static int cache[kMaxThreadsPerRow / 32 + 1] = {};
+  int& blocks = cache[threads / 32];
+  if (blocks == 0 && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, 0) !=
+                         cudaSuccess) {
+    cudaGetLastError();  // clear it; fall back to the bandwidth-bound path
+    blocks = -1;
+  }
+  return blocks;
+}
+
 // Row-cached RMSNorm. Each row is owned by tpr = 2^log2_tpr consecutive threads of a block (a
 // block holds blockDim.x / tpr rows). Thread t of a row loads packs t, t + tpr, ... (kVec
 // elements each, at most kSlots of them) into registers, so x is read from memory exactly once.
-// All x loads are issued first; while they are in flight the block copies the weight into shared
-// memory (when `stage_weight`; otherwise it is read from global memory after the reduction); the
-// sum of squares is reduced across the row's threads (shuffles, then shared memory when the row
-// spans several warps), and the cached packs are scaled and stored.
-template <typename Tx, typename Tw, typename To, int kVec>
-__global__ void __launch_bounds__(kMaxThreadsPerRow)
+// All x loads are issued first. The weight's packs either follow into registers
+// (kWeightInRegisters: for grids of one wave, where latency rules), or, while x is in flight, the
+// block copies the whole weight into shared memory (`stage_weight`; else it is read from global
+// memory after the reduction). The sum of squares is reduced across the row's threads (shuffles,
+// then shared memory when the row spans several warps), and the cached packs are scaled and stored.
+template <typename Tx, typename Tw, typename To, int kVec, bool kWeightInRegisters>
+__global__ void __launch_bounds__(kWeightInRegisters ? kRegisterWeightMaxThreads : kMaxThreadsPerRow)
     rmsnorm_cached_kernel(const RmsNormArgs<Tx, Tw, To> a, const int log2_tpr,
                           const bool stage_weight) {
   constexpr bool kHasWeight = !std::is_same_v<Tw, NoWeight>;
@@ -69,8 +84,17 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     if (active && p < n_packs) xs[s].load(x_row + static_cast<int64_t>(p) * kVec);
   }
 
+  using RegisterWeight = std::conditional_t<kHasWeight, Tw, float>;
+  [[maybe_unused]] Pack<RegisterWeight, kVec> ws[kWeightInRegisters ? kSlots : 1];
+  if constexpr (kHasWeight && kWeightInRegisters) {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int p = s * tpr + lane_in_row;
+      if (active && p < n_packs) ws[s].load(a.weight + p * kVec);
+    }
+  }
   const Tw* weight = nullptr;
-  if constexpr (kHasWeight) {
+  if constexpr (kHasWeight && !kWeightInRegisters) {
     weight = a.weight;
     if (stage_weight) {
       Tw* staged = reinterpret_cast<Tw*>(staged_weight_bytes);
@@ -122,7 +146,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     if (p < n_packs) {
       const int col = p * kVec;
       Pack<To, kVec> o;
-      if constexpr (kHasWeight) {
+      if constexpr (kHasWeight && kWeightInRegisters) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) o.set(i, rms_output<Tw>(xs[s].get(i) * rstd, ws[s].get(i)));
+      } else if constexpr (kHasWeight) {
         Pack<Tw, kVec> w;
         if (stage_weight)
           w.load_plain(weight + col);
@@ -187,7 +214,17 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
     const size_t weight_bytes = static_cast<size_t>(a.hidden) * sizeof(Tw);
     if (weight_bytes <= kMaxStagedWeightBytes) staged_bytes = weight_bytes;
   }
-  return launch(rmsnorm_cached_kernel<Tx, Tw, To, kVec>, dim3(static_cast<unsigned>(blocks)),
+  if constexpr (kHasWeight) {
+    // Few rows (the grid fits in one wave): latency-bound, so load the weight into registers
+    // together with x. Otherwise bandwidth-bound: stage it in shared memory, which keeps the
+    // register count, and so the occupancy, of the weight-less kernel.
+    constexpr auto register_kernel = rmsnorm_cached_kernel<Tx, Tw, To, kVec, true>;
+    if (threads <= kRegisterWeightMaxThreads &&
+        blocks <= static_cast<int64_t>(resident_blocks_per_sm<register_kernel>(threads)) * sm_count())
+      return launch(register_kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream,
+                    a, log2_tpr, false);
+  }
+  return launch(rmsnorm_cached_kernel<Tx, Tw, To, kVec, false>, dim3(static_cast<unsigned>(blocks)),
                 dim3(threads), staged_bytes, stream, a, log2_tpr, staged_bytes > 0);
 }
 
