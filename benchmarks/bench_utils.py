@@ -76,17 +76,13 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> dict:
     tbs = lambda us: 2 * nbytes / (us * 1e-6) / 1e12
     result = {
         "memcpy": tbs(events_time_us(lambda: dst[0].copy_(src[0]))),
-        "memcpy_graph": tbs(bench_graph_copy(dst, src)),
+        "memcpy_graph": tbs(graph_time_us(lambda d, s: d.copy_(s), list(zip(dst, src)))),
         "elementwise_graph": tbs(graph_time_us(lambda d, s: torch.neg(s, out=d), list(zip(dst, src)))),
     }
     result["best"] = max(result.values())
     del src, dst
     torch.cuda.empty_cache()
     return result
-
-
-def bench_graph_copy(dst, src) -> float:
-    return graph_time_us(lambda d, s: d.copy_(s), list(zip(dst, src)))
 
 
 def environment() -> dict:

@@ -203,6 +203,8 @@ struct TypeTag {
   using type = T;
 };
 struct NoWeight {};  // tag of an absent optional tensor
+template <typename T>
+inline constexpr bool has_weight_v = !std::is_same_v<T, NoWeight>;
 
 template <typename Fn>
 int dispatch_float(ltx_dtype_t dtype, Fn&& fn) {

@@ -29,7 +29,7 @@ struct RmsNormArgs {
 // Output value for the normalized y = float(x) * rsqrt(...), rounded where diffusers rounds.
 template <typename Tw>
 __device__ __forceinline__ float rms_output(float y, float w) {
-  if constexpr (std::is_same_v<Tw, NoWeight>) {
+  if constexpr (!has_weight_v<Tw>) {
     return y;
   } else if constexpr (std::is_same_v<Tw, float>) {
     return y * w;
@@ -63,7 +63,7 @@ template <typename Tx, typename Tw, typename To, int kVec, bool kWeightInRegiste
 __global__ void __launch_bounds__(kWeightInRegisters ? kRegisterWeightMaxThreads : kMaxThreadsPerRow)
     rmsnorm_cached_kernel(const RmsNormArgs<Tx, Tw, To> a, const int log2_tpr,
                           const bool stage_weight) {
-  constexpr bool kHasWeight = !std::is_same_v<Tw, NoWeight>;
+  constexpr bool kHasWeight = has_weight_v<Tw>;
   extern __shared__ __align__(16) unsigned char staged_weight_bytes[];
   __shared__ float warp_partials[kMaxThreadsPerRow / 32];
   const int tpr = 1 << log2_tpr;
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     To* out_row = a.out + a.out_rows.offset(row);
     for (int i = threadIdx.x; i < a.hidden; i += blockDim.x) {
       float w = 1.f;
-      if constexpr (!std::is_same_v<Tw, NoWeight>) w = to_float(a.weight[i]);
+      if constexpr (has_weight_v<Tw>) w = to_float(a.weight[i]);
       out_row[i] = from_float<To>(rms_output<Tw>(to_float(x_row[i]) * rstd, w));
     }
   }
@@ -202,7 +202,7 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   // weight, blocks hold 4 rows: each block stages the whole weight and waits once at a barrier,
   // and 4 rows balance the rows held up there against the number of weight reads (all blocks
   // read the same few L2 lines); of 4, 8 and 16 rows, 4 measured best on H200 (benchmarks/NOTES.md).
-  constexpr bool kHasWeight = !std::is_same_v<Tw, NoWeight>;
+  constexpr bool kHasWeight = has_weight_v<Tw>;
   int threads = std::max(tpr, kHasWeight ? kRowBlockThreads / 2 : kRowBlockThreads);
   const int min_threads = std::max(tpr, kHasWeight ? kRowBlockThreads / 2 : 64);
   auto blocks_for = [&](int t) { return (a.rows + t / tpr - 1) / (t / tpr); };
@@ -211,18 +211,16 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   size_t staged_bytes = 0;
   if constexpr (kHasWeight) {
-    const size_t weight_bytes = static_cast<size_t>(a.hidden) * sizeof(Tw);
-    if (weight_bytes <= kMaxStagedWeightBytes) staged_bytes = weight_bytes;
-  }
-  if constexpr (kHasWeight) {
     // Few rows (the grid fits in one wave): latency-bound, so load the weight into registers
-    // together with x. Otherwise bandwidth-bound: stage it in shared memory, which keeps the
-    // register count, and so the occupancy, of the weight-less kernel.
+    // together with x. Otherwise bandwidth-bound: stage it in shared memory (when it fits), which
+    // keeps the register count, and so the occupancy, of the weight-less kernel.
     constexpr auto register_kernel = rmsnorm_cached_kernel<Tx, Tw, To, kVec, true>;
     if (threads <= kRegisterWeightMaxThreads &&
         blocks <= static_cast<int64_t>(resident_blocks_per_sm<register_kernel>(threads)) * sm_count())
       return launch(register_kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream,
                     a, log2_tpr, false);
+    const size_t weight_bytes = static_cast<size_t>(a.hidden) * sizeof(Tw);
+    if (weight_bytes <= kMaxStagedWeightBytes) staged_bytes = weight_bytes;
   }
   return launch(rmsnorm_cached_kernel<Tx, Tw, To, kVec, false>, dim3(static_cast<unsigned>(blocks)),
                 dim3(threads), staged_bytes, stream, a, log2_tpr, staged_bytes > 0);
@@ -250,7 +248,7 @@ int rmsnorm_typed(const ltx_rows_t& out, const ltx_rows_t& x, const void* weight
   constexpr int kVec = 16 / sizeof(Tx);
   bool vectorizable = hidden % kVec == 0 && rows_aligned(x, sizeof(Tx), 16) &&
                       rows_aligned(out, sizeof(To), pack_alignment<To, kVec>());
-  if constexpr (!std::is_same_v<Tw, NoWeight>)
+  if constexpr (has_weight_v<Tw>)
     vectorizable = vectorizable &&
                    reinterpret_cast<uintptr_t>(weight) % pack_alignment<Tw, kVec>() == 0;
   if (vectorizable && hidden / kVec <= kSlots * kMaxThreadsPerRow)
@@ -276,7 +274,7 @@ extern "C" int ltx_rmsnorm_cuda(ltx_rows_t out, ltx_rows_t x, const void* weight
     return dispatch_optional_float(weight != nullptr, weight_dtype, [&](auto w_tag) {
       using Tx = typename decltype(x_tag)::type;
       using Tw = typename decltype(w_tag)::type;
-      using To = std::conditional_t<std::is_same_v<Tw, NoWeight>, Tx, Tw>;
+      using To = std::conditional_t<has_weight_v<Tw>, Tw, Tx>;
       return rmsnorm_typed<Tx, Tw, To>(out, x, weight, static_cast<int>(hidden), eps,
                                        reinterpret_cast<cudaStream_t>(stream));
     });

@@ -27,8 +27,9 @@ def assert_rounds_exact(out: torch.Tensor, exact: torch.Tensor, what: str = "",
     rounding): |out - exact| <= 0.5 ulp of out.dtype + FP32_MATH_SLOP * |exact|, plus one ulp of
     `intermediate` where the op rounds an intermediate to that dtype (an fp32 value on a rounding
     boundary may round the other way): 2^-mantissa relative to |exact|, and at least the spacing of
-    its subnormals times `intermediate_scale` (the largest factor applied after the rounding). NaN and inf never pass. For fp16/bf16
-    outputs at least 99% of the elements must equal the correctly rounded exact value."""
+    its subnormals times `intermediate_scale` (the largest factor applied after the rounding).
+    NaN and inf never pass. For fp16/bf16 outputs at least 99% of the elements must equal the
+    correctly rounded exact value."""
     assert out.shape == exact.shape, f"{what}: shape {tuple(out.shape)} != {tuple(exact.shape)}"
     if out.numel() == 0:
         return

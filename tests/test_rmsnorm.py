@@ -27,9 +27,14 @@ def exact_rmsnorm(x, weight=None, eps=1e-6):
     return reference.rmsnorm(x, weight, eps, compute_dtype=torch.float64, round_output=False)
 
 
-def intermediate_dtype(weight):
-    # A fp16/bf16 weight adds a rounding point: y is rounded to the weight dtype before the product.
-    return weight.dtype if weight is not None and weight.dtype != torch.float32 else None
+def assert_is_exact_rmsnorm(out, x, weight=None, eps=1e-6, what=""):
+    """out is the correctly rounded rmsnorm(x, weight, eps). A fp16/bf16 weight adds a rounding
+    point (y is rounded to the weight dtype before the product, then scaled by up to max|w|)."""
+    intermediate, scale = None, 1.0
+    if weight is not None and weight.dtype != torch.float32:
+        intermediate = weight.dtype
+        scale = weight.abs().max().item() if weight.numel() else 1.0
+    assert_rounds_exact(out, exact_rmsnorm(x, weight, eps), what, intermediate, scale)
 
 
 def run_and_check(x, weight, eps=1e-6):
@@ -38,8 +43,7 @@ def run_and_check(x, weight, eps=1e-6):
     out = ltx_kernels.rmsnorm(x, weight, eps)
     assert out.dtype == out_dtype and out.shape == x.shape and out.is_contiguous()
     what = f"{tuple(x.shape)} {x.dtype} weight {weight.dtype if weight is not None else None}"
-    scale = weight.abs().max().item() if weight is not None and weight.numel() else 1.0
-    assert_rounds_exact(out, exact_rmsnorm(x, weight, eps), what, intermediate_dtype(weight), scale)
+    assert_is_exact_rmsnorm(out, x, weight, eps, what)
     return out
 
 
@@ -194,7 +198,7 @@ def test_cuda_graph_capture_and_replay():
         x.copy_(torch.randn_like(x, dtype=torch.float32))
         graph.replay()
         torch.cuda.synchronize()
-        assert_rounds_exact(out, exact_rmsnorm(x, w), "graph replay", torch.bfloat16, w.abs().max().item())
+        assert_is_exact_rmsnorm(out, x, w, what="graph replay")
 
 
 @pytest.mark.gpu
@@ -205,7 +209,7 @@ def test_runs_on_the_current_stream():
     with torch.cuda.stream(stream):
         out = ltx_kernels.rmsnorm(x)
     stream.synchronize()
-    assert_rounds_exact(out, exact_rmsnorm(x), "side stream")
+    assert_is_exact_rmsnorm(out, x, what="side stream")
 
 
 @pytest.mark.gpu
@@ -230,9 +234,7 @@ def test_matches_diffusers_rmsnorm(device, affine, w_dtype):
     out = ltx_kernels.rmsnorm(x, module.weight, module.eps)
     assert out.dtype == expected.dtype
     # Same rounding points: identical but where the two fp32 sums of squares round apart.
-    scale = module.weight.abs().max().item() if affine else 1.0
-    exact = exact_rmsnorm(x, module.weight, module.eps)
-    assert_rounds_exact(out, exact, "kernel", intermediate_dtype(module.weight), scale)
+    assert_is_exact_rmsnorm(out, x, module.weight, module.eps, "kernel")
     if out.dtype == torch.float32:  # fp32 outputs differ in the last bits (summation order)
         torch.testing.assert_close(out, expected, rtol=4 * 2.0**-19, atol=0)
     else:
