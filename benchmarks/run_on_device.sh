@@ -3,6 +3,8 @@
 # environment report, run the GPU tests and the benchmarks. Logs and results go to $OUT
 # (default: results/), at most 8 files.
 #   bash benchmarks/run_on_device.sh [pytest -k expression]
+# Env: SANITIZE=1 (compute-sanitizer memcheck + racecheck on a subset), RMSNORM_BENCH=1 (also the
+# rmsnorm benchmarks), SKIP_TESTS=1, SKIP_BENCH=1.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -19,20 +21,25 @@ if ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install -e . --no-build-isolation >
 fi
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m ltx_kernels 2>&1 | tee "$OUT/env.txt"
-python3 -m pytest tests -q -m gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/tests.log" | tail -15
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest tests -q -m gpu --maxfail=20 -rf --durations=5 ${1:+-k "$1"} 2>&1 | tee "$OUT/tests.log" | tail -25
 if [ "${SANITIZE:-0}" = 1 ]; then  # memcheck and racecheck over every kernel path, on small inputs
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest tests -q -m gpu \
-      -k "hidden_size_paths or batched_views or every_weight_dtype or (matches_reference and 2048 and 4096)" \
+      -k "${SANITIZE_K:-hidden_size_paths or batched_views or every_weight_dtype or (matches_reference and 2048 and 4096)}" \
       2>&1 | tail -3
     echo "compute-sanitizer $tool exit code: ${PIPESTATUS[0]}"
   done 2>&1 | tee "$OUT/sanitizer.log"
 fi
+[ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 {
-  for weight in bf16 none; do
-    python3 benchmarks/benchmark_rmsnorm.py --weight "$weight" --out "$OUT/bench"
-  done
-  echo "## the same with programmatic dependent launch off (LTX_KERNELS_PDL=0)"
-  LTX_KERNELS_PDL=0 python3 benchmarks/benchmark_rmsnorm.py --weight bf16 --out "$OUT/bench_nopdl"
+  python3 benchmarks/benchmark_ops.py --out "$OUT/bench"
+  if [ "${RMSNORM_BENCH:-0}" = 1 ]; then
+    for weight in bf16 none; do
+      python3 benchmarks/benchmark_rmsnorm.py --weight "$weight" --out "$OUT/bench"
+    done
+    echo "## the same with programmatic dependent launch off (LTX_KERNELS_PDL=0)"
+    LTX_KERNELS_PDL=0 python3 benchmarks/benchmark_rmsnorm.py --weight bf16 --out "$OUT/bench_nopdl"
+  fi
 } 2>&1 | tee "$OUT/bench.log"
-tar czf "$OUT/bench.tgz" -C "$OUT" bench bench_nopdl && rm -rf "$OUT/bench" "$OUT/bench_nopdl"
+tar czf "$OUT/bench.tgz" -C "$OUT" bench $(ls -d "$OUT/bench_nopdl" 2>/dev/null | xargs -r -n1 basename) \
+  && rm -rf "$OUT/bench" "$OUT/bench_nopdl"

@@ -100,6 +100,11 @@ static inline int ltx_valid_rows(const ltx_rows_t* r) {
   return ltx_valid_dtype(r->dtype) && (r->data != NULL || ltx_num_rows(r) == 0);
 }
 
+/* True when an optional row operand is absent (data NULL) or describes `rows` valid rows. */
+static inline int ltx_valid_optional_rows(const ltx_rows_t* r, int64_t rows) {
+  return r->data == NULL || (ltx_valid_rows(r) && ltx_num_rows(r) == rows);
+}
+
 /* Address of the first element of row `row` (see ltx_rows_t). */
 static inline void* ltx_row_ptr(const ltx_rows_t* r, int64_t row) {
   const int64_t i2 = row % r->size[2], rest = row / r->size[2];

@@ -94,6 +94,17 @@ struct Pack {
     for (int c = 0; c < kChunks; ++c)
       reinterpret_cast<Chunk*>(dst)[c] = words_to_chunk<Chunk>(w + c * kWordsPerChunk);
   }
+  // Store to global memory only. In some loops nvcc 13.0 splits store()'s 16-byte stores into
+  // four 4-byte stores; __stwb (st.global.wb, the default policy) keeps them whole.
+  __device__ __forceinline__ void store_global(T* dst) const {
+    if constexpr (kChunkBytes == 16) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        __stwb(reinterpret_cast<uint4*>(dst) + c, words_to_chunk<uint4>(w + 4 * c));
+    } else {
+      store(dst);
+    }
+  }
   __device__ __forceinline__ float get(int i) const {
     if constexpr (sizeof(T) == 4) {
       return __uint_as_float(w[i]);
@@ -116,6 +127,23 @@ struct Pack {
 template <typename T, int N>
 constexpr int pack_alignment() {
   return Pack<T, N>::kChunkBytes;
+}
+
+// Element i of an array whose dtype is only known at run time, as float (for small per-channel
+// vectors such as norm weights; activations use Pack with a compile-time type).
+__device__ __forceinline__ float load_as_float(const void* base, ltx_dtype_t dtype, int64_t i) {
+  switch (dtype) {
+    case LTX_FLOAT16: return __half2float(__ldg(static_cast<const __half*>(base) + i));
+    case LTX_BFLOAT16: return __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(base) + i));
+    default: return __ldg(static_cast<const float*>(base) + i);
+  }
+}
+
+// Block-wide copy of n elements of a vector of run-time dtype into shared memory as fp32. The
+// caller synchronizes (__syncthreads) before reading dst.
+__device__ __forceinline__ void stage_as_float(float* dst, const void* src, ltx_dtype_t dtype,
+                                               int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = load_as_float(src, dtype, i);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -144,6 +172,23 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   float total = 0.f;
   for (int w = 0; w < num_warps; ++w) total += scratch[w];
   return total;
+}
+
+// Sum over the `tpr` consecutive threads that share a row (tpr a power of two <= blockDim.x);
+// every thread gets its row's total. Rows wider than a warp go through `partials` (shared memory,
+// >= blockDim.x / 32 floats). Every thread of the block must call it; it may be called repeatedly.
+__device__ __forceinline__ float row_sum(float v, int tpr, float* partials) {
+  v = group_sum(v, tpr < 32 ? tpr : 32);
+  if (tpr > 32) {  // the same branch for the whole block
+    const int warp = threadIdx.x >> 5, warps_per_row = tpr >> 5;
+    __syncthreads();  // earlier readers of partials are done
+    if ((threadIdx.x & 31) == 0) partials[warp] = v;
+    __syncthreads();
+    const int first = warp - warp % warps_per_row;
+    v = 0.f;
+    for (int w = 0; w < warps_per_row; ++w) v += partials[first + w];
+  }
+  return v;
 }
 
 // ---------------------------------------------------------------------------------------------

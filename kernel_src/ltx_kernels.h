@@ -68,6 +68,128 @@ int ltx_rmsnorm_cuda(ltx_rows_t out, ltx_rows_t x, const void* weight, ltx_dtype
 int ltx_rmsnorm_cpu(ltx_rows_t out, ltx_rows_t x, const void* weight, ltx_dtype_t weight_dtype,
                     int64_t hidden, float eps, int64_t row_begin, int64_t row_end);
 
+/* An optional per-channel vector of `hidden` contiguous elements (data NULL: absent). */
+typedef struct ltx_vector {
+  const void* data;
+  ltx_dtype_t dtype;
+} ltx_vector_t;
+
+/*
+ * Rounding of the fused elementwise ops. Every fused op emulates a PyTorch expression; T is the
+ * activation dtype (x.dtype) and R(v) rounds v to T when `upcast` is 0 and leaves it in fp32 when
+ * `upcast` is 1. Products and sums are computed in fp32 from the (widened) operands.
+ * - upcast = 0 emulates code that runs in the model dtype, where PyTorch rounds the result of
+ *   every elementwise op to T (LTX-Video, FLUX, SD3, HunyuanVideo, CogVideoX). All operands then
+ *   have dtype T.
+ * - upcast = 1 emulates code that computes in fp32 and rounds once at the end (Wan:
+ *   `(norm(x.float()) * (1 + scale) + shift).type_as(x)`). Modulation tensors, weights and biases
+ *   may then be T or fp32.
+ * Outputs (n, h, out) always have dtype T and are always rounded to T.
+ */
+
+/* Normalization of the fused norm ops. */
+typedef enum ltx_norm_kind {
+  LTX_NORM_RMS = 0,   /* y = h * rsqrt(mean(h^2) + eps) */
+  LTX_NORM_LAYER = 1, /* y = (h - mean(h)) * rsqrt(var(h) + eps), biased variance */
+} ltx_norm_kind_t;
+
+/*
+ * (Residual +) norm + AdaLN modulation over the last dim, one pass:
+ *   h   = x                                            (y absent)
+ *   h   = round_T(x + R(y * gate))  or  round_T(x + y)  (y given; gate optional)
+ *   y_  = normalized h (fp32, see ltx_norm_kind_t)
+ *   RMS:   n = R(R(y_) * weight)  (diffusers RMSNorm: `.to(w.dtype) * w`), n = R(y_) without weight;
+ *          with upcast, n = y_ * weight in fp32. No bias.
+ *   Layer: n = R(y_ * weight + bias) (F.layer_norm rounds once; weight, bias optional).
+ *   out = round_T(R(n * R(1 + scale)) + shift)        (scale, shift each optional)
+ * Row operands (x, y, gate, scale, shift, out, residual_out) are described per row, so scale,
+ * shift and gate broadcast from [D], [B,1,D], [B,T,D] or strided chunk views with stride-0 levels.
+ * residual_out (h) is written when y is given (its data may then be NULL to skip it), never read.
+ * Dtypes: x, y, out, residual_out: T. upcast = 0: gate, scale, shift, weight, bias are T too.
+ * upcast = 1: gate, scale and shift share one dtype, T or fp32; weight and bias each T or fp32.
+ */
+typedef struct ltx_norm_modulate_args {
+  ltx_rows_t out;          /* n after modulation */
+  ltx_rows_t residual_out; /* h */
+  ltx_rows_t x;
+  ltx_rows_t y, gate, scale, shift; /* data NULL when absent */
+  ltx_vector_t weight, bias;        /* data NULL when absent; bias only with LTX_NORM_LAYER */
+  ltx_norm_kind_t norm;
+  int64_t hidden;
+  float eps;
+  int upcast;
+} ltx_norm_modulate_args_t;
+
+int ltx_norm_modulate_cuda(const ltx_norm_modulate_args_t* args, ltx_stream_t stream);
+int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin,
+                          int64_t row_end);
+
+/*
+ * Gated residual: out = round_T(x + R(y * gate)), or round_T(x + y) when gate.data is NULL.
+ * Dtypes: x, y, out: T; gate: T (upcast = 0) or T/fp32 (upcast = 1).
+ */
+int ltx_gated_residual_cuda(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_t gate,
+                            int64_t hidden, int upcast, ltx_stream_t stream);
+int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_t gate,
+                           int64_t hidden, int upcast, int64_t row_begin, int64_t row_end);
+
+/*
+ * RMSNorm and/or rotary embedding of up to two tensors (q and k) in one launch.
+ * Each row of a tensor holds `heads` heads of `head_dim` contiguous elements (row length
+ * heads * head_dim). Per row, in fp32:
+ *   v = x                                                       (normalize = 0)
+ *   v = round_T(x * rsqrt(mean(x^2) + eps) * weight)            (normalize = 1; torch.nn.RMSNorm:
+ *       one rounding; weight [heads * head_dim] optional)
+ * then, when cos.data is not NULL, each head is rotated with its cos/sin row c, s (rot_dim
+ * elements; head h of the row uses the cos row + h * cos_head_stride, same for sin):
+ *   interleaved = 1 (pairs 2i, 2i+1; rot_dim == head_dim):
+ *     o[2i]   = v[2i]   * c[2i]   - v[2i+1] * s[2i]
+ *     o[2i+1] = v[2i+1] * c[2i+1] + v[2i]   * s[2i+1]
+ *   interleaved = 0 (halves i, i + head_dim/2; rot_dim == head_dim, or head_dim/2 where both
+ *   halves share c[i], s[i] as LTX-2's split RoPE):
+ *     o[i]        = v[i]        * c[i]  - v[i+half] * s[i]
+ *     o[i+half]   = v[i+half]   * c[i'] + v[i]      * s[i']   (i' = i + half, or i at rot_dim half)
+ *   out = round_T(o)
+ * x, out: T (both tensors the same T); cos, sin: T or fp32 (one dtype); weight: T or fp32.
+ */
+typedef struct ltx_rope_tensor {
+  ltx_rows_t out, x;
+  ltx_rows_t cos, sin;                    /* one row per x row; data NULL: no rotation */
+  int64_t cos_head_stride, sin_head_stride; /* elements between consecutive heads' rows */
+  ltx_vector_t weight;                    /* norm weight, [heads * head_dim]; data NULL: none */
+} ltx_rope_tensor_t;
+
+typedef struct ltx_qk_norm_rope_args {
+  ltx_rope_tensor_t tensors[2];
+  int num_tensors; /* 1 or 2 */
+  int64_t heads;
+  int64_t head_dim;
+  int64_t rot_dim; /* cos/sin row length */
+  int normalize;
+  int interleaved;
+  float eps;
+} ltx_qk_norm_rope_args_t;
+
+int ltx_qk_norm_rope_cuda(const ltx_qk_norm_rope_args_t* args, ltx_stream_t stream);
+int ltx_qk_norm_rope_cpu(const ltx_qk_norm_rope_args_t* args, int tensor, int64_t row_begin,
+                         int64_t row_end);
+
+/* GELU variants. */
+typedef enum ltx_gelu_approximate {
+  LTX_GELU_NONE = 0, /* 0.5 x (1 + erf(x / sqrt(2))) */
+  LTX_GELU_TANH = 1, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+} ltx_gelu_approximate_t;
+
+/*
+ * GELU, computed in fp32 and rounded once: out = round_T(gelu(x)), rows of `hidden` elements.
+ * gated = 1 (GEGLU, as diffusers' GEGLU: hidden, gate = x.chunk(2, -1)): x rows hold 2 * hidden
+ * elements and out = round_T(x[:hidden] * round_T(gelu(x[hidden:]))). x, out: T.
+ */
+int ltx_gelu_cuda(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
+                  int gated, ltx_stream_t stream);
+int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
+                 int gated, int64_t row_begin, int64_t row_end);
+
 #ifdef __cplusplus
 }
 #endif

@@ -125,6 +125,63 @@ inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t)
   return rows;
 }
 
+// An absent optional row operand (data NULL).
+inline ltx_rows_t no_rows() {
+  ltx_rows_t rows{};
+  rows.data = nullptr;
+  rows.dtype = LTX_FLOAT32;
+  return rows;
+}
+
+// Operand dtype under the rounding rules of the fused ops (ltx_kernels.h): x's dtype, or with
+// upcast also float32.
+inline void check_operand_dtype(const char* op, const char* name, const at::Tensor& t,
+                                const at::Tensor& x, bool upcast) {
+  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
+            " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  if (upcast) {
+    LTX_CHECK(t.scalar_type() == x.scalar_type() || t.scalar_type() == at::kFloat, op, ": ", name,
+              " must be ", x.scalar_type(), " or float32, got ", t.scalar_type());
+  } else {
+    LTX_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype ",
+              x.scalar_type(), " (pass upcast=True to compute in float32 with a float32 ", name,
+              "), got ", t.scalar_type());
+  }
+}
+
+// A second activation of exactly x's shape and dtype (y of a residual).
+inline void check_like_x(const char* op, const char* name, const at::Tensor& t,
+                         const at::Tensor& x) {
+  check_same_device(op, name, t, "x", x);
+  check_activation(op, name, t);
+  LTX_CHECK(t.sizes() == x.sizes(), op, ": ", name, " must have x's shape ", x.sizes(), ", got ",
+            t.sizes());
+  LTX_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype ",
+            x.scalar_type(), ", got ", t.scalar_type());
+}
+
+// A per-row operand that broadcasts to `shape` (x's shape, or x's leading dims + [last]): a
+// contiguous last dim of exactly shape.back() elements, leading dims of size 1 or equal. It is
+// expanded (stride-0 dims, no copy) and returned; rows_of then describes one row per x row.
+inline at::Tensor broadcast_operand(const char* op, const char* name, const at::Tensor& t,
+                                    const at::Tensor& x, c10::IntArrayRef shape) {
+  check_same_device(op, name, t, "x", x);
+  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
+            " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  LTX_CHECK(t.dim() >= 1 && t.size(-1) == shape.back(), op, ": ", name,
+            " must have last dimension ", shape.back(), ", got shape ", t.sizes());
+  LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", name,
+            " must have a contiguous last dimension (stride 1), got strides ", t.strides());
+  bool broadcasts = t.dim() <= static_cast<int64_t>(shape.size());
+  for (int64_t i = 1; broadcasts && i < t.dim(); ++i) {
+    const int64_t size = t.size(-1 - i), target = shape[shape.size() - 1 - i];
+    broadcasts = size == 1 || size == target;
+  }
+  LTX_CHECK(broadcasts, op, ": ", name, " with shape ", t.sizes(),
+            " does not broadcast to x's shape ", shape);
+  return t.expand(shape);
+}
+
 inline const void* optional_data(const std::optional<at::Tensor>& t) {
   return t ? t->data_ptr() : nullptr;
 }

@@ -9,10 +9,13 @@ import torch
 from . import reference
 
 __version__ = "0.1.0"
-__all__ = ["rmsnorm", "reference", "OPS", "load_error"]
-
 #: Names of the ops this build registers under torch.ops.ltx_kernels.
-OPS = ("rmsnorm",)
+OPS = (
+    "rmsnorm", "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate",
+    "add_layernorm_modulate", "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu",
+    "linear_gelu",
+)
+__all__ = [*OPS, "reference", "OPS", "load_error"]
 
 #: Why the compiled extension failed to load, or None. When set, calling an op raises.
 load_error: Exception | None = None
@@ -20,7 +23,7 @@ load_error: Exception | None = None
 try:
     from ._ops import ops
     from . import _fake  # noqa: F401  (registers the fake implementations)
-except ImportError as error:  # keep the package importable so `python -m ltx_kernels` can report
+except (ImportError, RuntimeError) as error:  # missing or stale build: stay importable for the report
     load_error = error
     ops = None
 
@@ -45,3 +48,82 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
     see `ltx_kernels.reference.rmsnorm` for the exact rounding rule.
     """
     return _library().rmsnorm(x, weight, eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused ops for diffusion transformer blocks. Common rules:
+# - x (and y) are float32/float16/bfloat16 [..., D] with a contiguous last dim; rows may be strided
+#   (chunks of a fused projection, [B, S, D] slices) and are never copied.
+# - scale, shift and gate broadcast to x: [D], [B, 1, D], [B, T, D] (per token), strided chunk or
+#   unbind views of a [B, 1, 6, D] modulation tensor, [B, F, 1, D] against x viewed as
+#   [B, F, S/F, D]. None skips that step.
+# - upcast=False rounds every step to x.dtype as PyTorch does in the model dtype (LTX-Video, FLUX,
+#   SD3); every tensor must then have x's dtype. upcast=True computes in fp32 and rounds once, as
+#   Wan's `(... x.float() ...).type_as(x)`; modulation tensors (one dtype), weight and bias may
+#   then be fp32. Outputs have x's dtype. `ltx_kernels.reference` holds the exact formulas.
+# ------------------------------------------------------------------------------------------------
+def rmsnorm_modulate(x, scale, shift, weight=None, eps: float = 1e-6, *, upcast: bool = False):
+    """`RMSNorm(x) * (1 + scale) + shift` in one pass (diffusers RMSNorm, weight optional)."""
+    return _library().rmsnorm_modulate(x, scale, shift, weight, eps, upcast=upcast)
+
+
+def layernorm_modulate(x, scale, shift, weight=None, bias=None, eps: float = 1e-6, *,
+                       upcast: bool = False):
+    """`LayerNorm(x) * (1 + scale) + shift` in one pass (AdaLayerNorm; weight/bias optional)."""
+    return _library().layernorm_modulate(x, scale, shift, weight, bias, eps, upcast=upcast)
+
+
+def add_rmsnorm_modulate(x, y, scale, shift, gate=None, weight=None, eps: float = 1e-6, *,
+                         upcast: bool = False):
+    """`h = x + y * gate` (gate optional), `n = RMSNorm(h) * (1 + scale) + shift`, one pass.
+    Returns (h, n)."""
+    return _library().add_rmsnorm_modulate(x, y, scale, shift, gate, weight, eps, upcast=upcast)
+
+
+def add_layernorm_modulate(x, y, scale, shift, gate=None, weight=None, bias=None,
+                           eps: float = 1e-6, *, upcast: bool = False):
+    """`h = x + y * gate` (gate optional), `n = LayerNorm(h) * (1 + scale) + shift`, one pass.
+    Returns (h, n)."""
+    return _library().add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps,
+                                             upcast=upcast)
+
+
+def gated_residual(x, y, gate=None, *, upcast: bool = False):
+    """`x + y * gate` (`x + y` without gate) in one pass."""
+    return _library().gated_residual(x, y, gate, upcast=upcast)
+
+
+def rope(x, cos, sin, interleaved: bool = True):
+    """Rotary embedding (diffusers `apply_rotary_emb`, fp32 math, one rounding).
+    x: [B, S, D] (LTX: over the full hidden dim) or [B, S, H, Dh] (per head). cos/sin broadcast
+    to x ([S, D], [B, S, D], [1, S, 1, Dh]; [S, Dh] with a 4-D x is shared by the heads), fp32 or
+    x's dtype, width D, or D/2 with interleaved=False (LTX-2 split RoPE). interleaved: pairs
+    (2i, 2i+1) as FLUX/HunyuanVideo/Wan/LTX; False: halves (i, i + D/2)."""
+    return _library().rope(x, cos, sin, interleaved)
+
+
+def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6,
+                    across_heads: bool = True, interleaved: bool = True):
+    """torch.nn.RMSNorm of q and k, then RoPE (cos=None: norm only), both in one launch.
+    across_heads=True: norm over the token ([B, S, D], or [B, S, H, Dh] with heads contiguous),
+    weight [D]; False: per head ([..., Dh]), weight [Dh]. q/k may be row-strided views of a fused
+    QKV projection. Returns new (q, k)."""
+    return _library().qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps, across_heads,
+                                      interleaved)
+
+
+def gelu(x, approximate: str = "tanh"):
+    """`F.gelu(x, approximate=approximate)` ("tanh" or "none"), fp32 math, one rounding."""
+    return _library().gelu(x, approximate)
+
+
+def geglu(x, approximate: str = "none"):
+    """diffusers GEGLU after its projection: `h, g = x.chunk(2, -1); h * gelu(g)`,
+    [..., 2H] -> [..., H]."""
+    return _library().geglu(x, approximate)
+
+
+def linear_gelu(x, weight, bias=None):
+    """`F.gelu(F.linear(x, weight, bias), approximate="tanh")` as one cuBLASLt GEMM with a GELU
+    epilogue (through `torch._addmm_activation`) on CUDA. x [..., K], weight [N, K], bias [N]."""
+    return _library().linear_gelu(x, weight, bias)

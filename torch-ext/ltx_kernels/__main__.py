@@ -14,20 +14,36 @@ from ltx_kernels import reference
 
 
 def _smoke_inputs(op: str, device: str):
+    """Small random bf16 arguments of each op (LTX-like: D = 96 = 3 heads x 32)."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    if op == "rmsnorm":
-        x = torch.randn(5, 96, generator=g).to(device, torch.bfloat16)
-        w = torch.randn(96, generator=g).to(device, torch.bfloat16)
-        return (x, w, 1e-6)
-    raise KeyError(op)
+    rand = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=g).to(device, dtype)
+    x, y, mod = rand(2, 5, 96), rand(2, 5, 96), rand(2, 1, 96)
+    cos, sin = rand(5, 32, dtype=torch.float32), rand(5, 32, dtype=torch.float32)
+    q = rand(2, 5, 3, 32)
+    args = {
+        "rmsnorm": (rand(5, 96), rand(96), 1e-6),
+        "rmsnorm_modulate": (x, mod, mod),
+        "layernorm_modulate": (x, mod, mod),
+        "add_rmsnorm_modulate": (x, y, mod, mod, mod),
+        "add_layernorm_modulate": (x, y, mod, mod, mod),
+        "gated_residual": (x, y, mod),
+        "rope": (q, cos, sin),
+        "qk_rmsnorm_rope": (q, q, rand(96), rand(96), cos, sin),
+        "gelu": (x,),
+        "geglu": (x,),
+        "linear_gelu": (x, rand(64, 96), rand(64)),
+    }
+    return args[op]
 
 
 def _check_op(op: str, device: str) -> str:
     try:
         args = _smoke_inputs(op, device)
-        out = getattr(ltx_kernels, op)(*args)
-        ref = getattr(reference, op)(*args, compute_dtype=torch.float64)
-        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        outs = getattr(ltx_kernels, op)(*args)
+        refs = getattr(reference, op)(*args, compute_dtype=torch.float64)
+        outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
+        err = max(((o.double() - r.double()).norm() / r.double().norm()).item()
+                  for o, r in zip(outs, refs))
         return f"ok (rel. L2 error vs reference {err:.1e})" if err < 1e-2 else f"WRONG (rel. L2 {err:.1e})"
     except Exception as error:  # the report must finish whatever fails
         return f"FAILED: {type(error).__name__}: {str(error).splitlines()[0]}"
@@ -67,7 +83,7 @@ def main() -> int:
         for device in devices:
             status = _check_op(op, device)
             failures += not status.startswith("ok")
-            print(f"  op {op:<13} {device:<5} {status}")
+            print(f"  op {op:<22} {device:<5} {status}")
     return 1 if failures else 0
 
 

@@ -37,3 +37,180 @@ def rmsnorm(
             y = y.to(weight.dtype).to(compute_dtype)
         y = y * weight.to(compute_dtype)
     return y.to(weight.dtype if weight is not None else x.dtype) if round_output else y
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused ops. T is x.dtype. With upcast=False every elementwise step is rounded to T, as PyTorch
+# does when all operands have dtype T (LTX-Video, FLUX, SD3); with upcast=True everything is
+# computed in compute_dtype and rounded once (Wan's `x.float() ... .type_as(x)`). See ltx_kernels.h.
+# ------------------------------------------------------------------------------------------------
+__all__ += [
+    "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate", "add_layernorm_modulate",
+    "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu", "linear_gelu",
+]
+
+
+def _rounder(dtype: torch.dtype, upcast: bool):
+    """R(v): v rounded to `dtype` and widened back, or v itself when upcast."""
+    if upcast:
+        return lambda v: v
+    return lambda v: v.to(dtype).to(v.dtype)
+
+
+def _residual(x, y, gate, upcast, c):
+    """round_T(x + R(y * gate)) (or x + y), returned unrounded in compute dtype c."""
+    R = _rounder(x.dtype, upcast)
+    t = y.to(c) if gate is None else R(y.to(c) * gate.to(c))
+    return x.to(c) + t
+
+
+def _norm_modulate(h, scale, shift, weight, bias, eps, kind, upcast, c, out_dtype):
+    """Norm + modulation of h (already rounded to out_dtype), unrounded result in c."""
+    R = _rounder(out_dtype, upcast)
+    hc = h.to(c)
+    if kind == "rms":
+        y = hc * torch.rsqrt(hc.pow(2).mean(-1, keepdim=True) + eps)
+        n = R(R(y) * weight.to(c)) if weight is not None else R(y)
+    else:
+        mean = hc.mean(-1, keepdim=True)
+        y = (hc - mean) * torch.rsqrt((hc - mean).pow(2).mean(-1, keepdim=True) + eps)
+        if weight is not None:
+            y = y * weight.to(c)
+        if bias is not None:
+            y = y + bias.to(c)
+        n = R(y)
+    if scale is not None:
+        n = R(n * R(1 + scale.to(c)))
+    if shift is not None:
+        n = n + shift.to(c)
+    return n
+
+
+def _finish(v, dtype, round_output):
+    return v.to(dtype) if round_output else v
+
+
+def rmsnorm_modulate(x, scale, shift, weight=None, eps=1e-6, *, upcast=False,
+                     compute_dtype=torch.float32, round_output=True):
+    """`RMSNorm(x) * (1 + scale) + shift` with diffusers' RMSNorm (weight optional); with
+    upcast=True `(RMSNorm(x.float()) * (1 + scale) + shift).type_as(x)` computed in fp32.
+    scale/shift broadcast to x (None skips that step). Output dtype x.dtype."""
+    n = _norm_modulate(x, scale, shift, weight, None, eps, "rms", upcast, compute_dtype, x.dtype)
+    return _finish(n, x.dtype, round_output)
+
+
+def layernorm_modulate(x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False,
+                       compute_dtype=torch.float32, round_output=True):
+    """`F.layer_norm(x, weight, bias, eps) * (1 + scale) + shift` (AdaLayerNorm); with upcast=True
+    `(FP32LayerNorm(x.float()) * (1 + scale) + shift).type_as(x)` (Wan)."""
+    n = _norm_modulate(x, scale, shift, weight, bias, eps, "layer", upcast, compute_dtype, x.dtype)
+    return _finish(n, x.dtype, round_output)
+
+
+def add_rmsnorm_modulate(x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False,
+                         compute_dtype=torch.float32, round_output=True):
+    """h = x + y * gate (x + y without gate); n = rmsnorm_modulate(h, ...). Returns (h, n)."""
+    h = _residual(x, y, gate, upcast, compute_dtype)
+    n = _norm_modulate(h.to(x.dtype), scale, shift, weight, None, eps, "rms", upcast,
+                       compute_dtype, x.dtype)
+    return _finish(h, x.dtype, round_output), _finish(n, x.dtype, round_output)
+
+
+def add_layernorm_modulate(x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *,
+                           upcast=False, compute_dtype=torch.float32, round_output=True):
+    """h = x + y * gate (x + y without gate); n = layernorm_modulate(h, ...). Returns (h, n)."""
+    h = _residual(x, y, gate, upcast, compute_dtype)
+    n = _norm_modulate(h.to(x.dtype), scale, shift, weight, bias, eps, "layer", upcast,
+                       compute_dtype, x.dtype)
+    return _finish(h, x.dtype, round_output), _finish(n, x.dtype, round_output)
+
+
+def gated_residual(x, y, gate=None, *, upcast=False, compute_dtype=torch.float32,
+                   round_output=True):
+    """`x + y * gate` (`x + y` without gate) as PyTorch rounds it in x.dtype; with upcast=True
+    `(x.float() + y * gate.float()).type_as(x)`."""
+    return _finish(_residual(x, y, gate, upcast, compute_dtype), x.dtype, round_output)
+
+
+def _rope_tables(x, table, head_dim, interleaved):
+    """cos/sin as a tensor broadcastable to x: a 2-D [S, r] table with a 4-D [B, S, H, Dh] x is
+    shared by all heads; a half-width table (rotate-halves only) covers both halves."""
+    if x.dim() == 4 and table.dim() == 2:
+        table = table[:, None, :]
+    if table.shape[-1] * 2 == head_dim and not interleaved:
+        table = torch.cat([table, table], dim=-1)
+    return table
+
+
+def _rotate(v, cos, sin, interleaved, c):
+    """v * cos + rotate(v) * sin over the last dim, in compute dtype c."""
+    v = v.to(c)
+    if interleaved:
+        rotated = torch.stack([-v[..., 1::2], v[..., 0::2]], dim=-1).flatten(-2)
+    else:
+        half = v.shape[-1] // 2
+        rotated = torch.cat([-v[..., half:], v[..., :half]], dim=-1)
+    return v * cos.to(c) + rotated * sin.to(c)
+
+
+def rope(x, cos, sin, interleaved=True, *, compute_dtype=torch.float32, round_output=True):
+    """Rotary embedding over the last dim of x, as diffusers' `apply_rotary_emb`
+    (`(x.float() * cos + x_rotated.float() * sin).to(x.dtype)`).
+
+    x: [B, S, D] (LTX: rotation over the full hidden dim) or [B, S, H, Dh] (per head).
+    cos, sin: broadcastable to x ([S, D], [B, S, D], [1, S, 1, Dh], ...), or [S, Dh] with a 4-D x;
+    width x.shape[-1], or x.shape[-1] / 2 with interleaved=False (both halves share it, as
+    LTX-2's split RoPE). interleaved=True rotates pairs (2i, 2i+1), False halves (i, i + D/2).
+    """
+    d = x.shape[-1]
+    cos, sin = (_rope_tables(x, t, d, interleaved) for t in (cos, sin))
+    return _finish(_rotate(x, cos, sin, interleaved, compute_dtype), x.dtype, round_output)
+
+
+def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=True,
+                    interleaved=True, *, compute_dtype=torch.float32, round_output=True):
+    """torch.nn.RMSNorm of q and k (weight optional, one rounding to the input dtype), then RoPE
+    (skipped when cos is None), as attention processors do:
+    - across_heads=True: the norm spans the whole token: the last dim of a [B, S, D] tensor (LTX,
+      whose RoPE also spans D) or the last two dims of [B, S, H, Dh] (Wan: norm over D, RoPE per
+      head); weight [D].
+    - across_heads=False: the norm spans one head, the last dim of [..., Dh] (FLUX); weight [Dh].
+    Returns (q_out, k_out) of q's and k's shapes and dtype."""
+    def one(x, weight):
+        c = compute_dtype
+        dims = (-2, -1) if across_heads and x.dim() == 4 else (-1,)
+        xc = x.to(c)
+        v = xc * torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + eps)
+        if weight is not None:
+            v = v * weight.to(c).reshape(x.shape[dims[0]:])
+        if cos is None:
+            return _finish(v, x.dtype, round_output)
+        v = v.to(x.dtype)
+        d = x.shape[-1]
+        tables = [_rope_tables(x, t, d, interleaved) for t in (cos, sin)]
+        return _finish(_rotate(v, *tables, interleaved, c), x.dtype, round_output)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def gelu(x, approximate="tanh", *, compute_dtype=torch.float32, round_output=True):
+    """`F.gelu(x, approximate=approximate)`: computed in compute_dtype, rounded once."""
+    return _finish(torch.nn.functional.gelu(x.to(compute_dtype), approximate=approximate),
+                   x.dtype, round_output)
+
+
+def geglu(x, approximate="none", *, compute_dtype=torch.float32, round_output=True):
+    """diffusers' GEGLU after its projection: `hidden, gate = x.chunk(2, -1); hidden * gelu(gate)`,
+    with gelu(gate) rounded to x.dtype before the product. [..., 2H] -> [..., H]."""
+    hidden, gate = x.chunk(2, dim=-1)
+    g = torch.nn.functional.gelu(gate.to(compute_dtype), approximate=approximate)
+    g = g.to(x.dtype).to(compute_dtype)
+    return _finish(hidden.to(compute_dtype) * g, x.dtype, round_output)
+
+
+def linear_gelu(x, weight, bias=None, *, compute_dtype=torch.float32, round_output=True):
+    """`F.gelu(F.linear(x, weight, bias), approximate="tanh")` in compute_dtype, rounded once
+    (diffusers' `GELU(dim, inner, approximate="tanh")` projection)."""
+    c = compute_dtype
+    y = torch.nn.functional.linear(x.to(c), weight.to(c), None if bias is None else bias.to(c))
+    return _finish(torch.nn.functional.gelu(y, approximate="tanh"), x.dtype, round_output)

@@ -1,0 +1,175 @@
+// GELU and GEGLU (CUDA), computed in fp32 and rounded once (see ltx_gelu_cuda in ltx_kernels.h).
+#include <algorithm>
+
+#include "device_utils.cuh"
+
+namespace ltx {
+namespace {
+
+constexpr int kSlots = 4;           // packs a thread has in flight per column chunk
+constexpr int kBlockThreads = 256;  // most threads of a block (and of a row)
+constexpr int kMinBlockThreads = 64;
+
+
+// GELU, tanh form: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3),
+// which has no cancellation for x < 0 (unlike 1 + tanh(u)); with e = e^(-|2u|) <= 1 nothing
+// overflows: x / (1 + e) for x >= 0, x e / (1 + e) for x < 0. kFast (16-bit outputs): __expf and
+// an approximate reciprocal, about 2^-17 relative error, far below the output rounding and cheap
+// enough to keep the kernel memory-bound; otherwise expf and an IEEE division.
+template <bool kFast>
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float two_u = 1.5957691216057308f * fmaf(0.044715f * x, x * x, x);
+  if constexpr (kFast) {
+    const float e = __expf(-fabsf(two_u));
+    float reciprocal;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(1.f + e));
+    return (x >= 0.f ? x : x * e) * reciprocal;
+  } else {
+    const float e = expf(-fabsf(two_u));
+    return (x >= 0.f ? x : x * e) / (1.f + e);
+  }
+}
+
+// GELU, erf form: 0.5 x (1 + erf(x / sqrt(2))). kFast (16-bit outputs): erff, as PyTorch and
+// Inductor compute it (1 + erf cancels below x = -4, where the result is below 1e-4 |x|);
+// otherwise x Phi(x) with normcdff, accurate in the negative tail but about twice the work.
+template <bool kFast>
+__device__ __forceinline__ float gelu_erf(float x) {
+  if constexpr (kFast) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  else return x * normcdff(x);
+}
+
+template <ltx_gelu_approximate_t kApproximate, typename T>
+__device__ __forceinline__ float gelu(float x) {
+  if constexpr (kApproximate == LTX_GELU_TANH)
+    return gelu_tanh<sizeof(T) == 2>(x);
+  else
+    return gelu_erf<sizeof(T) == 2>(x);
+}
+
+template <typename T>
+struct GeluArgs {
+  T* out;
+  RowIndex out_rows;
+  const T* x;
+  RowIndex x_rows;
+  int64_t rows;
+  int64_t hidden;  // output row length; x rows hold 2 * hidden elements when gated
+  int64_t packs;   // packs of kVec elements per output row
+  int64_t chunks;  // column chunks per row, of tpr * kSlots packs each
+  int log2_tpr;    // a row is owned by tpr = 2^log2_tpr consecutive threads
+  bool gated;      // GEGLU: out = round_T(x[:hidden] * round_T(gelu(x[hidden:])))
+};
+
+// Rows of `hidden` output elements, each owned by tpr = 2^log2_tpr consecutive threads of a block
+// (a block holds blockDim.x / tpr rows; blockIdx.x strides over groups of rows, blockIdx.y over
+// column chunks of tpr * kSlots packs). Thread t of a row handles packs t, t + tpr, ... of a chunk
+// (kVec elements each; kVec = 1 is the scalar path for unaligned rows): it issues all its loads
+// first (the gelu input and, gated, the matching packs of the row's first half), then computes
+// and stores. Row offsets are computed once per row.
+template <typename T, int kVec, ltx_gelu_approximate_t kApproximate>
+__global__ void __launch_bounds__(kBlockThreads) gelu_kernel(const GeluArgs<T> a) {
+  const int tpr = 1 << a.log2_tpr;
+  const int lane_in_row = threadIdx.x & (tpr - 1);
+  const int rows_per_block = blockDim.x >> a.log2_tpr;
+  const int64_t row_step = static_cast<int64_t>(gridDim.x) * rows_per_block;
+  const int64_t chunk_packs = static_cast<int64_t>(tpr) * kSlots;
+
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + (threadIdx.x >> a.log2_tpr);
+       row < a.rows; row += row_step) {
+    const T* x_row = a.x + a.x_rows.offset(row);       // first half of a gated row
+    const T* gelu_in = a.gated ? x_row + a.hidden : x_row;  // input of gelu
+    T* out_row = a.out + a.out_rows.offset(row);
+    for (int64_t chunk = blockIdx.y; chunk < a.chunks; chunk += gridDim.y) {
+      const int64_t first = chunk * chunk_packs;  // first pack of the chunk
+      const int64_t packs_left = a.packs - first;
+      const int64_t col0 = first * kVec + static_cast<int64_t>(lane_in_row) * kVec;
+      Pack<T, kVec> gs[kSlots], hs[kSlots];
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (s * tpr + lane_in_row < packs_left) {
+          const int64_t col = col0 + static_cast<int64_t>(s) * tpr * kVec;
+          gs[s].load(gelu_in + col);
+          if (a.gated) hs[s].load(x_row + col);
+        }
+      }
+      // One copy of the arithmetic per value of the uniform flag.
+      auto compute_and_store = [&](auto gated_tag) {
+        constexpr bool kGated = decltype(gated_tag)::value;
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) {
+          if (s * tpr + lane_in_row < packs_left) {
+            Pack<T, kVec> o;
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) {
+              float v = gelu<kApproximate, T>(gs[s].get(i));
+              if constexpr (kGated) v = hs[s].get(i) * round_to<T>(v);
+              o.set(i, v);  // set() rounds to T
+            }
+            o.store_global(out_row + col0 + static_cast<int64_t>(s) * tpr * kVec);
+          }
+        }
+      };
+      if (a.gated)
+        compute_and_store(std::true_type{});
+      else
+        compute_and_store(std::false_type{});
+    }
+  }
+}
+
+template <typename T, int kVec, ltx_gelu_approximate_t kApproximate>
+int launch_gelu(GeluArgs<T> a, cudaStream_t stream) {
+  a.packs = a.hidden / kVec;
+  // Fewest threads per row (a power of two, at most a block) that cover the row in one chunk.
+  a.log2_tpr = 0;
+  while ((1 << a.log2_tpr) < kBlockThreads && (int64_t{kSlots} << a.log2_tpr) < a.packs)
+    ++a.log2_tpr;
+  const int tpr = 1 << a.log2_tpr;
+  a.chunks = (a.packs + int64_t{tpr} * kSlots - 1) / (int64_t{tpr} * kSlots);
+  // Several rows per block; fewer when there are few rows, so that every SM gets work.
+  int threads = std::max(tpr, kBlockThreads);
+  const int min_threads = std::max(tpr, kMinBlockThreads);
+  auto row_blocks = [&](int t) { return (a.rows + t / tpr - 1) / (t / tpr); };
+  while (threads > min_threads && row_blocks(threads) * a.chunks < 2 * sm_count()) threads /= 2;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(row_blocks(threads), INT32_MAX)),
+                  static_cast<unsigned>(std::min<int64_t>(a.chunks, 65535)));
+  return launch(gelu_kernel<T, kVec, kApproximate>, grid, dim3(threads), 0, stream, a);
+}
+
+template <typename T, ltx_gelu_approximate_t kApproximate>
+int gelu_typed(const ltx_rows_t& out, const ltx_rows_t& x, int64_t hidden, bool gated,
+               cudaStream_t stream) {
+  const GeluArgs<T> a{static_cast<T*>(out.data), RowIndex::of(out), static_cast<const T*>(x.data),
+                      RowIndex::of(x), num_rows(x), hidden, 0, 0, 0, gated};
+  constexpr int kVec = 16 / sizeof(T);
+  // hidden % kVec == 0 also aligns the second half of a gated row.
+  if (hidden % kVec == 0 && rows_aligned(out, sizeof(T), 16) && rows_aligned(x, sizeof(T), 16))
+    return launch_gelu<T, kVec, kApproximate>(a, stream);
+  return launch_gelu<T, 1, kApproximate>(a, stream);
+}
+
+}  // namespace
+}  // namespace ltx
+
+extern "C" int ltx_gelu_cuda(ltx_rows_t out, ltx_rows_t x, int64_t hidden,
+                             ltx_gelu_approximate_t approximate, int gated, ltx_stream_t stream) {
+  using namespace ltx;
+  if (!valid_rows(out) || !valid_rows(x) || num_rows(out) != num_rows(x) || hidden < 0 ||
+      hidden > INT32_MAX || (gated != 0 && gated != 1) ||
+      (approximate != LTX_GELU_NONE && approximate != LTX_GELU_TANH))
+    return LTX_ERR_INVALID_ARGUMENT;
+  if (x.dtype != LTX_FLOAT32 && x.dtype != LTX_FLOAT16 && x.dtype != LTX_BFLOAT16)
+    return LTX_ERR_UNSUPPORTED_DTYPE;
+  if (out.dtype != x.dtype) return LTX_ERR_INVALID_ARGUMENT;
+  if (num_rows(x) == 0 || hidden == 0) return LTX_OK;
+  const auto stream_ = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch_float(x.dtype, [&](auto x_tag) {
+    using T = typename decltype(x_tag)::type;
+    if (approximate == LTX_GELU_TANH)
+      return gelu_typed<T, LTX_GELU_TANH>(out, x, hidden, gated != 0, stream_);
+    return gelu_typed<T, LTX_GELU_NONE>(out, x, hidden, gated != 0, stream_);
+  });
+}

@@ -1,0 +1,130 @@
+/* (Residual +) RMSNorm/LayerNorm + AdaLN modulation over the last dimension (portable C, the CPU
+ * backend), with the rounding points of ltx_norm_modulate_cuda (see ltx_kernels.h). Elementwise
+ * math in fp32; the sum of squares, the mean and the variance are accumulated in double (LayerNorm
+ * in two passes: mean, then mean of squared deviations). The row h is recomputed from x, y, gate
+ * in every pass (nothing is allocated), and outputs are written in the last pass only. */
+#include "cpu_utils.h"
+
+/* True when `dtype` is allowed for a modulation tensor, weight or bias: T, or fp32 with upcast. */
+static int valid_parameter_dtype(ltx_dtype_t dtype, ltx_dtype_t act, int upcast) {
+  return dtype == act || (upcast && dtype == LTX_FLOAT32);
+}
+
+/* The rows of one call's operands: row pointers of the present row operands (NULL when absent). */
+typedef struct norm_modulate_row {
+  const void *x, *y, *gate, *scale, *shift;
+  void *out, *residual_out;
+} norm_modulate_row_t;
+
+/* Element i of h = x, or round_T(x + R(y * gate)), or round_T(x + y). */
+static float residual_element(const ltx_norm_modulate_args_t* a, const norm_modulate_row_t* r,
+                              int64_t i) {
+  const ltx_dtype_t act = a->x.dtype;
+  float x = ltx_load(r->x, act, i), update;
+  if (!r->y) return x;
+  update = ltx_load(r->y, act, i);
+  if (r->gate) {
+    update *= ltx_load(r->gate, a->gate.dtype, i);
+    if (!a->upcast) update = ltx_round_to(act, update);
+  }
+  return ltx_round_to(act, x + update);
+}
+
+int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin,
+                          int64_t row_end) {
+  const ltx_norm_modulate_args_t* a = args;
+  ltx_dtype_t act, modulation_dtype;
+  int has_y, upcast;
+  int64_t rows, row, i, hidden;
+  if (!a) return LTX_ERR_INVALID_ARGUMENT;
+  act = a->x.dtype; /* T */
+  has_y = a->y.data != NULL;
+  upcast = a->upcast != 0;
+  hidden = a->hidden;
+
+  /* Dtypes: activations must be T; gate, scale, shift share one dtype (T, or fp32 with upcast);
+   * weight and bias each T, or fp32 with upcast. */
+  if (!ltx_valid_dtype(act)) return LTX_ERR_UNSUPPORTED_DTYPE;
+  modulation_dtype = a->gate.data ? a->gate.dtype
+                     : a->scale.data ? a->scale.dtype
+                     : a->shift.data ? a->shift.dtype
+                     : act;
+  if (a->out.dtype != act || (has_y && a->y.dtype != act) ||
+      (a->residual_out.data && a->residual_out.dtype != act) ||
+      (a->gate.data && a->gate.dtype != modulation_dtype) ||
+      (a->scale.data && a->scale.dtype != modulation_dtype) ||
+      (a->shift.data && a->shift.dtype != modulation_dtype))
+    return LTX_ERR_INVALID_ARGUMENT;
+  if (!valid_parameter_dtype(modulation_dtype, act, upcast) ||
+      (a->weight.data && !valid_parameter_dtype(a->weight.dtype, act, upcast)) ||
+      (a->bias.data && !valid_parameter_dtype(a->bias.dtype, act, upcast)))
+    return LTX_ERR_UNSUPPORTED_DTYPE;
+
+  /* Shapes: every present row operand has x's row count; gate and residual_out need y; bias
+   * only for LayerNorm. */
+  rows = ltx_num_rows(&a->x);
+  if ((a->norm != LTX_NORM_RMS && a->norm != LTX_NORM_LAYER) ||
+      (a->norm == LTX_NORM_RMS && a->bias.data) || hidden < 0 || !(a->eps >= 0.f) ||
+      !ltx_valid_rows(&a->x) || !ltx_valid_rows(&a->out) || ltx_num_rows(&a->out) != rows ||
+      !ltx_valid_optional_rows(&a->y, rows) || ((a->gate.data || a->residual_out.data) && !has_y) ||
+      !ltx_valid_optional_rows(&a->gate, rows) || !ltx_valid_optional_rows(&a->scale, rows) ||
+      !ltx_valid_optional_rows(&a->shift, rows) ||
+      !ltx_valid_optional_rows(&a->residual_out, rows) || row_begin < 0 || row_end > rows)
+    return LTX_ERR_INVALID_ARGUMENT;
+  if (hidden == 0) return LTX_OK;
+
+  for (row = row_begin; row < row_end; ++row) {
+    norm_modulate_row_t r;
+    double mean = 0.0, sum = 0.0;
+    float mean_f = 0.f, rstd;
+    r.x = ltx_row_ptr(&a->x, row);
+    r.y = has_y ? ltx_row_ptr(&a->y, row) : NULL;
+    r.gate = a->gate.data ? ltx_row_ptr(&a->gate, row) : NULL;
+    r.scale = a->scale.data ? ltx_row_ptr(&a->scale, row) : NULL;
+    r.shift = a->shift.data ? ltx_row_ptr(&a->shift, row) : NULL;
+    r.out = ltx_row_ptr(&a->out, row);
+    r.residual_out = a->residual_out.data ? ltx_row_ptr(&a->residual_out, row) : NULL;
+
+    /* Statistics of h: RMS: sum of h^2; Layer: mean, then sum of (h - mean)^2. */
+    if (a->norm == LTX_NORM_LAYER) {
+      for (i = 0; i < hidden; ++i) mean += residual_element(a, &r, i);
+      mean /= (double)hidden;
+      mean_f = (float)mean;
+    }
+    for (i = 0; i < hidden; ++i) {
+      const double deviation = (double)residual_element(a, &r, i) - mean;
+      sum += deviation * deviation;
+    }
+    rstd = (float)(1.0 / sqrt(sum / (double)hidden + (double)a->eps));
+
+    for (i = 0; i < hidden; ++i) {
+      const float h = residual_element(a, &r, i);
+      float n;
+      if (a->norm == LTX_NORM_RMS) {
+        /* diffusers RMSNorm: n = R(R(y) * w), or R(y); upcast: y * w in fp32. */
+        n = h * rstd;
+        if (!upcast) n = ltx_round_to(act, n);
+        if (a->weight.data) {
+          n *= ltx_load(a->weight.data, a->weight.dtype, i);
+          if (!upcast) n = ltx_round_to(act, n);
+        }
+      } else {
+        /* F.layer_norm: n = R((h - mean) * rstd * w + b), one rounding. */
+        n = (h - mean_f) * rstd;
+        if (a->weight.data) n *= ltx_load(a->weight.data, a->weight.dtype, i);
+        if (a->bias.data) n += ltx_load(a->bias.data, a->bias.dtype, i);
+        if (!upcast) n = ltx_round_to(act, n);
+      }
+      if (r.scale) {
+        float factor = 1.f + ltx_load(r.scale, modulation_dtype, i);
+        if (!upcast) factor = ltx_round_to(act, factor);
+        n *= factor;
+        if (!upcast) n = ltx_round_to(act, n);
+      }
+      if (r.shift) n += ltx_load(r.shift, modulation_dtype, i);
+      if (r.residual_out) ltx_store(r.residual_out, act, i, h);
+      ltx_store(r.out, act, i, n);
+    }
+  }
+  return LTX_OK;
+}

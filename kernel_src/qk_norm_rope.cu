@@ -1,0 +1,699 @@
+// RMSNorm and/or rotary embedding of up to two tensors (q and k) in one launch (CUDA), with the
+// rounding points of torch.nn.RMSNorm and diffusers' apply_rotary_emb (see ltx_qk_norm_rope_cuda
+// in ltx_kernels.h).
+#include <string.h>
+
+#include <algorithm>
+
+#include "device_utils.cuh"
+
+namespace ltx {
+namespace {
+
+// Cached kernel. Measured on H200 (bf16, [2,8064,2048], [1,32760,5120]): 4 packs per thread with
+// the natural register count (~93, no cap) beat 8 packs, and caps of 80 registers (spills or
+// lost Wan speed); 128-thread blocks beat 256 (more resident blocks around the row barriers).
+constexpr int kMaxThreadsPerRow = 512;
+constexpr int kRowBlockThreads = 128;  // block size aimed at when several rows share a block
+constexpr int kMinRowsToStageWeight = 4;  // fewer rows per block: weight read from L1 instead
+constexpr size_t kMaxStagedWeightBytes = 32 * 1024;  // fp32 weight staged in shared memory
+constexpr int kStreamingThreads = 256;  // block size of the streaming kernel
+
+// Packs a thread of the cached kernel holds: 16-byte packs (vector path) or element pairs read
+// one element at a time (scalar path, for unaligned rows and odd sizes).
+template <bool kPackAccess>
+constexpr int slots_per_thread() {
+  return kPackAccess ? 4 : 8;
+}
+
+// Division by a run-time constant d >= 1 of numerators n < 2^31 with a multiply-high, an add and
+// a shift (Granlund-Montgomery, as PyTorch's IntDivider); the magic number is found on the host.
+struct FastDivider {
+  uint32_t divisor, magic, shift;
+
+  static FastDivider of(uint32_t d) {
+    uint32_t shift = 0;
+    while (shift < 32 && (uint64_t{1} << shift) < d) ++shift;
+    const uint64_t magic = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1;
+    return FastDivider{d, static_cast<uint32_t>(magic), shift};
+  }
+  __device__ __forceinline__ int div(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+    return static_cast<int>((__umulhi(u, magic) + u) >> shift);
+  }
+};
+
+// One tensor (q or k) as the kernels see it. Row r of x, out, cos and sin starts at the
+// RowIndex offset of r; head h of a row uses cos/sin elements from h * head_stride on.
+template <typename T, typename Tc>
+struct RopeTensor {
+  T* out;
+  RowIndex out_rows;
+  const T* x;
+  RowIndex x_rows;
+  const Tc* cos;  // nullptr: no rotation
+  RowIndex cos_rows;
+  const Tc* sin;
+  RowIndex sin_rows;
+  int64_t cos_head_stride, sin_head_stride;
+  const void* weight;  // norm weight [row_len] of dtype weight_dtype; nullptr: none (or no norm)
+  ltx_dtype_t weight_dtype;
+  bool weight_vectorized;  // weight 16-byte aligned: staged with Pack loads
+  int64_t rows;
+  int64_t blocks;  // blocks of the cached kernel that hold this tensor's rows
+};
+
+template <typename T, typename Tc>
+struct QkNormRopeParams {
+  RopeTensor<T, Tc> t[2];
+  int num_tensors;
+  int heads, head_dim, half_dim, row_len;  // row_len = heads * head_dim
+  bool rot_half;      // halves with rot_dim == head_dim / 2: both halves use cos[i], sin[i]
+  bool normalize;
+  bool interleaved;
+  bool stage_weight;  // cached kernel: weights go through shared memory (dynamic, row_len floats)
+  bool shared_table_col;  // cached kernel, pack layout: all slots of a thread use the same cos/sin
+                          // columns (head strides 0 and tpr * kVec a multiple of head_dim)
+  // Cached kernel geometry (set by launch_cached): threads per row, packs per head (pack layout)
+  // and pack pairs per head (pair layout) as dividers, rows per block, packs per row.
+  FastDivider tpr, packs_per_head, pairs_per_head;
+  int rows_per_block;
+  int n_packs;
+  float inv_row_len;
+  float eps;
+};
+
+// Element-wise moves of a Pack for the scalar path (any alignment), or 16-byte Pack accesses.
+template <bool kPackAccess, typename T, int N>
+__device__ __forceinline__ void load_elements(Pack<T, N>& p, const T* src) {
+  if constexpr (kPackAccess) {
+    p.load(src);
+  } else {
+#pragma unroll
+    for (int w = 0; w < static_cast<int>(sizeof(p.w) / 4); ++w) p.w[w] = 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) p.set(i, to_float(__ldg(src + i)));  // exact: the value is a T
+  }
+}
+
+template <bool kPackAccess, typename T, int N>
+__device__ __forceinline__ void store_elements(const Pack<T, N>& p, T* dst) {
+  if constexpr (kPackAccess) {
+    p.store(dst);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = from_float<T>(p.get(i));
+  }
+}
+
+// Sets elements i and i + 1 (i even) of a pack to round_T(lo), round_T(hi); 2-byte types convert
+// both with one paired instruction instead of a conversion and a merge per element.
+template <typename T, int N>
+__device__ __forceinline__ void set_pair(Pack<T, N>& p, int i, float lo, float hi) {
+  if constexpr (sizeof(T) == 4) {
+    p.set(i, lo);
+    p.set(i + 1, hi);
+  } else {
+    uint32_t bits;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+      memcpy(&bits, &v, sizeof(bits));
+    } else {
+      const __half2 v = __floats2half2_rn(lo, hi);
+      memcpy(&bits, &v, sizeof(bits));
+    }
+    p.w[i / 2] = bits;
+  }
+}
+
+// One rotary pair in fp32: (v0, v1) <- (v0*c0 - v1*s0, v1*c1 + v0*s1), each product and the sum
+// rounded to fp32 as PyTorch's `v * cos + rotated * sin` does (no FMA contraction).
+__device__ __forceinline__ void rotate_pair(float& v0, float& v1, float c0, float s0, float c1,
+                                            float s1) {
+  const float o0 = __fadd_rn(__fmul_rn(v0, c0), __fmul_rn(-v1, s0));
+  const float o1 = __fadd_rn(__fmul_rn(v1, c1), __fmul_rn(v0, s1));
+  v0 = o0;
+  v1 = o1;
+}
+
+// Rotate-halves of two packs: element i of `first` (offset d + i of a head) pairs with element i
+// of `second` (offset d + i + half), with the cos/sin packs of each half.
+template <typename T, typename Tc, int N>
+__device__ __forceinline__ void rotate_halves(Pack<T, N>& first, Pack<T, N>& second,
+                                              const Pack<Tc, N>& cos0, const Pack<Tc, N>& sin0,
+                                              const Pack<Tc, N>& cos1, const Pack<Tc, N>& sin1) {
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    float a0 = first.get(i), b0 = second.get(i), a1 = first.get(i + 1), b1 = second.get(i + 1);
+    rotate_pair(a0, b0, cos0.get(i), sin0.get(i), cos1.get(i), sin1.get(i));
+    rotate_pair(a1, b1, cos0.get(i + 1), sin0.get(i + 1), cos1.get(i + 1), sin1.get(i + 1));
+    set_pair(first, i, a0, a1);
+    set_pair(second, i, b0, b1);
+  }
+}
+
+// Interleaved rotation of one pack: pairs (2i, 2i+1) with the cos/sin packs of the same columns.
+template <typename T, typename Tc, int N>
+__device__ __forceinline__ void rotate_pack(Pack<T, N>& v, const Pack<Tc, N>& c,
+                                            const Pack<Tc, N>& s) {
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    float v0 = v.get(i), v1 = v.get(i + 1);
+    rotate_pair(v0, v1, c.get(i), s.get(i), c.get(i + 1), s.get(i + 1));
+    set_pair(v, i, v0, v1);
+  }
+}
+
+// Copies a norm weight of n elements of type Tw (16-byte aligned) into shared memory as fp32,
+// two 16-byte packs per thread in flight. The caller synchronizes before reading dst.
+template <typename Tw>
+__device__ __forceinline__ void stage_weight_packs(float* dst, const Tw* src, int n) {
+  constexpr int kPerPack = 16 / sizeof(Tw);
+  constexpr int kUnroll = 2;
+  const int n_packs = n / kPerPack;
+  for (int first = threadIdx.x; first < n_packs; first += kUnroll * blockDim.x) {
+    Pack<Tw, kPerPack> w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = first + u * blockDim.x;
+      if (p < n_packs) w[u].load(src + p * kPerPack);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = first + u * blockDim.x;
+      if (p < n_packs) {
+        Pack<float, kPerPack> f;
+#pragma unroll
+        for (int i = 0; i < kPerPack; ++i) f.set(i, w[u].get(i));
+        f.store(dst + p * kPerPack);
+      }
+    }
+  }
+  for (int i = n_packs * kPerPack + threadIdx.x; i < n; i += blockDim.x)
+    dst[i] = to_float(__ldg(src + i));
+}
+
+// Block-wide copy of a norm weight of run-time dtype into shared memory as fp32.
+__device__ __forceinline__ void stage_weight(float* dst, const void* src, ltx_dtype_t dtype, int n,
+                                             bool vectorized) {
+  if (!vectorized) {
+    stage_as_float(dst, src, dtype, n);
+    return;
+  }
+  switch (dtype) {
+    case LTX_FLOAT16: stage_weight_packs(dst, static_cast<const __half*>(src), n); break;
+    case LTX_BFLOAT16: stage_weight_packs(dst, static_cast<const __nv_bfloat16*>(src), n); break;
+    default: stage_weight_packs(dst, static_cast<const float*>(src), n); break;
+  }
+}
+
+// The tensor (0: q, 1: k) and row block of this block of the cached kernel. q and k blocks
+// alternate while both have rows left, so the q and k rows that share cos/sin rows run at the
+// same time and the second read of those rows hits L2; the tensor with more blocks finishes alone.
+template <typename T, typename Tc>
+__device__ __forceinline__ void block_work(const QkNormRopeParams<T, Tc>& a, int& tensor,
+                                           int64_t& row_block) {
+  const int64_t b = blockIdx.x;
+  const int64_t blocks0 = a.t[0].blocks, blocks1 = a.num_tensors > 1 ? a.t[1].blocks : 0;
+  const int64_t paired = blocks0 < blocks1 ? blocks0 : blocks1;
+  if (b < 2 * paired) {
+    tensor = static_cast<int>(b & 1);
+    row_block = b >> 1;
+  } else {
+    tensor = blocks0 > blocks1 ? 0 : 1;
+    row_block = b - paired;
+  }
+}
+
+// Slots whose cos/sin packs a thread holds at once: all of them when they are small, else a batch
+// of 2 (fp32 tables with 2-byte activations), so that the tables do not double the registers.
+template <typename T, typename Tc, int kVec, int kSlots>
+constexpr int table_batch() {
+  constexpr int words_per_slot = 2 * kVec * static_cast<int>(sizeof(Tc)) / 4;
+  return words_per_slot * kSlots <= 32 ? kSlots : 2;
+}
+
+// Row-cached norm + rotation. Each row is owned by tpr consecutive threads of a block (a power of
+// two up to 32, else a multiple of 32, so 5120-wide rows take 160 threads with every slot used;
+// rows_per_block rows per block; a block holds rows of one tensor only). A thread holds kSlots
+// packs of kVec elements of its row in registers, so x is read from memory once:
+// - pack layout (interleaved rotation, or no rotation): slot s holds pack s * tpr + lane of the
+//   row; rotary pairs (2i, 2i+1) lie inside a pack (kVec even, head_dim % kVec == 0).
+// - pair layout (rotate-halves): slots 2m and 2m+1 hold the packs at offsets d and d + half of
+//   one head, pack pair j = m * tpr + lane of the row (half % kVec == 0); element i of the
+//   first pack pairs with element i of the second.
+// All x loads are issued first, then the cos/sin packs (type Tc) of the first batch of slots
+// (table_batch), then, when normalizing with a weight and the block holds several rows, the block
+// stages the weight in shared memory as fp32 (otherwise each thread reads its weight packs after
+// the reduction, mostly L1 hits). The sum of squares is reduced across the row's threads
+// (shuffles, then shared memory when the row spans several warps; every thread of the block joins,
+// active or not); the cached packs are normalized (rounded to T), then rotated in fp32 (rounded to
+// T) and stored batch by batch, the cos/sin packs of each later batch loaded when it comes. When
+// every slot of a thread has the same cos/sin columns (shared_table_col: tables shared by all
+// heads, Wan), they are loaded once. kPackAccess = false moves elements one at a time (any
+// alignment; kVec = 2).
+template <typename T, typename Tc, int kVec, bool kPackAccess>
+__global__ void __launch_bounds__(kMaxThreadsPerRow)
+    qk_norm_rope_cached_kernel(const __grid_constant__ QkNormRopeParams<T, Tc> a) {
+  constexpr int kSlots = slots_per_thread<kPackAccess>();
+  constexpr int kBatch = table_batch<T, Tc, kVec, kSlots>();
+  static_assert(kVec % 2 == 0 && kBatch % 2 == 0 && kSlots % kBatch == 0,
+                "pairs inside packs, pack pairs inside batches");
+  extern __shared__ __align__(16) float staged_weight[];
+  __shared__ float warp_partials[kMaxThreadsPerRow / 32];
+
+  int tensor;
+  int64_t row_block;
+  block_work(a, tensor, row_block);
+  const RopeTensor<T, Tc>& t = a.t[tensor];
+  const int tpr = static_cast<int>(a.tpr.divisor);
+  const int row_in_block = a.tpr.div(threadIdx.x);
+  const int lane_in_row = threadIdx.x - row_in_block * tpr;
+  const int64_t row = row_block * a.rows_per_block + row_in_block;
+  const bool active = row < t.rows;  // inactive threads still join the reductions and barriers
+  const bool rotate = t.cos != nullptr;
+  const bool pair_layout = rotate && !a.interleaved;
+  const bool has_weight = a.normalize && t.weight != nullptr;
+  const bool staged = has_weight && a.stage_weight;  // same for the whole block
+  const bool shared_col = rotate && !pair_layout && a.shared_table_col;
+
+  // Items are packs (pack layout) or pack pairs (pair layout, slots 2m and 2m + 1); item m of the
+  // thread is item j = m * tpr + lane of the row, in head j / items_per_head (heads are only
+  // needed to rotate, where head_dim, resp. half_dim, is a multiple of kVec).
+  const int item_shift = pair_layout ? 1 : 0;
+  const FastDivider items_per_head = pair_layout ? a.pairs_per_head : a.packs_per_head;
+  const int n_items = a.n_packs >> item_shift;
+  const int second_table_col = a.rot_half ? 0 : a.half_dim;
+  auto item_of = [&](int s) { return (s >> item_shift) * tpr + lane_in_row; };
+  auto head_of = [&](int j) { return items_per_head.div(j); };
+  // Column of slot s's first element in its head (second half of a pair: + half_dim).
+  auto col_of = [&](int s, int j, int head) {
+    return (j - head * static_cast<int>(items_per_head.divisor)) * kVec +
+           ((s & item_shift) ? a.half_dim : 0);
+  };
+  auto elem_of = [&](int s) {  // first element of slot s's pack in the row
+    const int j = item_of(s);
+    if (!pair_layout) return j * kVec;  // (head_dim need not divide into packs without rotation)
+    const int head = head_of(j);
+    return head * a.head_dim + col_of(s, j, head);
+  };
+  unsigned valid_mask = 0;
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s)
+    if (active && item_of(s) < n_items) valid_mask |= 1u << s;
+  auto valid = [&](int s) { return ((valid_mask >> s) & 1u) != 0; };
+
+  const T* x_row = t.x + (active ? t.x_rows.offset(row) : 0);
+  const Tc* cos_row = rotate && active ? t.cos + t.cos_rows.offset(row) : nullptr;
+  const Tc* sin_row = rotate && active ? t.sin + t.sin_rows.offset(row) : nullptr;
+
+  // cos/sin packs of slots first .. first + kBatch - 1 (at rot_dim == head_dim / 2 the second
+  // half of a pair reuses the first half's values and loads nothing; with shared columns slot 0's
+  // packs serve every slot).
+  Pack<Tc, kVec> cs[kBatch], ss[kBatch];
+  auto load_tables = [&](int first) {
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int s = first + b;
+      if (valid(s) && !(pair_layout && a.rot_half && (b & 1)) && !(shared_col && b > 0)) {
+        const int j = item_of(s);
+        const int head = head_of(j);
+        const int col = col_of(s, j, head) - ((s & item_shift) ? a.half_dim - second_table_col : 0);
+        load_elements<kPackAccess>(cs[b], cos_row + static_cast<int64_t>(head) * t.cos_head_stride + col);
+        load_elements<kPackAccess>(ss[b], sin_row + static_cast<int64_t>(head) * t.sin_head_stride + col);
+      }
+    }
+  };
+
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  Pack<T, kVec> xs[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s)
+    if (valid(s)) load_elements<kPackAccess>(xs[s], x_row + elem_of(s));
+  if (rotate) load_tables(0);
+  if (staged) stage_weight(staged_weight, t.weight, t.weight_dtype, a.row_len, t.weight_vectorized);
+
+  float rstd = 1.f;
+  if (a.normalize) {  // same branch for the whole grid
+    float sumsq = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      if (valid(s)) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) sumsq += xs[s].get(i) * xs[s].get(i);
+      }
+    }
+    if (tpr <= 32) {
+      sumsq = group_sum(sumsq, tpr);
+    } else {  // same branch for the whole block: rows of whole warps
+      sumsq = warp_sum(sumsq);
+      const int warp = threadIdx.x >> 5, warps_per_row = tpr >> 5;
+      if ((threadIdx.x & 31) == 0) warp_partials[warp] = sumsq;
+      __syncthreads();
+      const float* partials = warp_partials + row_in_block * warps_per_row;
+      sumsq = 0.f;
+      for (int w = 0; w < warps_per_row; ++w) sumsq += partials[w];
+    }
+    rstd = rsqrtf(sumsq * a.inv_row_len + a.eps);
+  }
+  if (staged) __syncthreads();  // the staged weight is complete
+  if (!active) return;
+  T* out_row = t.out + t.out_rows.offset(row);
+
+  // v = round_T(x * rstd * weight), in place; one loop per weight source.
+  if (a.normalize) {
+    auto scale = [&](int s, const float* w) {
+#pragma unroll
+      for (int i = 0; i < kVec; i += 2)
+        set_pair(xs[s], i, xs[s].get(i) * rstd * w[i], xs[s].get(i + 1) * rstd * w[i + 1]);
+    };
+    if (!has_weight) {
+      float ones[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) ones[i] = 1.f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s)
+        if (valid(s)) scale(s, ones);
+    } else if (staged) {
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (!valid(s)) continue;
+        Pack<float, kVec> wp;
+        wp.load_plain(staged_weight + elem_of(s));
+        float w[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
+        scale(s, w);
+      }
+    } else if (t.weight_vectorized && t.weight_dtype != LTX_FLOAT32) {  // weight dtype T
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (!valid(s)) continue;
+        Pack<T, kVec> wp;
+        wp.load(static_cast<const T*>(t.weight) + elem_of(s));
+        float w[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
+        scale(s, w);
+      }
+    } else if (t.weight_vectorized) {  // fp32 weight
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (!valid(s)) continue;
+        Pack<float, kVec> wp;
+        wp.load(static_cast<const float*>(t.weight) + elem_of(s));
+        float w[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
+        scale(s, w);
+      }
+    } else {  // unaligned weight
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (!valid(s)) continue;
+        float w[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) w[i] = load_as_float(t.weight, t.weight_dtype, elem_of(s) + i);
+        scale(s, w);
+      }
+    }
+  }
+
+  // out = round_T(rotated v), batch by batch.
+#pragma unroll
+  for (int first = 0; first < kSlots; first += kBatch) {
+    if (shared_col) {
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (valid(first + b)) rotate_pack(xs[first + b], cs[0], ss[0]);
+    } else if (rotate) {
+      if (first > 0) load_tables(first);
+      if (pair_layout) {
+#pragma unroll
+        for (int b = 0; b < kBatch; b += 2) {
+          if (!valid(first + b)) continue;
+          if (a.rot_half)  // second-half cos/sin: the first half's at rot_dim == head_dim / 2
+            rotate_halves(xs[first + b], xs[first + b + 1], cs[b], ss[b], cs[b], ss[b]);
+          else
+            rotate_halves(xs[first + b], xs[first + b + 1], cs[b], ss[b], cs[b + 1], ss[b + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if (valid(first + b)) rotate_pack(xs[first + b], cs[b], ss[b]);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (valid(first + b)) store_elements<kPackAccess>(xs[first + b], out_row + elem_of(first + b));
+  }
+}
+
+// Streaming norm + rotation for rows the cached kernel cannot take (too long, or sizes it does
+// not divide): one block per row (grid-stride over the q rows, then the k rows), scalar accesses,
+// two passes over the row when normalizing (the second mostly hits L1/L2). Threads take rotary
+// pairs (2i, 2i+1) or (i, i + half) of a head, or single elements without rotation.
+template <typename T, typename Tc>
+__global__ void __launch_bounds__(kStreamingThreads)
+    qk_norm_rope_streaming_kernel(const __grid_constant__ QkNormRopeParams<T, Tc> a) {
+  __shared__ float scratch[32];
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  const int64_t rows0 = a.t[0].rows;
+  const int64_t total_rows = rows0 + (a.num_tensors > 1 ? a.t[1].rows : 0);
+  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const int tensor = r < rows0 ? 0 : 1;
+    const int64_t row = tensor == 0 ? r : r - rows0;
+    const RopeTensor<T, Tc>& t = a.t[tensor];
+    const T* x_row = t.x + t.x_rows.offset(row);
+    T* out_row = t.out + t.out_rows.offset(row);
+    const bool has_weight = a.normalize && t.weight != nullptr;
+    float rstd = 1.f;
+    if (a.normalize) {
+      float sumsq = 0.f;
+      for (int i = threadIdx.x; i < a.row_len; i += blockDim.x) {
+        const float v = to_float(x_row[i]);
+        sumsq += v * v;
+      }
+      sumsq = block_sum(sumsq, scratch);
+      rstd = rsqrtf(sumsq * a.inv_row_len + a.eps);
+    }
+    // v of element e: x, or round_T(x * rstd * weight).
+    auto value = [&](int e) {
+      const float v = to_float(x_row[e]);
+      if (!a.normalize) return v;
+      const float w = has_weight ? load_as_float(t.weight, t.weight_dtype, e) : 1.f;
+      return round_to<T>(v * rstd * w);
+    };
+    if (t.cos == nullptr) {
+      for (int e = threadIdx.x; e < a.row_len; e += blockDim.x)
+        out_row[e] = from_float<T>(value(e));
+      continue;
+    }
+    const Tc* cos_row = t.cos + t.cos_rows.offset(row);
+    const Tc* sin_row = t.sin + t.sin_rows.offset(row);
+    const int n_pairs = a.row_len / 2;
+    for (int pair = threadIdx.x; pair < n_pairs; pair += blockDim.x) {
+      int e0, e1, col0, col1, head;
+      if (a.interleaved) {
+        e0 = 2 * pair;
+        e1 = e0 + 1;
+        head = e0 / a.head_dim;
+        col0 = e0 - head * a.head_dim;
+        col1 = col0 + 1;
+      } else {
+        head = pair / a.half_dim;
+        col0 = pair - head * a.half_dim;
+        e0 = head * a.head_dim + col0;
+        e1 = e0 + a.half_dim;
+        col1 = a.rot_half ? col0 : col0 + a.half_dim;
+      }
+      const int64_t cos_base = static_cast<int64_t>(head) * t.cos_head_stride;
+      const int64_t sin_base = static_cast<int64_t>(head) * t.sin_head_stride;
+      float v0 = value(e0), v1 = value(e1);
+      rotate_pair(v0, v1, to_float(cos_row[cos_base + col0]), to_float(sin_row[sin_base + col0]),
+                  to_float(cos_row[cos_base + col1]), to_float(sin_row[sin_base + col1]));
+      out_row[e0] = from_float<T>(v0);
+      out_row[e1] = from_float<T>(v1);
+    }
+  }
+}
+
+// Launches the cached kernel: threads per row, rows per block, q/k block counts, weight staging.
+template <typename T, typename Tc, int kVec, bool kPackAccess>
+int launch_cached(QkNormRopeParams<T, Tc> a, cudaStream_t stream) {
+  constexpr int kSlots = slots_per_thread<kPackAccess>();
+  const int n_packs = a.row_len / kVec;
+  // Threads per row: enough for kSlots packs each; a power of two within a warp (aligned groups
+  // for the shuffles), else whole warps, so that rows of e.g. 640 packs use 160 threads fully.
+  const int needed = (n_packs + kSlots - 1) / kSlots;
+  int tpr = 1;
+  while (tpr < needed && tpr < 32) tpr *= 2;
+  if (needed > 32) tpr = (needed + 31) / 32 * 32;
+  const int64_t rows1 = a.num_tensors > 1 ? a.t[1].rows : 0;
+  auto blocks_of = [](int64_t rows, int rows_per_block) {
+    return (rows + rows_per_block - 1) / rows_per_block;
+  };
+  // Several rows per block; fewer when there are few rows, so that every SM gets work.
+  int rows_per_block = std::max(1, kRowBlockThreads / tpr);
+  const int min_rows_per_block = std::max(1, 64 / tpr);
+  while (rows_per_block > min_rows_per_block &&
+         blocks_of(a.t[0].rows, rows_per_block) + blocks_of(rows1, rows_per_block) < 2 * sm_count())
+    rows_per_block /= 2;
+  a.tpr = FastDivider::of(tpr);
+  a.rows_per_block = rows_per_block;
+  a.n_packs = n_packs;
+  a.packs_per_head = FastDivider::of(std::max(1, a.head_dim / kVec));
+  a.pairs_per_head = FastDivider::of(std::max(1, a.half_dim / kVec));
+  a.t[0].blocks = blocks_of(a.t[0].rows, rows_per_block);
+  a.t[1].blocks = a.num_tensors > 1 ? blocks_of(rows1, rows_per_block) : 0;
+  const int64_t blocks = a.t[0].blocks + a.t[1].blocks;
+  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  const bool any_weight =
+      a.normalize && (a.t[0].weight != nullptr || (a.num_tensors > 1 && a.t[1].weight != nullptr));
+  const size_t weight_bytes = static_cast<size_t>(a.row_len) * sizeof(float);
+  a.stage_weight = any_weight && weight_bytes <= kMaxStagedWeightBytes &&
+                   rows_per_block >= kMinRowsToStageWeight;
+  bool shared_col = a.interleaved && (tpr * kVec) % a.head_dim == 0;
+  for (int i = 0; i < a.num_tensors; ++i)
+    shared_col = shared_col && (a.t[i].cos == nullptr ||
+                                (a.t[i].cos_head_stride == 0 && a.t[i].sin_head_stride == 0));
+  a.shared_table_col = shared_col;
+  return launch(qk_norm_rope_cached_kernel<T, Tc, kVec, kPackAccess>,
+                dim3(static_cast<unsigned>(blocks)), dim3(rows_per_block * tpr),
+                a.stage_weight ? weight_bytes : 0, stream, a);
+}
+
+template <typename T, typename Tc>
+int launch_streaming(const QkNormRopeParams<T, Tc>& a, cudaStream_t stream) {
+  const int64_t rows = a.t[0].rows + (a.num_tensors > 1 ? a.t[1].rows : 0);
+  const int64_t blocks = std::min<int64_t>(rows, int64_t{1} << 20);
+  return launch(qk_norm_rope_streaming_kernel<T, Tc>, dim3(static_cast<unsigned>(blocks)),
+                dim3(kStreamingThreads), 0, stream, a);
+}
+
+// True when every row start and every head's table start of `r` is aligned to `alignment` bytes.
+inline bool table_rows_aligned(const ltx_rows_t& r, int64_t head_stride, int heads, int elem_bytes,
+                               int alignment) {
+  return rows_aligned(r, elem_bytes, alignment) &&
+         (heads <= 1 || (head_stride * elem_bytes) % alignment == 0);
+}
+
+// Fills the kernel parameters and picks the kernel: vector cached, scalar cached or streaming.
+template <typename T, typename Tc>
+int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream) {
+  QkNormRopeParams<T, Tc> a{};
+  a.num_tensors = args.num_tensors;
+  a.heads = static_cast<int>(args.heads);
+  a.head_dim = static_cast<int>(args.head_dim);
+  a.half_dim = a.head_dim / 2;
+  a.row_len = a.heads * a.head_dim;
+  a.rot_half = !args.interleaved && args.rot_dim != args.head_dim;
+  a.normalize = args.normalize != 0;
+  a.interleaved = args.interleaved != 0;
+  a.inv_row_len = 1.f / static_cast<float>(a.row_len);
+  a.eps = args.eps;
+
+  constexpr int kVec = 16 / sizeof(T);
+  bool vector_ok = a.row_len % kVec == 0;
+  bool scalar_ok = a.row_len % 2 == 0;
+  for (int i = 0; i < args.num_tensors; ++i) {
+    const ltx_rope_tensor_t& src = args.tensors[i];
+    RopeTensor<T, Tc>& dst = a.t[i];
+    dst.out = static_cast<T*>(src.out.data);
+    dst.out_rows = RowIndex::of(src.out);
+    dst.x = static_cast<const T*>(src.x.data);
+    dst.x_rows = RowIndex::of(src.x);
+    dst.rows = num_rows(src.x);
+    vector_ok = vector_ok && rows_aligned(src.x, sizeof(T), 16) &&
+                rows_aligned(src.out, sizeof(T), 16);
+    if (src.cos.data != nullptr) {
+      dst.cos = static_cast<const Tc*>(src.cos.data);
+      dst.cos_rows = RowIndex::of(src.cos);
+      dst.sin = static_cast<const Tc*>(src.sin.data);
+      dst.sin_rows = RowIndex::of(src.sin);
+      dst.cos_head_stride = src.cos_head_stride;
+      dst.sin_head_stride = src.sin_head_stride;
+      constexpr int kTableAlign = pack_alignment<Tc, kVec>();
+      vector_ok = vector_ok &&
+                  table_rows_aligned(src.cos, src.cos_head_stride, a.heads, sizeof(Tc), kTableAlign) &&
+                  table_rows_aligned(src.sin, src.sin_head_stride, a.heads, sizeof(Tc), kTableAlign);
+      if (a.interleaved) {
+        vector_ok = vector_ok && a.head_dim % kVec == 0;  // packs never straddle heads
+      } else {
+        vector_ok = vector_ok && a.half_dim % kVec == 0;  // packs never straddle halves
+        scalar_ok = scalar_ok && a.half_dim % 2 == 0;
+      }
+    }
+    if (a.normalize && src.weight.data != nullptr) {
+      dst.weight = src.weight.data;
+      dst.weight_dtype = src.weight.dtype;
+      dst.weight_vectorized = reinterpret_cast<uintptr_t>(src.weight.data) % 16 == 0;
+    }
+  }
+  if (vector_ok && a.row_len / kVec <= slots_per_thread<true>() * kMaxThreadsPerRow)
+    return launch_cached<T, Tc, kVec, true>(a, stream);
+  if (scalar_ok && a.row_len / 2 <= slots_per_thread<false>() * kMaxThreadsPerRow)
+    return launch_cached<T, Tc, 2, false>(a, stream);
+  return launch_streaming<T, Tc>(a, stream);
+}
+
+bool is_float_dtype(ltx_dtype_t d) {
+  return d == LTX_FLOAT32 || d == LTX_FLOAT16 || d == LTX_BFLOAT16;
+}
+
+}  // namespace
+}  // namespace ltx
+
+extern "C" int ltx_qk_norm_rope_cuda(const ltx_qk_norm_rope_args_t* args, ltx_stream_t stream) {
+  using namespace ltx;
+  if (args == nullptr || (args->num_tensors != 1 && args->num_tensors != 2)) return LTX_ERR_INVALID_ARGUMENT;
+  const int64_t heads = args->heads, head_dim = args->head_dim;
+  if (heads < 0 || head_dim < 0 || heads > INT32_MAX || head_dim > INT32_MAX ||
+      (heads > 0 && head_dim > INT32_MAX / heads))
+    return LTX_ERR_INVALID_ARGUMENT;
+  if (args->normalize && !(args->eps >= 0.f)) return LTX_ERR_INVALID_ARGUMENT;
+  const ltx_dtype_t x_dtype = args->tensors[0].x.dtype;
+  bool any_rotation = false, any_rows = false;
+  bool has_table_dtype = false;
+  ltx_dtype_t table_dtype = x_dtype;
+  for (int i = 0; i < args->num_tensors; ++i) {
+    const ltx_rope_tensor_t& t = args->tensors[i];
+    if (!valid_rows(t.x) || !valid_rows(t.out) || num_rows(t.out) != num_rows(t.x) ||
+        t.out.dtype != t.x.dtype)
+      return LTX_ERR_INVALID_ARGUMENT;
+    if (t.x.dtype != x_dtype) return LTX_ERR_UNSUPPORTED_DTYPE;  // q and k share T
+    any_rows = any_rows || num_rows(t.x) > 0;
+    if ((t.cos.data == nullptr) != (t.sin.data == nullptr)) return LTX_ERR_INVALID_ARGUMENT;
+    if (t.cos.data != nullptr) {
+      if (!valid_rows(t.cos) || !valid_rows(t.sin) || num_rows(t.cos) != num_rows(t.x) ||
+          num_rows(t.sin) != num_rows(t.x))
+        return LTX_ERR_INVALID_ARGUMENT;
+      if (t.sin.dtype != t.cos.dtype || (t.cos.dtype != x_dtype && t.cos.dtype != LTX_FLOAT32) ||
+          (has_table_dtype && t.cos.dtype != table_dtype))
+        return LTX_ERR_UNSUPPORTED_DTYPE;
+      has_table_dtype = true;
+      table_dtype = t.cos.dtype;
+      any_rotation = true;
+    }
+    if (args->normalize && t.weight.data != nullptr &&
+        t.weight.dtype != x_dtype && t.weight.dtype != LTX_FLOAT32)
+      return LTX_ERR_UNSUPPORTED_DTYPE;
+  }
+  if (any_rotation) {
+    if (head_dim % 2 != 0) return LTX_ERR_INVALID_ARGUMENT;
+    const bool rot_ok = args->interleaved
+                            ? args->rot_dim == head_dim
+                            : (args->rot_dim == head_dim || 2 * args->rot_dim == head_dim);
+    if (!rot_ok) return LTX_ERR_INVALID_ARGUMENT;
+  }
+  if (!is_float_dtype(x_dtype)) return LTX_ERR_UNSUPPORTED_DTYPE;
+  if (!any_rows || heads == 0 || head_dim == 0) return LTX_OK;
+  const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch_float(x_dtype, [&](auto x_tag) {
+    using T = typename decltype(x_tag)::type;
+    if (table_dtype == LTX_FLOAT32) return qk_norm_rope_typed<T, float>(*args, cuda_stream);
+    return qk_norm_rope_typed<T, T>(*args, cuda_stream);
+  });
+}

@@ -1,0 +1,114 @@
+/* RMSNorm and/or rotary embedding of q/k rows (portable C, the CPU backend), with the rounding
+ * points of ltx_qk_norm_rope_cuda (see ltx_kernels.h). A row holds `heads` heads of `head_dim`
+ * contiguous elements; the norm spans the whole row (sum of squares accumulated in double), the
+ * rotation is per head with that head's cos/sin row, in fp32 from the normalized values rounded
+ * to T. Each rotation pair is read before it is written, so out may alias x. */
+#include "cpu_utils.h"
+
+/* Status of the checks of one tensor's operands against the shared arguments (see the header:
+ * x, out: T of both tensors; cos and sin: both present or both absent, one dtype `table` (T or
+ * fp32) for both tensors; weight T or fp32). */
+static int check_tensor(const ltx_qk_norm_rope_args_t* a, const ltx_rope_tensor_t* t,
+                        ltx_dtype_t act, ltx_dtype_t table) {
+  const int rotate = t->cos.data != NULL;
+  const int64_t rows = ltx_num_rows(&t->x);
+  if (t->out.dtype != t->x.dtype || (t->sin.data != NULL) != rotate)
+    return LTX_ERR_INVALID_ARGUMENT;
+  if (t->x.dtype != act ||
+      (rotate && (t->cos.dtype != table || t->sin.dtype != table ||
+                  (table != act && table != LTX_FLOAT32))) ||
+      (a->normalize && t->weight.data && t->weight.dtype != act &&
+       t->weight.dtype != LTX_FLOAT32))
+    return LTX_ERR_UNSUPPORTED_DTYPE;
+  if (!ltx_valid_rows(&t->x) || !ltx_valid_rows(&t->out) || ltx_num_rows(&t->out) != rows ||
+      !ltx_valid_optional_rows(&t->cos, rows) || !ltx_valid_optional_rows(&t->sin, rows))
+    return LTX_ERR_INVALID_ARGUMENT;
+  /* Rotation: even head_dim; interleaved pairs span the head; halves span it or half of it. */
+  if (rotate && (a->head_dim % 2 != 0 ||
+                 !(a->rot_dim == a->head_dim ||
+                   (!a->interleaved && a->rot_dim * 2 == a->head_dim))))
+    return LTX_ERR_INVALID_ARGUMENT;
+  return LTX_OK;
+}
+
+/* Element i of the row before its rounding to T: x * rstd * w (torch.nn.RMSNorm, weight
+ * optional) when normalizing, x otherwise. */
+static float normalized_element(const void* x_row, ltx_dtype_t act, const ltx_vector_t* weight,
+                                int normalize, float rstd, int64_t i) {
+  float v = ltx_load(x_row, act, i);
+  if (!normalize) return v;
+  v *= rstd;
+  if (weight->data) v *= ltx_load(weight->data, weight->dtype, i);
+  return v;
+}
+
+int ltx_qk_norm_rope_cpu(const ltx_qk_norm_rope_args_t* args, int tensor, int64_t row_begin,
+                         int64_t row_end) {
+  const ltx_qk_norm_rope_args_t* a = args;
+  const ltx_rope_tensor_t* t;
+  ltx_dtype_t act, table; /* T, cos/sin dtype */
+  int64_t row_length, half, row, head, i;
+  int k, status, rotate;
+  if (!a || a->num_tensors < 1 || a->num_tensors > 2 || tensor < 0 || tensor >= a->num_tensors ||
+      a->heads < 0 || a->head_dim < 0 || (a->normalize && !(a->eps >= 0.f)) ||
+      (a->head_dim > 0 && a->heads > INT64_MAX / a->head_dim))
+    return LTX_ERR_INVALID_ARGUMENT;
+  act = a->tensors[0].x.dtype; /* T, shared by both tensors */
+  if (!ltx_valid_dtype(act)) return LTX_ERR_UNSUPPORTED_DTYPE;
+  table = a->tensors[a->tensors[0].cos.data ? 0 : a->num_tensors - 1].cos.dtype;
+  for (k = 0; k < a->num_tensors; ++k)
+    if ((status = check_tensor(a, &a->tensors[k], act, table)) != LTX_OK) return status;
+  t = &a->tensors[tensor];
+  if (row_begin < 0 || row_end > ltx_num_rows(&t->x)) return LTX_ERR_INVALID_ARGUMENT;
+  row_length = a->heads * a->head_dim;
+  if (row_length == 0) return LTX_OK;
+  rotate = t->cos.data != NULL;
+  half = a->head_dim / 2;
+
+  for (row = row_begin; row < row_end; ++row) {
+    const void* x_row = ltx_row_ptr(&t->x, row);
+    void* out_row = ltx_row_ptr(&t->out, row);
+    const void *cos_row, *sin_row;
+    float rstd = 0.f;
+    if (a->normalize) {
+      double sumsq = 0.0;
+      for (i = 0; i < row_length; ++i) {
+        const double v = ltx_load(x_row, act, i);
+        sumsq += v * v;
+      }
+      rstd = (float)(1.0 / sqrt(sumsq / (double)row_length + (double)a->eps));
+    }
+    if (!rotate) { /* norm only (or a copy): one rounding to T */
+      for (i = 0; i < row_length; ++i)
+        ltx_store(out_row, act, i,
+                  normalized_element(x_row, act, &t->weight, a->normalize, rstd, i));
+      continue;
+    }
+    cos_row = ltx_row_ptr(&t->cos, row);
+    sin_row = ltx_row_ptr(&t->sin, row);
+    for (head = 0; head < a->heads; ++head) {
+      /* Head `head` starts at element `base` of the row; its cos/sin values start at elements
+       * cos_base/sin_base of the row's cos/sin rows. */
+      const int64_t base = head * a->head_dim;
+      const int64_t cos_base = head * t->cos_head_stride, sin_base = head * t->sin_head_stride;
+      for (i = 0; i < half; ++i) {
+        /* The pair (lo, hi) rotated together and the table entries of each. */
+        const int64_t lo = a->interleaved ? 2 * i : i;
+        const int64_t hi = a->interleaved ? 2 * i + 1 : i + half;
+        const int64_t hi_table = a->rot_dim == a->head_dim ? hi : i;
+        /* v rounded to T (a no-op without normalization: x already is T) */
+        const float v_lo = ltx_round_to(
+            act, normalized_element(x_row, act, &t->weight, a->normalize, rstd, base + lo));
+        const float v_hi = ltx_round_to(
+            act, normalized_element(x_row, act, &t->weight, a->normalize, rstd, base + hi));
+        const float o_lo = v_lo * ltx_load(cos_row, table, cos_base + lo) -
+                           v_hi * ltx_load(sin_row, table, sin_base + lo);
+        const float o_hi = v_hi * ltx_load(cos_row, table, cos_base + hi_table) +
+                           v_lo * ltx_load(sin_row, table, sin_base + hi_table);
+        ltx_store(out_row, act, base + lo, o_lo);
+        ltx_store(out_row, act, base + hi, o_hi);
+      }
+    }
+  }
+  return LTX_OK;
+}
