@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <utility>
 
@@ -279,6 +280,33 @@ inline int sm_count() {
     cache[device] = count > 0 ? count : 132;
   }
   return cache[device];
+}
+
+// Launch shape of the row-chunked elementwise kernels (gelu, gated_residual): rows of `packs`
+// packs, each owned by tpr = 2^log2_tpr consecutive threads that take `slots` packs apiece per
+// column chunk (blockIdx.y strides over chunks). tpr is the fewest threads (a power of two, at most
+// max_threads) that cover a row in one chunk; blocks hold several rows, fewer (down to
+// min_threads) when there are few rows, so that every SM gets work.
+struct RowChunkGrid {
+  int log2_tpr;
+  int64_t chunks;
+  dim3 grid, block;
+};
+
+inline RowChunkGrid row_chunk_grid(int64_t rows, int64_t packs, int slots, int max_threads,
+                                   int min_threads) {
+  RowChunkGrid g{};
+  while ((1 << g.log2_tpr) < max_threads && (int64_t{slots} << g.log2_tpr) < packs) ++g.log2_tpr;
+  const int tpr = 1 << g.log2_tpr;
+  g.chunks = (packs + int64_t{tpr} * slots - 1) / (int64_t{tpr} * slots);
+  int threads = std::max(tpr, max_threads);
+  min_threads = std::max(tpr, min_threads);
+  auto row_blocks = [&](int t) { return (rows + t / tpr - 1) / (t / tpr); };
+  while (threads > min_threads && row_blocks(threads) * g.chunks < 2 * sm_count()) threads /= 2;
+  g.grid = dim3(static_cast<unsigned>(std::min<int64_t>(row_blocks(threads), INT32_MAX)),
+                static_cast<unsigned>(std::min<int64_t>(g.chunks, 65535)));
+  g.block = dim3(threads);
+  return g;
 }
 
 // The status a launcher returns after its kernel launch.

@@ -123,20 +123,10 @@ __global__ void __launch_bounds__(kBlockThreads) gelu_kernel(const GeluArgs<T> a
 template <typename T, int kVec, ltx_gelu_approximate_t kApproximate>
 int launch_gelu(GeluArgs<T> a, cudaStream_t stream) {
   a.packs = a.hidden / kVec;
-  // Fewest threads per row (a power of two, at most a block) that cover the row in one chunk.
-  a.log2_tpr = 0;
-  while ((1 << a.log2_tpr) < kBlockThreads && (int64_t{kSlots} << a.log2_tpr) < a.packs)
-    ++a.log2_tpr;
-  const int tpr = 1 << a.log2_tpr;
-  a.chunks = (a.packs + int64_t{tpr} * kSlots - 1) / (int64_t{tpr} * kSlots);
-  // Several rows per block; fewer when there are few rows, so that every SM gets work.
-  int threads = std::max(tpr, kBlockThreads);
-  const int min_threads = std::max(tpr, kMinBlockThreads);
-  auto row_blocks = [&](int t) { return (a.rows + t / tpr - 1) / (t / tpr); };
-  while (threads > min_threads && row_blocks(threads) * a.chunks < 2 * sm_count()) threads /= 2;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(row_blocks(threads), INT32_MAX)),
-                  static_cast<unsigned>(std::min<int64_t>(a.chunks, 65535)));
-  return launch(gelu_kernel<T, kVec, kApproximate>, grid, dim3(threads), 0, stream, a);
+  const RowChunkGrid g = row_chunk_grid(a.rows, a.packs, kSlots, kBlockThreads, kMinBlockThreads);
+  a.log2_tpr = g.log2_tpr;
+  a.chunks = g.chunks;
+  return launch(gelu_kernel<T, kVec, kApproximate>, g.grid, g.block, 0, stream, a);
 }
 
 template <typename T, ltx_gelu_approximate_t kApproximate>

@@ -71,3 +71,17 @@ def make_activation(shape, dtype, device, layout: str = "contiguous") -> torch.T
     if layout == "misaligned":
         return torch.randn(*lead, hidden + 4, device=device).to(dtype)[..., 1 : hidden + 1]
     raise ValueError(layout)
+
+
+def capture_graph(step):
+    """Runs step() once on a side stream (warm-up outside the capture), then captures it in a CUDA
+    graph. Returns (graph, outputs of the captured call)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -16,7 +16,7 @@ from fused_helpers import (
     BROADCASTS, DTYPES, FRAMES, LAYOUTS, assert_new_contiguous, assert_rounds_within,
     make_modulation, rows_hidden_cases, skip_big_on_cpu, varied_rows,
 )
-from helpers import make_activation, poison_allocator
+from helpers import capture_graph, make_activation, poison_allocator
 
 OPS = ["rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate", "add_layernorm_modulate"]
 # model: upcast=False, every operand in x's dtype (LTX-Video, FLUX). upcast: upcast=True with
@@ -455,15 +455,7 @@ def test_compile_fullgraph_no_recompile(device):
 def test_cuda_graph_capture_and_replay():
     cases = [make_case(op, (2, 64, 2048), torch.bfloat16, "cuda", precision, "unbind6")
              for op in OPS for precision in ("model", "upcast_fp32")]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        for case in cases:
-            case.run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        results = [case.run() for case in cases]
+    graph, results = capture_graph(lambda: [case.run() for case in cases])
     for _ in range(2):  # new data in the captured inputs, then replay
         for case in cases:
             case.x.copy_(torch.randn_like(case.x, dtype=torch.float32))

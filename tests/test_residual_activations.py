@@ -14,7 +14,7 @@ from fused_helpers import (
     BROADCASTS, DTYPES, FRAMES, LAYOUTS, assert_new_contiguous, assert_rounds_within,
     make_modulation, rows_hidden_cases, skip_big_on_cpu, varied_rows,
 )
-from helpers import MANTISSA_BITS, make_activation, poison_allocator
+from helpers import MANTISSA_BITS, capture_graph, make_activation, poison_allocator
 
 PRECISIONS = ["model", "upcast", "upcast_fp32"]  # as in test_norm_modulate.py
 APPROXIMATE = ["none", "tanh"]
@@ -430,14 +430,7 @@ def test_cuda_graph_capture_and_replay():
                 ltx_kernels.gelu(x, "tanh"), ltx_kernels.geglu(x, "none"),
                 ltx_kernels.linear_gelu(xl, weight, bias))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_graph(step)
     for _ in range(2):  # new data in the captured inputs, then replay
         for t in (x, y, xl):
             t.copy_(torch.randn_like(t, dtype=torch.float32))

@@ -7,7 +7,7 @@ import torch
 import ltx_kernels
 from ltx_kernels import reference
 
-from helpers import assert_rounds_exact, make_activation, poison_allocator
+from helpers import assert_rounds_exact, capture_graph, make_activation, poison_allocator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HIDDEN = [64, 111, 769, 2048, 3072, 5125]
@@ -186,14 +186,7 @@ def test_compile_fullgraph_no_recompile(device):
 def test_cuda_graph_capture_and_replay():
     x = torch.randn(64, 2048, device="cuda").to(torch.bfloat16)
     w = torch.randn(2048, device="cuda").to(torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        ltx_kernels.rmsnorm(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ltx_kernels.rmsnorm(x, w)
+    graph, out = capture_graph(lambda: ltx_kernels.rmsnorm(x, w))
     for _ in range(2):  # new data in the captured input, then replay
         x.copy_(torch.randn_like(x, dtype=torch.float32))
         graph.replay()

@@ -17,7 +17,7 @@ from fused_helpers import (
     DTYPES, LAYOUTS, assert_new_contiguous, assert_rounds_within, rows_hidden_cases,
     skip_big_on_cpu, varied_rows,
 )
-from helpers import make_activation, poison_allocator
+from helpers import capture_graph, make_activation, poison_allocator
 
 # Even widths; 110, 770 and 5126 have an odd number of pairs (55, 385, 2563): scalar tails.
 ROPE_HIDDEN = [110, 770, 1536, 2048, 3072, 5120, 5126]
@@ -556,14 +556,7 @@ def test_cuda_graph_capture_and_replay():
         return (*ltx_kernels.qk_rmsnorm_rope(q, k, w, w, cos, sin),
                 ltx_kernels.rope(x, cos3, sin3, False))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_graph(step)
     for _ in range(2):  # new data in the captured inputs, then replay
         for t in (q, k, x):
             t.copy_(torch.randn_like(t, dtype=torch.float32))
