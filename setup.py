@@ -98,7 +98,7 @@ cpu_library = ("ltx_kernels_cpu", {
 
 setup(
     package_dir={"ltx_kernels": "torch-ext/ltx_kernels"},
-    packages=["ltx_kernels"],
+    packages=["ltx_kernels", "ltx_kernels.integration"],
     libraries=[cpu_library],
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension},

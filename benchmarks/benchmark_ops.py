@@ -110,15 +110,12 @@ def ltx_apply_rotary_emb(x, cos, sin):
 
 
 def wan_apply_rotary_emb(hidden_states, freqs_cos, freqs_sin):
-    """transformers/transformer_wan.py WanAttnProcessor.__call__, its inner apply_rotary_emb:
-    hidden_states [B, S, H, 128] bf16, freqs_cos/sin fp32 [1, S, 1, 128] (WanRotaryPosEmbed)."""
-    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(hidden_states)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(hidden_states)
+    """transformers/transformer_wan.py WanAttnProcessor.__call__, its inner apply_rotary_emb
+    (kept verbatim in ltx_kernels.integration.wan): hidden_states [B, S, H, 128] bf16,
+    freqs_cos/sin fp32 [1, S, 1, 128] (WanRotaryPosEmbed)."""
+    from ltx_kernels.integration.wan import wan_rope
+
+    return wan_rope(hidden_states, (freqs_cos, freqs_sin))
 
 
 def ltx_qk_norm_rope(query, key, q_weight, k_weight, cos, sin):

@@ -4,7 +4,8 @@
 # (default: results/), at most 8 files.
 #   bash benchmarks/run_on_device.sh [pytest -k expression]
 # Env: SANITIZE=1 (compute-sanitizer memcheck + racecheck on a subset), RMSNORM_BENCH=1 (also the
-# rmsnorm benchmarks), SKIP_TESTS=1, SKIP_BENCH=1.
+# rmsnorm benchmarks), OPS_BENCH=0 (skip benchmark_ops), TRANSFORMER_BENCH="<args>;<args>" (runs
+# benchmark_transformer.py once per ;-separated argument list), SKIP_TESTS=1, SKIP_BENCH=1.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -32,7 +33,12 @@ if [ "${SANITIZE:-0}" = 1 ]; then  # memcheck and racecheck over every kernel pa
 fi
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 {
-  python3 benchmarks/benchmark_ops.py --out "$OUT/bench"
+  [ "${OPS_BENCH:-1}" = 0 ] || python3 benchmarks/benchmark_ops.py --out "$OUT/bench"
+  IFS=';' read -ra transformer_runs <<<"${TRANSFORMER_BENCH:-}"
+  for run_args in "${transformer_runs[@]}"; do
+    # shellcheck disable=SC2086  # word splitting of the argument list is intended
+    python3 benchmarks/benchmark_transformer.py $run_args --out "$OUT/bench"
+  done
   if [ "${RMSNORM_BENCH:-0}" = 1 ]; then
     for weight in bf16 none; do
       python3 benchmarks/benchmark_rmsnorm.py --weight "$weight" --out "$OUT/bench"

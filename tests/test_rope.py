@@ -480,14 +480,10 @@ def test_qk_matches_wan_attention(device):
     with torch.no_grad():
         norm.weight.copy_(1 + 0.3 * torch.randn(dim))
 
+    from ltx_kernels.integration.wan import wan_rope  # WanAttnProcessor's closure, verbatim
+
     def wan_rotary(hidden_states, freqs_cos, freqs_sin):
-        x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
-        cos = freqs_cos[..., 0::2]
-        sin = freqs_sin[..., 1::2]
-        out = torch.empty_like(hidden_states)
-        out[..., 0::2] = x1 * cos - x2 * sin
-        out[..., 1::2] = x1 * sin + x2 * cos
-        return out.type_as(hidden_states)
+        return wan_rope(hidden_states, (freqs_cos, freqs_sin))
 
     theta = torch.rand(1, 50, 1, head_dim // 2, device=device) * 50
     cos, sin = (t.repeat_interleave(2, dim=-1) for t in (theta.cos(), theta.sin()))

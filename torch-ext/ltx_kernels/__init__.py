@@ -15,7 +15,8 @@ OPS = (
     "add_layernorm_modulate", "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu",
     "linear_gelu",
 )
-__all__ = [*OPS, "reference", "OPS", "load_error"]
+__all__ = [*OPS, "reference", "OPS", "load_error", "inject_optimized_kernels",
+           "remove_optimized_kernels", "InjectionReport"]
 
 #: Why the compiled extension failed to load, or None. When set, calling an op raises.
 load_error: Exception | None = None
@@ -127,3 +128,7 @@ def linear_gelu(x, weight, bias=None):
     """`F.gelu(F.linear(x, weight, bias), approximate="tanh")` as one cuBLASLt GEMM with a GELU
     epilogue (through `torch._addmm_activation`) on CUDA. x [..., K], weight [N, K], bias [N]."""
     return _library().linear_gelu(x, weight, bias)
+
+
+from .integration import (InjectionReport, inject_optimized_kernels,  # noqa: E402
+                          remove_optimized_kernels)

@@ -1,0 +1,201 @@
+"""One denoising step of a full-size diffusers transformer, in one process, in six columns:
+eager, eager + ltx_kernels (inject_optimized_kernels), torch.compile(fullgraph=True) with and
+without the kernels, and compile_repeated_blocks(fullgraph=True) with and without the kernels.
+
+Models (random weights from the real default configs, bf16):
+  ltx        LTXVideoTransformer3DModel (LTX-Video 2B, 28 blocks), batch 2 (CFG), 128 text tokens;
+             --tokens 2688 (49 frames 512x768) and 8064 (161 frames 512x768).
+  flux-pair  one FluxTransformerBlock + one FluxSingleTransformerBlock (dim 3072, 24x128 heads),
+             batch 1, 4096 image + 512 text tokens (1024x1024).
+
+Time per step: CUDA events around each call (the user-visible step time, CPU launch gaps included),
+median of --reps calls after warm-up; compile time is the wall time of the first call. Each column's
+output is compared with the eager output (relative L2).
+
+  python benchmarks/benchmark_transformer.py --model ltx --tokens 2688 8064 --out results/
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_utils  # noqa: E402
+
+import ltx_kernels  # noqa: E402
+
+COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels", "compile", "compile+kernels")
+LTX_GRIDS = {2688: (7, 16, 24), 8064: (21, 16, 24), 7392: (21, 16, 22)}
+
+
+def ltx_case(tokens: int):
+    from diffusers import LTXVideoTransformer3DModel
+
+    frames, height, width = LTX_GRIDS[tokens]
+    with torch.device("cuda"):
+        model = LTXVideoTransformer3DModel().to(torch.bfloat16).eval()
+    g = torch.Generator("cuda").manual_seed(0)
+    batch, text = 2, 128
+    mask = torch.ones(batch, text, dtype=torch.bool, device="cuda")
+    mask[0, 40:] = False
+    inputs = dict(
+        hidden_states=torch.randn(batch, tokens, 128, generator=g, device="cuda", dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(batch, text, 4096, generator=g, device="cuda",
+                                          dtype=torch.bfloat16),
+        timestep=torch.full((batch,), 500.0, device="cuda"), encoder_attention_mask=mask,
+        num_frames=frames, height=height, width=width, rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False)
+    return model, lambda m: m(**inputs)[0]
+
+
+class FluxBlockPair(torch.nn.Module):
+    """One FLUX.1 double-stream block followed by one single-stream block."""
+
+    def __init__(self):
+        super().__init__()
+        from diffusers.models.transformers.transformer_flux import (FluxSingleTransformerBlock,
+                                                                    FluxTransformerBlock)
+
+        self.double_block = FluxTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128)
+        self.single_block = FluxSingleTransformerBlock(dim=3072, num_attention_heads=24,
+                                                 attention_head_dim=128)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        encoder_hidden_states, hidden_states = self.double_block(
+            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
+            image_rotary_emb=image_rotary_emb)
+        encoder_hidden_states, hidden_states = self.single_block(
+            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
+            image_rotary_emb=image_rotary_emb)
+        return hidden_states
+
+
+def flux_rotary(image_side: int, text: int, device):
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    rows, cols = torch.meshgrid(torch.arange(image_side), torch.arange(image_side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
+    ids = torch.cat([torch.zeros(text, 3, dtype=img_ids.dtype), img_ids]).to(device).float()
+    return FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(ids)
+
+
+def flux_pair_case(tokens: int = 4096, text: int = 512):
+    side = int(round(tokens ** 0.5))
+    assert side * side == tokens, "flux-pair: --tokens must be a square (image side in patches)"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = FluxBlockPair().to(torch.bfloat16).eval()
+    g = torch.Generator("cuda").manual_seed(0)
+    args = (torch.randn(1, tokens, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+            torch.randn(1, text, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+            torch.randn(1, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+            flux_rotary(side, text, "cuda"))
+    return model, lambda m: m(*args)
+
+
+def time_step(fn, reps: int):
+    """(compile/first-call seconds, median ms per call)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = fn()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - start
+    with torch.no_grad():
+        for _ in range(2):
+            fn()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+    return first_s, statistics.median(times), out
+
+
+def uncompile_blocks(model):
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+
+
+def run_column(column, model, call, reps):
+    injected = column.endswith("kernels") and column != "eager"
+    if injected:
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    torch._dynamo.reset()
+    try:
+        if column.startswith("compile"):
+            compiled = torch.compile(model, fullgraph=True)
+            return time_step(lambda: call(compiled), reps)
+        if column.startswith("blocks"):
+            if not getattr(model, "_repeated_blocks", None):
+                return None
+            model.compile_repeated_blocks(fullgraph=True)
+            try:
+                return time_step(lambda: call(model), reps)
+            finally:
+                uncompile_blocks(model)
+        return time_step(lambda: call(model), reps)
+    finally:
+        if injected:
+            ltx_kernels.remove_optimized_kernels(model)
+
+
+def rel_l2(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", choices=("ltx", "flux-pair"), default="ltx")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--columns", default=",".join(COLUMNS))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    columns = [c.strip() for c in args.columns.split(",") if c.strip()]
+    unknown = set(columns) - set(COLUMNS)
+    if unknown:
+        parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(COLUMNS)}")
+    tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [4096])
+    env = bench_utils.environment()
+    print(f"# {args.model}: {env['device']}, torch {env['torch']}, bf16, "
+          f"median of {args.reps} steps (CUDA events)")
+    results = []
+    for tokens in tokens_list:
+        model, call = ltx_case(tokens) if args.model == "ltx" else flux_pair_case(tokens)
+        rows = {}
+        print(f"\n## {args.model}, {tokens} tokens", flush=True)
+        print("| column | ms/step | vs eager | vs compile | first call (compile) s | rel L2 vs eager |")
+        print("|---|---|---|---|---|---|", flush=True)
+        for column in columns:
+            measured = run_column(column, model, call, args.reps)
+            if measured is None:
+                continue
+            first_s, ms, out = measured
+            row = rows[column] = dict(ms=ms, first_call_s=first_s, out=out.float())
+            eager = rows.get("eager")
+            row["speedup_vs_eager"] = eager["ms"] / ms if eager else float("nan")
+            row["speedup_vs_compile"] = rows["compile"]["ms"] / ms if "compile" in rows else float("nan")
+            row["rel_l2"] = rel_l2(row["out"], eager["out"]) if eager else float("nan")
+            print(f"| {column} | {ms:.2f} | {row['speedup_vs_eager']:.2f}x | "
+                  f"{row['speedup_vs_compile']:.2f}x | {first_s:.1f} | {row['rel_l2']:.2e} |",
+                  flush=True)
+        results.append(dict(tokens=tokens, columns={c: {k: v for k, v in r.items() if k != "out"}
+                                                    for c, r in rows.items()}))
+        del model, rows
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        bench_utils.write_json(args.out / f"transformer_{args.model}.json",
+                               dict(environment=env, model=args.model, results=results))
+
+
+if __name__ == "__main__":
+    main()

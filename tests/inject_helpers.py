@@ -1,0 +1,82 @@
+"""Shared helpers for the inject_optimized_kernels tests (tiny diffusers models on the CPU, full-size
+blocks on the GPU)."""
+import copy
+
+import pytest
+import torch
+
+import ltx_kernels
+
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed")
+
+# Relative L2 error of an injected model's output against the same model in eager PyTorch.
+# Every fused op rounds where diffusers rounds, so only summation order differs: in fp32 that is a
+# few ulps; in bf16 one ulp (2^-8) at some elements, spread through a few layers.
+REL_L2_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def output_of(result):
+    """The sample tensor of a diffusers model output (dataclass, tuple or tensor)."""
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, (tuple, list)):
+        return result[0]
+    return result.sample
+
+
+def eager_and_injected(model: torch.nn.Module, call, ops=None):
+    """(eager output, injected output, report) of call(model); the model is injected in place."""
+    with torch.no_grad():
+        eager = call(model)
+        report = ltx_kernels.inject_optimized_kernels(model, ops=ops, verbose=False)
+        injected = call(model)
+    return eager, injected, report
+
+
+def assert_matches_eager(eager, injected, dtype, what=""):
+    eager, injected = output_of(eager), output_of(injected)
+    assert injected.dtype == eager.dtype and injected.shape == eager.shape
+    assert torch.isfinite(injected).all(), f"{what}: non-finite output"
+    error = rel_l2(injected, eager)
+    assert error <= REL_L2_TOLERANCE[dtype], f"{what}: relative L2 {error:.3g} vs eager"
+    return error
+
+
+def assert_remove_restores(model, call, eager_output):
+    """remove_optimized_kernels restores bit-identical outputs and the original classes."""
+    restored = ltx_kernels.remove_optimized_kernels(model)
+    assert restored > 0
+    with torch.no_grad():
+        again = output_of(call(model))
+    assert torch.equal(again, output_of(eager_output))
+    for name, module in model.named_modules():
+        assert not hasattr(type(module), "_ltx_kernels_original_class"), name
+        assert "_ltx_kernels_original_processor" not in vars(module), name
+
+
+def clone(model):
+    return copy.deepcopy(model)
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        if namespace == "ltx_kernels":
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ltx_ops(call) -> dict:
+    """{op name: number of calls} of the ltx_kernels ops run by call()."""
+    with torch.no_grad(), _OpCounter() as counter:
+        call()
+    return counter.counts

@@ -1,0 +1,309 @@
+"""inject_optimized_kernels on LTX-Video: tiny models on the CPU (as diffusers' own model tests build
+them), the full-size transformer on the GPU; the API (report, ops selection, removal), hooks and
+offloading, torch.compile."""
+import os
+
+import pytest
+import torch
+
+import ltx_kernels
+from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, clone,
+                            count_ltx_ops, eager_and_injected, output_of, rel_l2)
+from ltx_kernels.integration import FUSIONS
+
+from diffusers import LTXVideoTransformer3DModel  # noqa: E402  (inject_helpers skips without it)
+
+TINY = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+            cross_attention_dim=16, num_layers=2, caption_channels=16)
+FRAMES, HEIGHT, WIDTH, TEXT = 2, 4, 4, 6
+# Per block: norm1, q/k of attn1 and attn2, two gated residuals, attn2 residual + norm2, FF.
+OPS_PER_BLOCK = {"rmsnorm_modulate": 1, "qk_rmsnorm_rope": 2, "gated_residual": 2,
+                 "add_rmsnorm_modulate": 1, "linear_gelu": 1}
+
+
+def tiny_model(dtype, **config):
+    model = LTXVideoTransformer3DModel(**{**TINY, **config}).to(dtype).eval()
+    with torch.no_grad():  # weights away from their init values, so a dropped weight shows
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1.0, 0.3)
+            elif "scale_shift_table" in name:
+                parameter.normal_(0.0, 0.5)
+    return model
+
+
+def tiny_inputs(dtype, device="cpu", batch=2):
+    hidden = torch.randn(batch, FRAMES * HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype,
+                         device=device)
+    text = torch.randn(batch, TEXT, TINY["caption_channels"], dtype=dtype, device=device)
+    mask = torch.ones(batch, TEXT, dtype=torch.bool, device=device)
+    mask[0, TEXT - 2:] = False
+    timestep = torch.randint(0, 1000, (batch,), device=device)
+    return dict(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep,
+                encoder_attention_mask=mask, num_frames=FRAMES, height=HEIGHT, width=WIDTH,
+                rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+
+
+def caller(inputs):
+    return lambda model: model(**inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("affine", [False, True], ids=["norm_no_weight", "norm_weight"])
+def test_tiny_ltx_matches_eager_and_restores(dtype, affine):
+    model = tiny_model(dtype, norm_elementwise_affine=affine)
+    call = caller(tiny_inputs(dtype))
+    eager, injected, report = eager_and_injected(model, call)
+    assert_matches_eager(eager, injected, dtype, "tiny LTX")
+    assert dict(report.patched) == {
+        "LTXVideoTransformerBlock": 2, "LTXAttention (self: q/k norm + RoPE)": 2,
+        "LTXAttention (cross: q/k norm)": 2, "LTXVideoTransformer3DModel (output norm)": 1}
+    assert not report.skipped
+    counts = count_ltx_ops(lambda: call(model))
+    expected = {op: n * TINY["num_layers"] for op, n in OPS_PER_BLOCK.items()}
+    assert counts == {**expected, "layernorm_modulate": 1}
+    assert_remove_restores(model, call, eager)
+
+
+def test_tiny_ltx_bf16_is_bit_identical_on_cpu():
+    # Every op rounds where diffusers' bf16 code rounds; the C backend sums in the same order as
+    # far as the outputs show at this size. A regression in a rounding point shows up here first.
+    model = tiny_model(torch.bfloat16)
+    eager, injected, _ = eager_and_injected(model, caller(tiny_inputs(torch.bfloat16)))
+    assert torch.equal(output_of(injected), output_of(eager))
+
+
+@pytest.mark.parametrize("disabled", FUSIONS)
+def test_each_op_can_be_disabled_alone(disabled, monkeypatch):
+    model = tiny_model(torch.bfloat16)
+    call = caller(tiny_inputs(torch.bfloat16))
+    ops = [name for name in FUSIONS if name != disabled]
+    eager, injected, report = eager_and_injected(model, call, ops=ops)
+    assert disabled not in report.ops
+    assert_matches_eager(eager, injected, torch.bfloat16, f"without {disabled}")
+    assert disabled not in count_ltx_ops(lambda: call(model))
+    ltx_kernels.remove_optimized_kernels(model)
+    # The same through the environment variable.
+    monkeypatch.setenv("LTX_KERNELS_DISABLE", f" {disabled} ,")
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    assert disabled not in count_ltx_ops(lambda: call(model))
+
+
+def test_disabling_rope_keeps_qk_norm_fused():
+    model = tiny_model(torch.float32)
+    call = caller(tiny_inputs(torch.float32))
+    eager, injected, _ = eager_and_injected(model, call, ops=set(FUSIONS) - {"rope"})
+    assert_matches_eager(eager, injected, torch.float32, "qk norm without rope")
+    assert count_ltx_ops(lambda: call(model))["qk_rmsnorm_rope"] == 2 * TINY["num_layers"]
+
+
+def test_unknown_op_names_are_rejected(monkeypatch):
+    model = tiny_model(torch.float32)
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['rms'\] in ops; valid names: rmsnorm"):
+        ltx_kernels.inject_optimized_kernels(model, ops=["rms"])
+    monkeypatch.setenv("LTX_KERNELS_DISABLE", "rope,linear-gelu")
+    with pytest.raises(ValueError, match=r"\['linear-gelu'\] in LTX_KERNELS_DISABLE"):
+        ltx_kernels.inject_optimized_kernels(model)
+
+
+def test_report_is_readable_and_double_injection_raises(capsys):
+    model = tiny_model(torch.float32)
+    report = ltx_kernels.inject_optimized_kernels(model, ops=set(FUSIONS) - {"gelu"})
+    printed = capsys.readouterr().out
+    assert printed.strip() == str(report)
+    assert "7 modules patched" in printed and "disabled: gelu" in printed
+    assert "LTXVideoTransformerBlock" in printed and "2 patched" in printed
+    with pytest.raises(RuntimeError, match="already injected; call remove_optimized_kernels"):
+        ltx_kernels.inject_optimized_kernels(model)
+    with pytest.raises(TypeError, match="expects a diffusers pipeline or a torch.nn.Module"):
+        ltx_kernels.inject_optimized_kernels(object())
+
+
+def test_blocks_keep_their_class_name_and_state_dict():
+    model = tiny_model(torch.float32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    block = model.transformer_blocks[0]
+    assert type(block).__name__ == "LTXVideoTransformerBlock"
+    assert isinstance(block, type(block).__mro__[1])
+    assert type(block.attn1.processor).__name__ == "LTXKernelsAttnProcessor"
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_attention_backend_is_kept():
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    model = tiny_model(torch.float32)
+    model.set_attention_backend("_native_math")
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    for block in model.transformer_blocks:
+        for attn in (block.attn1, block.attn2):
+            assert type(attn.processor).__name__ == "LTXKernelsAttnProcessor"
+            assert attn.processor._attention_backend == AttentionBackendName._NATIVE_MATH
+
+
+def test_custom_processor_is_kept_and_reported():
+    model = tiny_model(torch.float32)
+
+    class MyProcessor:
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                     image_rotary_emb=None):
+            return hidden_states
+
+    model.transformer_blocks[1].attn2.set_processor(MyProcessor())
+    report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    assert report.patched["LTXAttention (cross: q/k norm)"] == 1
+    [(name, reason)] = report.skipped["LTXAttention (cross: q/k norm)"]
+    assert name == "transformer_blocks.1.attn2" and "MyProcessor" in reason
+    assert isinstance(model.transformer_blocks[1].attn2.processor, MyProcessor)
+
+
+def test_pipeline_injection_covers_its_transformer():
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    model = tiny_model(torch.float32)
+    pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
+                       tokenizer=None, transformer=model)
+    report = ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+    assert report.patched["LTXVideoTransformerBlock"] == 2
+    assert ltx_kernels.remove_optimized_kernels(pipe) == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# Hooks and offloading
+# ------------------------------------------------------------------------------------------------
+def _group_offload(model, offload_type):
+    from diffusers.hooks import apply_group_offloading
+
+    kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type=offload_type,
+                           **kwargs)
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_inject_then_group_offload(offload_type):
+    model = tiny_model(torch.bfloat16)
+    call = caller(tiny_inputs(torch.bfloat16))
+    eager, injected, _ = eager_and_injected(model, call)
+    _group_offload(model, offload_type)
+    with torch.no_grad():
+        offloaded = output_of(call(model))
+    assert_matches_eager(eager, offloaded, torch.bfloat16, f"inject, then {offload_type} offload")
+    if offload_type == "leaf_level":
+        # Hooks on the Linear layers: the FF step calls the hooked projection instead of reading
+        # its weight, everything else stays fused.
+        counts = count_ltx_ops(lambda: call(model))
+        assert "linear_gelu" not in counts and counts["add_rmsnorm_modulate"] == 2
+    with pytest.raises(RuntimeError, match="got a forward hook after injection"):
+        ltx_kernels.remove_optimized_kernels(model)
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_group_offload_then_inject_raises_for_hooked_blocks(offload_type):
+    # Both levels hook the blocks (leaf level for the parameters held by the block itself).
+    model = tiny_model(torch.float32)
+    _group_offload(model, offload_type)
+    with pytest.raises(RuntimeError, match=r"cannot patch transformer_blocks\.0 "
+                                           r"\(LTXVideoTransformerBlock\): its forward is wrapped"):
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+
+
+def test_model_hook_then_inject_patches_blocks_and_reports_output_norm():
+    # enable_model_cpu_offload hooks only the top-level components, with this accelerate call.
+    from accelerate import cpu_offload_with_hook
+
+    model = tiny_model(torch.bfloat16)
+    call = caller(tiny_inputs(torch.bfloat16))
+    with torch.no_grad():
+        eager = output_of(call(model))
+    cpu_offload_with_hook(model, execution_device=torch.device("cpu"))
+    report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    assert report.patched["LTXVideoTransformerBlock"] == 2
+    [(name, reason)] = report.skipped["LTXVideoTransformer3DModel (output norm)"]
+    assert name == "" and "wrapped by a hook" in reason
+    with torch.no_grad():
+        assert_matches_eager(eager, call(model), torch.bfloat16, "model hook, then inject")
+    assert "layernorm_modulate" not in count_ltx_ops(lambda: call(model))
+
+
+def test_layerwise_casting_after_inject_falls_back_where_hooked():
+    model = tiny_model(torch.bfloat16)
+    call = caller(tiny_inputs(torch.bfloat16))
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    with torch.no_grad():
+        reference = output_of(call(clone(model)))
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = output_of(call(model))  # fp8-stored Linear weights: the FF step must use the hook
+    assert torch.isfinite(out).all() and rel_l2(out, reference) < 0.2
+    assert "linear_gelu" not in count_ltx_ops(lambda: call(model))
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------------
+def test_compile_fullgraph_no_recompile_cpu():
+    torch._dynamo.reset()
+    model = tiny_model(torch.float32)
+    inputs = tiny_inputs(torch.float32)
+    eager, _, _ = eager_and_injected(model, caller(inputs))
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            out = compiled(**{**inputs, "timestep": torch.randint(0, 1000, (2,))})
+        out = compiled(**inputs)
+    assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
+
+
+def test_compile_repeated_blocks_fullgraph_cpu():
+    torch._dynamo.reset()
+    model = tiny_model(torch.float32)
+    inputs = tiny_inputs(torch.float32)
+    eager, _, _ = eager_and_injected(model, caller(inputs))
+    model.compile_repeated_blocks(fullgraph=True, backend="inductor")
+    assert all(block._compiled_call_impl is not None for block in model.transformer_blocks)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        out = model(**inputs)
+        out = model(**inputs)
+    assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
+
+
+# ------------------------------------------------------------------------------------------------
+# Full size on the GPU
+# ------------------------------------------------------------------------------------------------
+def ltx_full_inputs(batch, frames, height, width, device, dtype=torch.bfloat16, text=128):
+    generator = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(batch, frames * height * width, 128, generator=generator, device=device,
+                         dtype=dtype)
+    prompt = torch.randn(batch, text, 4096, generator=generator, device=device, dtype=dtype)
+    mask = torch.ones(batch, text, dtype=torch.bool, device=device)
+    mask[:, text // 2:] = False
+    return dict(hidden_states=hidden, encoder_hidden_states=prompt,
+                timestep=torch.full((batch,), 500.0, device=device), encoder_attention_mask=mask,
+                num_frames=frames, height=height, width=width,
+                rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+
+
+@pytest.mark.gpu
+def test_full_size_ltx_gpu():
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LTXVideoTransformer3DModel().to(torch.bfloat16).eval()
+    call = caller(ltx_full_inputs(2, 7, 16, 24, "cuda"))  # 49 frames 512x768: 2688 tokens
+    eager, injected, report = eager_and_injected(model, call)
+    assert report.patched["LTXVideoTransformerBlock"] == 28
+    error = rel_l2(output_of(injected), output_of(eager))
+    print(f"full-size LTX-Video, 2x2688 tokens, bf16: relative L2 vs eager {error:.2e}")
+    assert error <= REL_L2_TOLERANCE[torch.bfloat16]
+    assert_remove_restores(model, call, eager)
+
+
+def test_inject_registers_inductor_fallbacks():
+    # Without them Inductor (torch 2.11) hangs on a 28-block LTX graph: it formats the IR of an
+    # op first met after the blocks (the output norm) into a log string, exponentially long.
+    from torch._inductor.lowering import lowerings
+
+    ltx_kernels.inject_optimized_kernels(tiny_model(torch.float32), verbose=False)
+    for name in ltx_kernels.OPS:
+        assert getattr(torch.ops.ltx_kernels, name).default in lowerings, name

@@ -1,0 +1,245 @@
+"""diffusers integration: `inject_optimized_kernels(pipe)` rewires the transformer blocks of
+LTX-Video, FLUX.1, Wan 2.x and SD3/SD3.5 onto the fused ops, `remove_optimized_kernels` undoes it.
+
+How a module is patched, and why that way:
+- A block gets a subclass of its own class *with the same name* (`__class__` swap) whose forward
+  calls the fused ops; `compile_repeated_blocks` matches blocks by class name, so it still finds
+  them. Parameters, buffers, state dicts and hooks on submodules are untouched.
+- An attention module gets a replacement processor through `set_processor`; it keeps the
+  original's attention backend and parallel config.
+- Offload, cache and casting hooks (accelerate, diffusers' HookRegistry) replace `forward` on the
+  instance with a wrapper of the forward they found. A module carrying such a wrapper is never
+  class-swapped: the hook would keep calling the old forward. Blocks then raise (inject before
+  offloading); an optional top-level patch (an output norm) is skipped and reported.
+- Every fused step checks, when it runs, that the modules whose weights it reads directly carry no
+  hook (leaf-level offloading or layerwise casting added after injection); otherwise it calls the
+  module as diffusers does. So a step never bypasses a hook.
+
+Which ops are used: `ops=` (default: all of FUSIONS) minus the comma-separated names in the
+environment variable LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that
+step only, so kernels can be taken out one at a time when hunting a numerical difference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter, defaultdict
+
+import torch
+
+#: The fused ops inject_optimized_kernels can use, by op name (each can be disabled alone).
+FUSIONS = (
+    "rmsnorm", "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate", "add_layernorm_modulate",
+    "gated_residual", "qk_rmsnorm_rope", "rope", "linear_gelu", "gelu", "geglu",
+)
+DISABLE_ENV = "LTX_KERNELS_DISABLE"
+
+# Attribute names stored on patched modules.
+_ORIGINAL_CLASS = "_ltx_kernels_original_class"
+_OPS = "_ltx_kernels_ops"
+_ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
+
+
+@dataclasses.dataclass
+class InjectionReport:
+    """What inject_optimized_kernels did: per kind of module, how many were patched; every module
+    or step left on the diffusers code, with the reason; the ops in use."""
+
+    ops: tuple[str, ...]
+    patched: Counter = dataclasses.field(default_factory=Counter)
+    skipped: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
+
+    @property
+    def total_patched(self) -> int:
+        return sum(self.patched.values())
+
+    def __str__(self) -> str:
+        lines = [f"ltx_kernels: {self.total_patched} modules patched; ops: {', '.join(self.ops) or 'none'}"]
+        disabled = [name for name in FUSIONS if name not in self.ops]
+        if disabled:
+            lines.append(f"  disabled: {', '.join(disabled)}")
+        width = max((len(kind) for kind in self.patched), default=0)
+        for kind, count in sorted(self.patched.items()):
+            lines.append(f"  {kind:<{width}}  {count:4d} patched")
+        for kind, entries in sorted(self.skipped.items()):
+            reasons = Counter(reason for _, reason in entries)
+            for reason, count in reasons.items():
+                first = next(name for name, r in entries if r == reason)
+                more = f" (and {count - 1} more)" if count > 1 else ""
+                lines.append(f"  skipped {kind}: {first or '<root>'}{more}: {reason}")
+        if not self.patched and not self.skipped:
+            lines.append("  no supported diffusers blocks found")
+        return "\n".join(lines)
+
+
+def has_forward_hook(module: torch.nn.Module) -> bool:
+    """True when `forward` is replaced on the instance: an accelerate or diffusers hook (offload,
+    cache, layerwise casting) or another patch wraps the forward it found there."""
+    return "forward" in vars(module)
+
+
+class Injector:
+    """Handed to the per-model patch functions: applies and records patches."""
+
+    def __init__(self, ops: frozenset[str], report: InjectionReport):
+        self.ops = ops
+        self.report = report
+
+    def swap_forward(self, name: str, module: torch.nn.Module, forward, kind: str,
+                     required: bool = True) -> bool:
+        """Gives `module` a same-named subclass of its class whose forward is `forward`.
+        required=False: a hooked module is skipped (reported) instead of raising."""
+        if has_forward_hook(module):
+            reason = ("its forward is wrapped by a hook (offloading, caching or layerwise casting "
+                      "applied before inject_optimized_kernels)")
+            if required:
+                raise RuntimeError(
+                    f"inject_optimized_kernels: cannot patch {name or '<root>'} "
+                    f"({type(module).__name__}): {reason}, which would keep calling the unpatched "
+                    "forward. Call inject_optimized_kernels before enable_model_cpu_offload / "
+                    "enable_group_offload / enable_layerwise_casting / enable_cache, or remove "
+                    "those hooks first (pipe.remove_all_hooks(), model.disable_cache()).")
+            self.report.skipped[kind].append((name, reason + "; inject before adding hooks"))
+            return False
+        module.__class__ = _patched_class(type(module), forward)
+        setattr(module, _OPS, self.ops)
+        self.report.patched[kind] += 1
+        return True
+
+    def set_processor(self, name: str, attn: torch.nn.Module, processor, kind: str) -> None:
+        """Installs `processor` on attention module `attn`, keeping the backend settings."""
+        original = attn.processor
+        for setting in ("_attention_backend", "_parallel_config"):
+            if hasattr(original, setting):
+                setattr(processor, setting, getattr(original, setting))
+        processor.ops = self.ops
+        setattr(attn, _ORIGINAL_PROCESSOR, original)
+        attn.set_processor(processor)
+        self.report.patched[kind] += 1
+
+    def skip(self, kind: str, name: str, reason: str) -> None:
+        self.report.skipped[kind].append((name, reason))
+
+
+_PATCHED_CLASSES: dict = {}
+
+
+def _patched_class(cls: type, forward) -> type:
+    key = (cls, forward)
+    if key not in _PATCHED_CLASSES:
+        _PATCHED_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": forward, _ORIGINAL_CLASS: cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} running on ltx_kernels fused ops (`{forward.__module__}`).",
+        })
+    return _PATCHED_CLASSES[key]
+
+
+def _patchers() -> dict:
+    """Class name -> patch function(name, module, injector), for every supported model."""
+    from . import flux, ltx, sd3, wan
+
+    table = {}
+    for model in (ltx, flux, wan, sd3):
+        table.update(model.PATCHERS)
+    return table
+
+
+def _resolve_ops(ops) -> frozenset[str]:
+    chosen = FUSIONS if ops is None else tuple(ops)
+    disabled = tuple(s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip())
+    for source, names in (("ops", chosen), (DISABLE_ENV, disabled)):
+        unknown = sorted(set(names) - set(FUSIONS))
+        if unknown:
+            raise ValueError(f"inject_optimized_kernels: unknown op(s) {unknown} in {source}; "
+                             f"valid names: {', '.join(FUSIONS)}")
+    return frozenset(chosen) - frozenset(disabled)
+
+
+def register_inductor_fallbacks() -> None:
+    """Registers Inductor's fallback lowering of every ltx_kernels op up front.
+
+    Inductor (torch 2.11) creates the fallback of a custom op when it first meets the op in a graph,
+    and formats the op's argument IR for a log message even with logging off. The IR of an argument
+    prints its producers recursively, so for an op first met deep in a large graph (the output norm
+    after 28 fused blocks) the string grows exponentially and compilation never ends. Registering
+    the fallbacks beforehand, with the layout constraint Inductor would pick, skips that path."""
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    from .. import OPS
+
+    for name in OPS:
+        for overload_name in getattr(torch.ops.ltx_kernels, name).overloads():
+            op = getattr(getattr(torch.ops.ltx_kernels, name), overload_name)
+            if op not in lowerings:
+                tag = get_layout_constraint_tag(op, with_default=True)
+                make_fallback(op, layout_constraint=tag_to_layout_constraint(tag))
+
+
+def _models(target) -> list[tuple[str, torch.nn.Module]]:
+    """The torch modules of a pipeline (its components) or the module itself."""
+    if isinstance(target, torch.nn.Module):
+        return [("", target)]
+    components = getattr(target, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError("inject_optimized_kernels expects a diffusers pipeline or a torch.nn.Module "
+                        f"(a transformer or one of its blocks), got {type(target).__name__}")
+    return [(key, value) for key, value in components.items() if isinstance(value, torch.nn.Module)]
+
+
+def inject_optimized_kernels(pipe_or_model, ops=None, verbose: bool = True) -> InjectionReport:
+    """Patches every supported block of a diffusers pipeline or model (LTX-Video, FLUX.1, Wan 2.x,
+    SD3/SD3.5 transformers, or a bare block) to run on the fused ops, in place.
+
+    ops: names from FUSIONS to use (default all); LTX_KERNELS_DISABLE=a,b removes names.
+    Inject after loading and before offloading, caching or compiling. Returns an InjectionReport
+    (printed when verbose). Raises on a model that is already injected."""
+    from .. import _library
+
+    _library()  # raises with the build error when the extension did not load
+    register_inductor_fallbacks()
+    ops = _resolve_ops(ops)
+    report = InjectionReport(ops=tuple(name for name in FUSIONS if name in ops))
+    injector = Injector(ops, report)
+    patchers = _patchers()
+    for prefix, model in _models(pipe_or_model):
+        modules = list(model.named_modules())
+        for name, module in modules:
+            if hasattr(module, _ORIGINAL_CLASS) or hasattr(module, _ORIGINAL_PROCESSOR):
+                raise RuntimeError(f"inject_optimized_kernels: {prefix}.{name} is already injected; "
+                                   "call remove_optimized_kernels first")
+        for name, module in modules:
+            patch = patchers.get(type(module).__name__)
+            if patch is not None:
+                patch(".".join(p for p in (prefix, name) if p), module, injector)
+    if verbose:
+        print(report)
+    return report
+
+
+def remove_optimized_kernels(pipe_or_model) -> int:
+    """Undoes inject_optimized_kernels exactly (classes and processors restored). Returns the number
+    of modules restored. Raises if a hook was added to a patched module after injection (it holds
+    the patched forward): remove that hook first."""
+    restored = 0
+    for prefix, model in _models(pipe_or_model):
+        modules = list(model.named_modules())
+        for name, module in modules:
+            if hasattr(type(module), _ORIGINAL_CLASS) and has_forward_hook(module):
+                raise RuntimeError(
+                    f"remove_optimized_kernels: {'.'.join(p for p in (prefix, name) if p) or '<root>'}"
+                    f" ({type(module).__name__}) got a forward hook after injection, which holds the "
+                    "patched forward; remove the hooks first (pipe.remove_all_hooks(), "
+                    "model.disable_cache(), ...)")
+        for _, module in modules:
+            original_class = getattr(type(module), _ORIGINAL_CLASS, None)
+            if original_class is not None:
+                module.__class__ = original_class
+                del module.__dict__[_OPS]
+                restored += 1
+            original_processor = module.__dict__.pop(_ORIGINAL_PROCESSOR, None)
+            if original_processor is not None:
+                module.set_processor(original_processor)
+                restored += 1
+    return restored

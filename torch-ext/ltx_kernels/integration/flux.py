@@ -1,0 +1,286 @@
+"""FLUX.1 (diffusers `transformer_flux.py`) on the fused ops, and the AdaLN norm modules that FLUX,
+SD3 and many other diffusers transformers share.
+
+AdaLN modules (patched themselves, wherever they appear; `sd3.py` reuses ADA_NORM_PATCHERS):
+  AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous: norm + modulation
+                                -> layernorm_modulate (rmsnorm_modulate for a diffusers RMSNorm)
+Double block (`FluxTransformerBlock`), for the image and the text stream each:
+  attention: per-head q/k RMSNorm + RoPE -> qk_rmsnorm_rope (image rows and text rows of the
+             tables, one launch per stream; concatenated text first as diffusers does)
+  x + gate * attn, norm2 + modulation -> add_layernorm_modulate (one pass emits both)
+  FF up-projection + GELU-tanh        -> linear_gelu
+  x + gate * ff                       -> gated_residual
+Single block (`FluxSingleTransformerBlock`):
+  proj_mlp + GELU-tanh                -> linear_gelu
+  attention: q/k RMSNorm + RoPE       -> qk_rmsnorm_rope
+  x + gate * proj_out(cat(attn, mlp)) -> gated_residual
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import gelu, linear_gelu
+from . import steps
+
+
+# ------------------------------------------------------------------------------------------------
+# AdaLN modules: n = norm(x) * (1 + scale) + shift, with scale/shift chunks of Linear(SiLU(emb))
+# ------------------------------------------------------------------------------------------------
+def _modulate(module, x, emb, scale, shift):
+    """steps.norm_modulate for [B, S, D] x and a per-sample [B, k*D] embedding; other layouts run
+    the diffusers expression (no ops)."""
+    ops = module._ltx_kernels_ops if x.dim() == 3 and emb.dim() == 2 else frozenset()
+    return steps.norm_modulate(ops, module.norm, x, scale[:, None], shift[:, None])
+
+
+def ada_norm_zero_forward(self, x: torch.Tensor, timestep: torch.Tensor | None = None,
+                          class_labels: torch.LongTensor | None = None,
+                          hidden_dtype: torch.dtype | None = None, emb: torch.Tensor | None = None):
+    """`AdaLayerNormZero.forward` with the norm and modulation fused."""
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    x = _modulate(self, x, emb, scale_msa, shift_msa)
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def ada_norm_zero_single_forward(self, x: torch.Tensor, emb: torch.Tensor | None = None):
+    """`AdaLayerNormZeroSingle.forward` with the norm and modulation fused."""
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+    return _modulate(self, x, emb, scale_msa, shift_msa), gate_msa
+
+
+def ada_norm_continuous_forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor):
+    """`AdaLayerNormContinuous.forward` with the norm and modulation fused."""
+    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    return _modulate(self, x, emb, scale, shift)
+
+
+def norm_unfusable(norm) -> str | None:
+    """None when steps.norm_modulate fuses `norm`, else why not (for the report)."""
+    if steps._is_plain_layernorm(norm) or steps._is_diffusers_rmsnorm(norm):
+        return None
+    return f"norm {type(norm).__name__} has no fused kernel; it runs as in diffusers"
+
+
+def ada_norm_patcher(forward, kind: str):
+    """Patch function for an AdaLN module class whose forward is `forward`. A hooked AdaLN module
+    is skipped (reported): diffusers' own forward is always a correct fallback."""
+    def patch(name: str, module, injector) -> None:
+        reason = norm_unfusable(module.norm)
+        if reason:
+            injector.skip(kind, name, reason)
+        else:
+            injector.swap_forward(name, module, forward, kind, required=False)
+    return patch
+
+
+ADA_NORM_PATCHERS = {
+    "AdaLayerNormZero": ada_norm_patcher(ada_norm_zero_forward, "AdaLayerNormZero"),
+    "AdaLayerNormZeroSingle": ada_norm_patcher(ada_norm_zero_single_forward,
+                                               "AdaLayerNormZeroSingle"),
+    "AdaLayerNormContinuous": ada_norm_patcher(ada_norm_continuous_forward,
+                                               "AdaLayerNormContinuous"),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# A Linear followed by a bare nn.GELU (FLUX's and HunyuanVideo's single-block MLP)
+# ------------------------------------------------------------------------------------------------
+def _is_gelu(act) -> bool:
+    return isinstance(act, torch.nn.GELU)
+
+
+def linear_act(ops, proj, act, x):
+    """act(proj(x)): GELU-tanh as one GEMM with a GELU epilogue, other GELUs as our gelu op."""
+    if _is_gelu(act) and steps._plain(act):
+        if ("linear_gelu" in ops and act.approximate == "tanh" and steps._plain(proj)
+                and isinstance(proj, torch.nn.Linear)
+                and steps._same_dtype(x, proj.weight, proj.bias)):
+            return linear_gelu(x, proj.weight, proj.bias)
+        if "gelu" in ops:
+            return gelu(proj(x), act.approximate)
+    return act(proj(x))
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+def _diffusers_rope(x, cos_sin):
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    return apply_rotary_emb(x, cos_sin, sequence_dim=1)
+
+
+def _rope_rows(cos_sin, text_len: int, total: int):
+    """(text rows, image rows) of FLUX's [S_txt + S_img, Dh] cos/sin tables, as views; None when
+    the tables are absent or in another form (RoPE is then applied after the concatenation)."""
+    if (cos_sin is None or len(cos_sin) != 2
+            or not all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == total
+                       for t in cos_sin)):
+        return None
+    cos, sin = cos_sin
+    return (cos[:text_len], sin[:text_len]), (cos[text_len:], sin[text_len:])
+
+
+class FluxKernelsAttnProcessor:
+    """`FluxAttnProcessor` with each stream's per-head q/k RMSNorm + RoPE in one launch. Same
+    signature (FluxAttention filters its kwargs by it); backend and parallel config are copied
+    from the replaced processor."""
+
+    _attention_backend = None
+    _parallel_config = None
+    ops: frozenset = frozenset()
+
+    def __call__(self, attn, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+        joint = attn.added_kv_proj_dim is not None
+        text_len = encoder_query.shape[1] if joint else 0
+        rows = _rope_rows(image_rotary_emb, text_len, text_len + query.shape[1])
+        text_rope, image_rope = rows if rows is not None else (None, None)
+
+        query, key = steps.qk_norm_rope(self.ops, attn.norm_q, attn.norm_k, query, key,
+                                        image_rope, _diffusers_rope, across_heads=False)
+        if joint:
+            encoder_query, encoder_key, encoder_value = (
+                t.unflatten(-1, (-1, attn.head_dim))
+                for t in (encoder_query, encoder_key, encoder_value))
+            encoder_query, encoder_key = steps.qk_norm_rope(
+                self.ops, attn.norm_added_q, attn.norm_added_k, encoder_query, encoder_key,
+                text_rope, _diffusers_rope, across_heads=False)
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        if rows is None and image_rotary_emb is not None:  # tables not split: rotate the whole
+            query, key = steps.qk_norm_rope(self.ops, None, None, query, key, image_rotary_emb,
+                                            _diffusers_rope, across_heads=False)
+
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+            parallel_config=self._parallel_config)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+
+        if encoder_hidden_states is None:
+            return hidden_states
+        text_len = encoder_hidden_states.shape[1]
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [text_len, hidden_states.shape[1] - text_len], dim=1)
+        hidden_states = attn.to_out[0](hidden_states.contiguous())
+        hidden_states = attn.to_out[1](hidden_states)
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+        return hidden_states, encoder_hidden_states
+
+
+# ------------------------------------------------------------------------------------------------
+# Blocks
+# ------------------------------------------------------------------------------------------------
+def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+def double_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                         temb: torch.Tensor,
+                         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         joint_attention_kwargs: dict[str, Any] | None = None):
+    """`FluxTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
+    ops = self._ltx_kernels_ops
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states,
+                                                                               emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = \
+        self.norm1_context(encoder_hidden_states, emb=temb)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attention_outputs = self.attn(hidden_states=norm_hidden_states,
+                                  encoder_hidden_states=norm_encoder_hidden_states,
+                                  image_rotary_emb=image_rotary_emb, **joint_attention_kwargs)
+    attn_output, context_attn_output = attention_outputs[:2]  # a third: IP-adapter output
+
+    hidden_states, norm_hidden_states = steps.add_norm_modulate(
+        ops, self.norm2, hidden_states, attn_output, scale_mlp[:, None], shift_mlp[:, None],
+        gate_msa[:, None])
+    ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
+    hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp[:, None])
+    if len(attention_outputs) == 3:
+        hidden_states = hidden_states + attention_outputs[2]
+
+    encoder_hidden_states, norm_encoder_hidden_states = steps.add_norm_modulate(
+        ops, self.norm2_context, encoder_hidden_states, context_attn_output,
+        c_scale_mlp[:, None], c_shift_mlp[:, None], c_gate_msa[:, None])
+    context_ff_output = steps.feed_forward(ops, self.ff_context, norm_encoder_hidden_states)
+    encoder_hidden_states = steps.residual(ops, encoder_hidden_states, context_ff_output,
+                                           c_gate_mlp[:, None])
+    return _clip_fp16(encoder_hidden_states), hidden_states
+
+
+def single_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                         temb: torch.Tensor,
+                         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         joint_attention_kwargs: dict[str, Any] | None = None):
+    """`FluxSingleTransformerBlock.forward` on the fused ops (same arguments and rounding)."""
+    ops = self._ltx_kernels_ops
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = linear_act(ops, self.proj_mlp, self.act_mlp, norm_hidden_states)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                            **joint_attention_kwargs)
+
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    hidden_states = steps.residual(ops, residual, self.proj_out(hidden_states), gate[:, None])
+    hidden_states = _clip_fp16(hidden_states)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Patch functions
+# ------------------------------------------------------------------------------------------------
+DOUBLE_ATTN = "FluxAttention (double: q/k norm + RoPE per stream)"
+SINGLE_ATTN = "FluxAttention (single: q/k norm + RoPE)"
+
+
+def _patch_attention(name: str, attn, kind: str, injector) -> None:
+    processor = type(attn.processor).__name__
+    if processor != "FluxAttnProcessor":
+        injector.skip(kind, name, f"custom processor {processor} kept (IP-adapter or user code)")
+    else:
+        injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
+
+
+def patch_double_block(name: str, block, injector) -> None:
+    injector.swap_forward(name, block, double_block_forward, "FluxTransformerBlock")
+    _patch_attention(f"{name}.attn", block.attn, DOUBLE_ATTN, injector)
+    for ff_name in ("ff", "ff_context"):
+        reason = steps.feed_forward_fusable(getattr(block, ff_name))
+        if reason:
+            injector.skip("FluxTransformerBlock feed-forward", f"{name}.{ff_name}", reason)
+
+
+def patch_single_block(name: str, block, injector) -> None:
+    injector.swap_forward(name, block, single_block_forward, "FluxSingleTransformerBlock")
+    _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector)
+    if not _is_gelu(block.act_mlp):
+        injector.skip("FluxSingleTransformerBlock MLP", f"{name}.act_mlp",
+                      f"activation {type(block.act_mlp).__name__} has no fused kernel; it runs "
+                      "as in diffusers")
+
+
+PATCHERS = {
+    **ADA_NORM_PATCHERS,
+    "FluxTransformerBlock": patch_double_block,
+    "FluxSingleTransformerBlock": patch_single_block,
+}

@@ -1,0 +1,182 @@
+"""SD3 / SD3.5 (diffusers `JointTransformerBlock` in models/attention.py, `JointAttnProcessor2_0`)
+on the fused ops.
+
+AdaLN modules: AdaLayerNormZero, AdaLayerNormContinuous (context of the last, context-pre-only
+block; output norm) from `flux.py`; SD35AdaLayerNormZeroX (dual-attention layers) here: the one
+norm with its two modulations -> layernorm_modulate twice.
+Per block, for the image stream (and the text stream unless context_pre_only):
+  x + gate * attn (+ gate2 * attn2 on dual-attention layers), norm2 + modulation
+                                       -> [gated_residual +] add_layernorm_modulate
+  FF up-projection + GELU-tanh         -> linear_gelu (also under forward chunking)
+  x + gate * ff                        -> gated_residual
+Attention (SD3.5, qk_norm="rms_norm"): the per-head diffusers RMSNorm of q, k, added q, added k on
+the [B, H, S, Dh] view -> rmsnorm; F.scaled_dot_product_attention is called as SD3 does.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import steps
+from .flux import ADA_NORM_PATCHERS, ada_norm_patcher
+
+
+def sd35_ada_norm_zero_x_forward(self, hidden_states: torch.Tensor,
+                                 emb: torch.Tensor | None = None):
+    """`SD35AdaLayerNormZeroX.forward`: both modulations of the one norm fused."""
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, \
+        gate_msa2 = emb.chunk(9, dim=1)
+    ops = self._ltx_kernels_ops if hidden_states.dim() == 3 and emb.dim() == 2 else frozenset()
+    norm_hidden_states = steps.norm_modulate(ops, self.norm, hidden_states, scale_msa[:, None],
+                                             shift_msa[:, None])
+    norm_hidden_states2 = steps.norm_modulate(ops, self.norm, hidden_states, scale_msa2[:, None],
+                                              shift_msa2[:, None])
+    return (norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2,
+            gate_msa2)
+
+
+def _split_heads(x, heads: int, head_dim: int):
+    """[B, S, H * Dh] -> the [B, H, S, Dh] view JointAttnProcessor2_0 works on."""
+    return x.view(x.shape[0], -1, heads, head_dim).transpose(1, 2)
+
+
+class SD3KernelsAttnProcessor:
+    """`JointAttnProcessor2_0` with each per-head q/k RMSNorm in one launch. Same signature (the
+    Attention module filters its kwargs by it)."""
+
+    ops: frozenset = frozenset()
+
+    def _norm(self, norm, x):
+        return x if norm is None else steps.diffusers_rmsnorm(self.ops, norm, x)
+
+    def __call__(self, attn, hidden_states: torch.FloatTensor,
+                 encoder_hidden_states: torch.FloatTensor = None,
+                 attention_mask: torch.FloatTensor | None = None, *args, **kwargs):
+        residual = hidden_states
+        batch_size = hidden_states.shape[0]
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (_split_heads(t, attn.heads, head_dim) for t in (query, key, value))
+        query = self._norm(attn.norm_q, query)
+        key = self._norm(attn.norm_k, key)
+
+        if encoder_hidden_states is not None:
+            context_query, context_key, context_value = (
+                _split_heads(projection(encoder_hidden_states), attn.heads, head_dim)
+                for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            context_query = self._norm(attn.norm_added_q, context_query)
+            context_key = self._norm(attn.norm_added_k, context_key)
+            query = torch.cat([query, context_query], dim=2)
+            key = torch.cat([key, context_key], dim=2)
+            value = torch.cat([value, context_value], dim=2)
+
+        hidden_states = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0,
+                                                       is_causal=False)
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            hidden_states, encoder_hidden_states = (hidden_states[:, :residual.shape[1]],
+                                                    hidden_states[:, residual.shape[1]:])
+            if not attn.context_pre_only:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if encoder_hidden_states is not None:
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+def _feed_forward(block, ff, x):
+    """steps.feed_forward, per chunk under `enable_forward_chunking` as diffusers does."""
+    from diffusers.models.attention import _chunked_feed_forward
+
+    fused = functools.partial(steps.feed_forward, block._ltx_kernels_ops, ff)
+    if block._chunk_size is None:
+        return fused(x)
+    return _chunked_feed_forward(fused, x, block._chunk_dim, block._chunk_size)
+
+
+def block_forward(self, hidden_states: torch.FloatTensor, encoder_hidden_states: torch.FloatTensor,
+                  temb: torch.FloatTensor, joint_attention_kwargs: dict[str, Any] | None = None):
+    """`JointTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
+    ops = self._ltx_kernels_ops
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    norm_outputs = self.norm1(hidden_states, emb=temb)
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = norm_outputs[:5]
+    if self.context_pre_only:
+        norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states, temb)
+    else:
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = \
+            self.norm1_context(encoder_hidden_states, emb=temb)
+
+    attn_output, context_attn_output = self.attn(hidden_states=norm_hidden_states,
+                                                 encoder_hidden_states=norm_encoder_hidden_states,
+                                                 **joint_attention_kwargs)
+    if self.use_dual_attention:  # x + gate*attn, then + gate2*attn2 fused with norm2 below
+        norm_hidden_states2, gate_msa2 = norm_outputs[5:]
+        hidden_states = steps.residual(ops, hidden_states, attn_output, gate_msa[:, None])
+        attn_output = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
+        gate_msa = gate_msa2
+
+    hidden_states, norm_hidden_states = steps.add_norm_modulate(
+        ops, self.norm2, hidden_states, attn_output, scale_mlp[:, None], shift_mlp[:, None],
+        gate_msa[:, None])
+    ff_output = _feed_forward(self, self.ff, norm_hidden_states)
+    hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp[:, None])
+
+    if self.context_pre_only:
+        return None, hidden_states
+    encoder_hidden_states, norm_encoder_hidden_states = steps.add_norm_modulate(
+        ops, self.norm2_context, encoder_hidden_states, context_attn_output,
+        c_scale_mlp[:, None], c_shift_mlp[:, None], c_gate_msa[:, None])
+    context_ff_output = _feed_forward(self, self.ff_context, norm_encoder_hidden_states)
+    encoder_hidden_states = steps.residual(ops, encoder_hidden_states, context_ff_output,
+                                           c_gate_mlp[:, None])
+    return encoder_hidden_states, hidden_states
+
+
+JOINT_ATTN = "Attention (SD3 joint: per-head q/k RMSNorm)"
+DUAL_ATTN = "Attention (SD3.5 dual self-attention: per-head q/k RMSNorm)"
+
+
+def _patch_attention(name: str, attn, kind: str, injector) -> None:
+    processor = type(attn.processor).__name__
+    norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
+    norms = [n for n in norms if n is not None]
+    if processor != "JointAttnProcessor2_0":
+        injector.skip(kind, name, f"custom processor {processor} kept (IP-adapter, fused QKV, "
+                                  "PAG or user code)")
+    elif not norms:
+        injector.skip(kind, name, "no q/k norm (qk_norm=None, SD3): nothing to fuse")
+    elif not all(steps._is_diffusers_rmsnorm(n) for n in norms):
+        injector.skip(kind, name, f"q/k norm {type(norms[0]).__name__} has no fused kernel")
+    else:
+        injector.set_processor(name, attn, SD3KernelsAttnProcessor(), kind)
+
+
+def patch_block(name: str, block, injector) -> None:
+    injector.swap_forward(name, block, block_forward, "JointTransformerBlock")
+    _patch_attention(f"{name}.attn", block.attn, JOINT_ATTN, injector)
+    if block.attn2 is not None:
+        _patch_attention(f"{name}.attn2", block.attn2, DUAL_ATTN, injector)
+    for ff_name in ("ff", "ff_context"):
+        ff = getattr(block, ff_name)
+        reason = ff is not None and steps.feed_forward_fusable(ff)
+        if reason:
+            injector.skip("JointTransformerBlock feed-forward", f"{name}.{ff_name}", reason)
+
+
+PATCHERS = {
+    **ADA_NORM_PATCHERS,  # AdaLayerNormZero, AdaLayerNormContinuous: one definition, in flux.py
+    "SD35AdaLayerNormZeroX": ada_norm_patcher(sd35_ada_norm_zero_x_forward,
+                                              "SD35AdaLayerNormZeroX"),
+    "JointTransformerBlock": patch_block,
+}

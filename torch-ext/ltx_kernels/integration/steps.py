@@ -1,0 +1,178 @@
+"""The fused steps the patched blocks are built from. Each step takes the enabled op names and the
+diffusers modules it replaces; it runs our op when the op is enabled and the operands are in a form
+the op reproduces exactly (dtypes, no hook on the modules whose weights it reads, a module of the
+expected kind), and otherwise runs the diffusers code for that step. Rounding matches the eager
+code: model-dtype steps round every operation (upcast=False), Wan's fp32 steps round once."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import (add_layernorm_modulate, add_rmsnorm_modulate, gated_residual, geglu, gelu,
+                layernorm_modulate, linear_gelu, qk_rmsnorm_rope, rmsnorm, rmsnorm_modulate,
+                rope)
+from . import has_forward_hook
+
+
+def _plain(*modules) -> bool:
+    return all(m is not None and not has_forward_hook(m) for m in modules)
+
+
+def _same_dtype(x: torch.Tensor, *tensors) -> bool:
+    return all(t is None or t.dtype == x.dtype for t in tensors)
+
+
+def _is_diffusers_rmsnorm(norm) -> bool:
+    return type(norm).__name__ == "RMSNorm" and not isinstance(norm, torch.nn.RMSNorm) \
+        and getattr(norm, "bias", None) is None
+
+
+def _is_plain_layernorm(norm) -> bool:
+    return isinstance(norm, torch.nn.LayerNorm) and len(norm.normalized_shape) == 1
+
+
+def _modulation_ok(x, norm, scale, shift, gate=None, upcast=False) -> bool:
+    """The operands the model-dtype form of an op accepts (upcast: fp32 or x's dtype)."""
+    weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    if upcast:
+        return all(t is None or t.dtype in (x.dtype, torch.float32)
+                   for t in (scale, shift, gate, weight, bias))
+    return _same_dtype(x, scale, shift, gate, weight, bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# Norms
+# ------------------------------------------------------------------------------------------------
+def diffusers_rmsnorm(ops, norm, x):
+    """diffusers RMSNorm (any weight dtype; its double rounding with a 16-bit weight) in one
+    launch, e.g. the per-head q/k norm of SD3.5 and HunyuanVideo."""
+    if "rmsnorm" in ops and _plain(norm) and _is_diffusers_rmsnorm(norm):
+        return rmsnorm(x, norm.weight, norm.eps)
+    return norm(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Norm + modulation (AdaLN): n = norm(x) * (1 + scale) + shift
+# ------------------------------------------------------------------------------------------------
+def norm_modulate(ops, norm, x, scale, shift):
+    """diffusers RMSNorm or nn.LayerNorm of x, modulated, in x's dtype."""
+    if _plain(norm) and _modulation_ok(x, norm, scale, shift):
+        if "rmsnorm_modulate" in ops and _is_diffusers_rmsnorm(norm):
+            return rmsnorm_modulate(x, scale, shift, norm.weight, norm.eps)
+        if "layernorm_modulate" in ops and _is_plain_layernorm(norm):
+            return layernorm_modulate(x, scale, shift, norm.weight, norm.bias, norm.eps)
+    return norm(x) * (1 + scale) + shift
+
+
+def norm_modulate_fp32(ops, norm, x, scale, shift):
+    """Wan: `(norm(x.float()) * (1 + scale) + shift).type_as(x)` with an fp32 LayerNorm."""
+    if ("layernorm_modulate" in ops and _plain(norm) and _is_plain_layernorm(norm)
+            and _modulation_ok(x, norm, scale, shift, upcast=True)):
+        return layernorm_modulate(x, scale, shift, norm.weight, norm.bias, norm.eps, upcast=True)
+    return (norm(x.float()) * (1 + scale) + shift).type_as(x)
+
+
+def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None):
+    """h = x + y * gate (x + y without gate); n = norm(h) * (1 + scale) + shift. Returns (h, n)."""
+    if _plain(norm) and _modulation_ok(x, norm, scale, shift, gate) and _same_dtype(x, y):
+        if "add_rmsnorm_modulate" in ops and _is_diffusers_rmsnorm(norm):
+            return add_rmsnorm_modulate(x, y, scale, shift, gate, norm.weight, norm.eps)
+        if "add_layernorm_modulate" in ops and _is_plain_layernorm(norm):
+            return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias,
+                                          norm.eps)
+    h = residual(ops, x, y, gate)
+    return h, norm_modulate(ops, norm, h, scale, shift)
+
+
+# ------------------------------------------------------------------------------------------------
+# Residuals
+# ------------------------------------------------------------------------------------------------
+def residual(ops, x, y, gate=None):
+    """x + y * gate (x + y without gate), every step in x's dtype."""
+    if "gated_residual" in ops and _same_dtype(x, y, gate):
+        return gated_residual(x, y, gate)
+    return x + y * gate if gate is not None else x + y
+
+
+def residual_fp32(ops, x, y, gate):
+    """Wan: `(x.float() + y * gate).type_as(x)` with an fp32 gate, rounded once."""
+    if "gated_residual" in ops and _same_dtype(x, y) and gate.dtype in (x.dtype, torch.float32):
+        return gated_residual(x, y, gate, upcast=True)
+    return (x.float() + y * gate).type_as(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: q/k RMSNorm + RoPE
+# ------------------------------------------------------------------------------------------------
+def _rmsnorm_eps(norm, x):
+    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+
+
+def qk_norm_rope(ops, norm_q, norm_k, q, k, cos_sin, diffusers_rope, *, across_heads: bool,
+                 interleaved: bool = True):
+    """q, k = norm_q(q), norm_k(k) (torch.nn.RMSNorm; None: no norm), then RoPE with
+    cos_sin = (cos, sin) or None. diffusers_rope(t, cos_sin) is the model's own rotation, used when
+    the rope op is disabled or cannot take the tables."""
+    rotate = cos_sin is not None and "rope" in ops and _same_rope_tables(q, cos_sin)
+    fused_norm = ("qk_rmsnorm_rope" in ops and isinstance(norm_q, torch.nn.RMSNorm)
+                  and isinstance(norm_k, torch.nn.RMSNorm) and _plain(norm_q, norm_k)
+                  and _rmsnorm_eps(norm_q, q) == _rmsnorm_eps(norm_k, k)
+                  and q.dtype == k.dtype and _weights_ok(q, norm_q.weight, norm_k.weight))
+    if fused_norm:
+        cos, sin = cos_sin if rotate else (None, None)
+        q, k = qk_rmsnorm_rope(q, k, norm_q.weight, norm_k.weight, cos, sin,
+                               _rmsnorm_eps(norm_q, q), across_heads, interleaved)
+    else:
+        if norm_q is not None:
+            q = norm_q(q)
+        if norm_k is not None:
+            k = norm_k(k)
+        if rotate:
+            q, k = rope(q, *cos_sin, interleaved), rope(k, *cos_sin, interleaved)
+    if cos_sin is not None and not rotate:
+        q, k = diffusers_rope(q, cos_sin), diffusers_rope(k, cos_sin)
+    return q, k
+
+
+def _weights_ok(x, *weights) -> bool:
+    return all(w is None or w.dtype in (x.dtype, torch.float32) for w in weights)
+
+
+def _same_rope_tables(x, cos_sin) -> bool:
+    cos, sin = cos_sin
+    return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
+            and cos.dtype == sin.dtype and cos.dtype in (x.dtype, torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# Feed-forward
+# ------------------------------------------------------------------------------------------------
+def feed_forward(ops, ff, x):
+    """diffusers FeedForward (net = [activation with its projection, Dropout, Linear, ...]) with the
+    GELU-tanh projection as one GEMM with a GELU epilogue, or GELU/GEGLU as our op."""
+    net = list(ff.net)
+    act = net[0]
+    kind = type(act).__name__
+    proj = getattr(act, "proj", None)
+    h = None
+    if _plain(act, proj) and isinstance(proj, torch.nn.Linear) and _same_dtype(x, proj.weight, proj.bias):
+        if kind == "GELU" and act.approximate == "tanh" and "linear_gelu" in ops:
+            h = linear_gelu(x, proj.weight, proj.bias)
+        elif kind == "GELU" and "gelu" in ops:
+            h = gelu(F.linear(x, proj.weight, proj.bias), act.approximate)
+        elif kind == "GEGLU" and "geglu" in ops:
+            h = geglu(F.linear(x, proj.weight, proj.bias), "none")
+    if h is None:
+        h = act(x)
+    for module in net[1:]:
+        h = module(h)
+    return h
+
+
+def feed_forward_fusable(ff) -> str | None:
+    """None when feed_forward fuses ff's activation, else why not (for the report)."""
+    act = ff.net[0]
+    kind = type(act).__name__
+    if kind == "GELU" or kind == "GEGLU":
+        return None
+    return f"activation {kind} has no fused kernel; it runs as in diffusers"

@@ -1,0 +1,269 @@
+"""Wan 2.x (diffusers `transformer_wan.py`) on the fused ops.
+
+Per block (`WanTransformerBlock`, also its verbatim copies in transformer_wan_animate.py and
+transformer_chronoedit.py, and `WanVACETransformerBlock`), with t = scale_shift_table +
+temb.float() split in six (fp32 [B, 1, D], or per token [B, S, D] with Wan 2.2 TI2V's temb):
+  (norm1(x.float()) * (1 + s) + b).type_as(x)          -> layernorm_modulate (upcast)
+  attn1: q/k RMSNorm over the token, RoPE per head       -> qk_rmsnorm_rope on [B, S, H, Dh]
+  x = (x.float() + a1 * g).type_as(x); norm2(x.float())  -> add_layernorm_modulate (upcast, affine
+                                                            norm2, no modulation; one pass)
+  attn2: q/k RMSNorm (no RoPE)                           -> qk_rmsnorm_rope without tables
+  x = x + a2; (norm3(x.float()) * (1 + s) + b)           -> add_layernorm_modulate (upcast)
+  FF up-projection + GELU-tanh                           -> linear_gelu
+  (x.float() + ff.float() * g).type_as(x)                -> gated_residual (upcast)
+Every step rounds where the eager code does (each `type_as`, the q/k norm output, the RoPE output).
+I2V's image-context attention runs as in diffusers (its K norm is one torch kernel already).
+Not patched: the model's output norm is inline in `WanTransformer3DModel.forward`; fusing it means
+copying that whole forward for one LayerNorm per call (reported as skipped).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import add_layernorm_modulate, layernorm_modulate
+from . import steps
+
+# Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
+# animate and ChronoEdit copies are verbatim). A same-named class from elsewhere is left alone.
+_WAN_MODULES = frozenset(f"diffusers.models.transformers.{name}" for name in (
+    "transformer_wan", "transformer_wan_animate", "transformer_chronoedit", "transformer_wan_vace"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Wan's fp32 norm steps (shared-step candidates: steps.norm_modulate_fp32 / add_norm_modulate for
+# upcast models)
+# ------------------------------------------------------------------------------------------------
+def _fp32_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
+    """norm is a hook-free nn.LayerNorm (FP32LayerNorm) and the modulation tensors (None or one
+    dtype, fp32 or x's) and norm weights are what the upcast ops take."""
+    dtypes = {t.dtype for t in (scale, shift, gate) if t is not None}
+    return (steps._plain(norm) and steps._is_plain_layernorm(norm) and len(dtypes) <= 1
+            and steps._modulation_ok(x, norm, scale, shift, gate, upcast=True))
+
+
+def norm_fp32(ops, norm, x, scale=None, shift=None):
+    """steps.norm_modulate_fp32, also for Wan's unmodulated `norm2(x.float()).type_as(x)`."""
+    if scale is not None or shift is not None:
+        return steps.norm_modulate_fp32(ops, norm, x, scale, shift)
+    if "layernorm_modulate" in ops and _fp32_fusable(norm, x):
+        return layernorm_modulate(x, None, None, norm.weight, norm.bias, norm.eps, upcast=True)
+    return norm(x.float()).type_as(x)  # nn.Identity without cross_attn_norm
+
+
+def add_norm_fp32(ops, norm, x, y, gate=None, scale=None, shift=None):
+    """Wan's residual and the norm after it, each rounded once. Returns (h, n):
+    h = (x.float() + y * gate).type_as(x), or x + y without gate (`x + attn2`);
+    n = (norm(h.float()) * (1 + scale) + shift).type_as(x), or norm(h.float()).type_as(x)."""
+    if ("add_layernorm_modulate" in ops and steps._same_dtype(x, y)
+            and _fp32_fusable(norm, x, scale, shift, gate)):
+        return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps,
+                                      upcast=True)
+    h = x + y if gate is None else steps.residual_fp32(ops, x, y, gate)
+    return h, norm_fp32(ops, norm, h, scale, shift)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: q/k RMSNorm over the token, then Wan's RoPE per head
+# ------------------------------------------------------------------------------------------------
+def wan_rope(hidden_states, cos_sin):
+    """WanAttnProcessor's rotary (a closure there), verbatim: pair (2i, 2i+1) rotated by
+    freqs_cos[2i] and freqs_sin[2i + 1]."""
+    freqs_cos, freqs_sin = cos_sin
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+def _rope_operands(ops, rotary_emb):
+    """(ops, tables) for steps.qk_norm_rope. Our rope reads cos and sin at each element's own
+    index, so Wan's freqs_cos[2i] and freqs_sin[2i + 1] are repeated over each pair (two copies of
+    a [1, S, 1, Dh] table; WanRotaryPosEmbed's tables already repeat per pair, but a processor
+    cannot tell where its tables come from). Wan rotates in fp32 only with fp32 tables (16-bit ones
+    round every product): then the rope op is left out and Wan's own code runs."""
+    if rotary_emb is None:
+        return ops, None
+    freqs_cos, freqs_sin = rotary_emb
+    if "rope" not in ops or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                                    for t in rotary_emb):
+        return ops - {"rope"}, rotary_emb
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    return ops, (torch.stack((cos, cos), -1).flatten(-2), torch.stack((sin, sin), -1).flatten(-2))
+
+
+def _fuses_qk_norm(ops, norm_q, norm_k, q, k) -> bool:
+    """The condition under which steps.qk_norm_rope runs the norms in our op."""
+    return ("qk_rmsnorm_rope" in ops and isinstance(norm_q, torch.nn.RMSNorm)
+            and isinstance(norm_k, torch.nn.RMSNorm) and steps._plain(norm_q, norm_k)
+            and steps._rmsnorm_eps(norm_q, q) == steps._rmsnorm_eps(norm_k, k)
+            and q.dtype == k.dtype and steps._weights_ok(q, norm_q.weight, norm_k.weight))
+
+
+def _heads(attn, t):
+    return t.unflatten(2, (attn.heads, -1))
+
+
+def qk_norm_rope(ops, attn, query, key, rotary_emb):
+    """WanAttnProcessor's q/k path: torch.nn.RMSNorm over the token, split into heads
+    [B, S, H, Dh], RoPE per head (none without rotary_emb). Returns (query, key) split."""
+    ops, tables = _rope_operands(ops, rotary_emb)
+    norm_q, norm_k = attn.norm_q, attn.norm_k
+    if not _fuses_qk_norm(ops, norm_q, norm_k, query, key):
+        # The shared step would norm the head-split tensors; these norms span the whole token.
+        query, key, norm_q, norm_k = norm_q(query), norm_k(key), None, None
+    return steps.qk_norm_rope(ops, norm_q, norm_k, _heads(attn, query), _heads(attn, key), tables,
+                              wan_rope, across_heads=True)
+
+
+class WanKernelsAttnProcessor:
+    """`WanAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature; backend and
+    parallel config are copied from the replaced processor and passed where diffusers passes
+    them."""
+
+    _attention_backend = None
+    _parallel_config = None
+    ops: frozenset = frozenset()
+
+    def __call__(self, attn, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import (_get_added_kv_projections,
+                                                                   _get_qkv_projections)
+
+        def attend(key, value, attn_mask, parallel_config):
+            out = dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
+                                        is_causal=False, backend=self._attention_backend,
+                                        parallel_config=parallel_config)
+            return out.flatten(2, 3).type_as(query)
+
+        encoder_hidden_states_img = None
+        if attn.add_k_proj is not None:
+            # 512 is the context length of the text encoder, hardcoded (as in diffusers)
+            image_context_length = encoder_hidden_states.shape[1] - 512
+            encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
+            encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key = qk_norm_rope(self.ops, attn, query, key, rotary_emb)
+        value = _heads(attn, value)
+
+        hidden_states_img = None
+        if encoder_hidden_states_img is not None:  # I2V
+            key_img, value_img = _get_added_kv_projections(attn, encoder_hidden_states_img)
+            key_img = _heads(attn, attn.norm_added_k(key_img))
+            hidden_states_img = attend(key_img, _heads(attn, value_img), None, None)
+
+        hidden_states = attend(key, value, attention_mask,
+                               self._parallel_config if encoder_hidden_states is None else None)
+        if hidden_states_img is not None:
+            hidden_states = hidden_states + hidden_states_img
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+# ------------------------------------------------------------------------------------------------
+# Blocks
+# ------------------------------------------------------------------------------------------------
+def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb):
+    """Self-attention, cross-attention and FF of a Wan block; modulation = the six fp32 chunks."""
+    ops = self._ltx_kernels_ops
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = modulation
+    if hidden_states.stride(-1) != 1:  # VACE and ChronoEdit pass the patch embedding transposed;
+        hidden_states = hidden_states.contiguous()  # our ops read rows (same values)
+
+    norm_hidden_states = steps.norm_modulate_fp32(ops, self.norm1, hidden_states, scale_msa,
+                                                  shift_msa)
+    attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
+    hidden_states, norm_hidden_states = add_norm_fp32(ops, self.norm2, hidden_states, attn_output,
+                                                      gate=gate_msa)
+
+    attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    hidden_states, norm_hidden_states = add_norm_fp32(ops, self.norm3, hidden_states, attn_output,
+                                                      scale=c_scale_msa, shift=c_shift_msa)
+
+    ff_output = steps.feed_forward(ops, self.ffn, norm_hidden_states)
+    return steps.residual_fp32(ops, hidden_states, ff_output, c_gate_msa)
+
+
+def block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                  temb: torch.Tensor, rotary_emb: torch.Tensor) -> torch.Tensor:
+    """`WanTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
+    if temb.ndim == 4:  # Wan 2.2 TI2V: temb [B, S, 6, D], modulation per token
+        modulation = [t.squeeze(2) for t in
+                      (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+    else:  # temb [B, 6, D]
+        modulation = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+    return _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb)
+
+
+def vace_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                       control_hidden_states: torch.Tensor, temb: torch.Tensor,
+                       rotary_emb: torch.Tensor):
+    """`WanVACETransformerBlock.forward` on the fused ops: the Wan layer on the control stream."""
+    if self.proj_in is not None:
+        control_hidden_states = self.proj_in(control_hidden_states)
+        control_hidden_states = control_hidden_states + hidden_states
+    modulation = (self.scale_shift_table.to(temb.device) + temb.float()).chunk(6, dim=1)
+    control_hidden_states = _layer(self, control_hidden_states, encoder_hidden_states, modulation,
+                                   rotary_emb)
+    conditioning_states = None
+    if self.proj_out is not None:
+        conditioning_states = self.proj_out(control_hidden_states)
+    return conditioning_states, control_hidden_states
+
+
+# ------------------------------------------------------------------------------------------------
+# Patching
+# ------------------------------------------------------------------------------------------------
+SELF_ATTENTION = "WanAttention (self: q/k norm + RoPE)"
+CROSS_ATTENTION = "WanAttention (cross: q/k norm)"
+IMAGE_CONTEXT = "WanAttention (I2V image-context K norm)"
+
+
+def _is_wan(obj) -> bool:
+    return type(obj).__module__ in _WAN_MODULES
+
+
+def _block_patcher(forward):
+    def patch(name: str, block, injector) -> None:
+        kind = type(block).__name__
+        if not _is_wan(block):
+            injector.skip(kind, name, f"class from {type(block).__module__}, not a diffusers Wan "
+                          "module; left unpatched")
+            return
+        injector.swap_forward(name, block, forward, kind)
+        for attn_name, attn_kind in (("attn1", SELF_ATTENTION), ("attn2", CROSS_ATTENTION)):
+            attn = getattr(block, attn_name)
+            processor = attn.processor
+            if type(processor).__name__ != "WanAttnProcessor" or not _is_wan(processor):
+                injector.skip(attn_kind, f"{name}.{attn_name}", f"custom processor "
+                              f"{type(processor).__name__} kept (LoRA/IP adapters or user code)")
+                continue
+            injector.set_processor(f"{name}.{attn_name}", attn, WanKernelsAttnProcessor(),
+                                   attn_kind)
+            if attn.add_k_proj is not None:
+                injector.skip(IMAGE_CONTEXT, f"{name}.{attn_name}", "norm_added_k stays "
+                              "torch.nn.RMSNorm (one kernel, no RoPE or partner norm to fuse)")
+        reason = steps.feed_forward_fusable(block.ffn)
+        if reason:
+            injector.skip(f"{kind} feed-forward", f"{name}.ffn", reason)
+    return patch
+
+
+def patch_model(name: str, model, injector) -> None:
+    injector.skip(f"{type(model).__name__} (output norm)", name,
+                  "inline in the model forward; fusing it would copy the whole forward for one "
+                  "LayerNorm per call")
+
+
+PATCHERS = {
+    "WanTransformerBlock": _block_patcher(block_forward),
+    "WanVACETransformerBlock": _block_patcher(vace_block_forward),
+    "WanTransformer3DModel": patch_model,
+    "WanVACETransformer3DModel": patch_model,
+}
