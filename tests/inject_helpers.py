@@ -80,3 +80,21 @@ def count_ltx_ops(call) -> dict:
     with torch.no_grad(), _OpCounter() as counter:
         call()
     return counter.counts
+
+
+def group_offload(model, offload_type: str = "leaf_level") -> None:
+    """diffusers group offloading with the CPU as onload device: the hooks of a real offload."""
+    from diffusers.hooks import apply_group_offloading
+
+    kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type=offload_type,
+                           **kwargs)
+
+
+def assert_backend_kept(attention_modules, processor_name: str) -> None:
+    """Each module got our processor, carrying the `_native_math` backend set before injection."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    for attn in attention_modules:
+        assert type(attn.processor).__name__ == processor_name
+        assert attn.processor._attention_backend == AttentionBackendName._NATIVE_MATH

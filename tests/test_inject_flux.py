@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores,
-                            count_ltx_ops, eager_and_injected, output_of, rel_l2)
+from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
+                            assert_remove_restores, count_ltx_ops, eager_and_injected,
+                            group_offload, output_of, rel_l2)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.flux import DOUBLE_ATTN, SINGLE_ATTN
 
@@ -154,9 +155,9 @@ def test_attention_backend_is_kept():
     call = caller(tiny_inputs(torch.float32))
     eager, injected, _ = eager_and_injected(model, call)
     assert_matches_eager(eager, injected, torch.float32, "math backend")
-    for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-        assert type(block.attn.processor).__name__ == "FluxKernelsAttnProcessor"
-        assert block.attn.processor._attention_backend == "_native_math"
+    assert_backend_kept([block.attn for block in (*model.transformer_blocks,
+                                                  *model.single_transformer_blocks)],
+                        "FluxKernelsAttnProcessor")
 
 
 def test_rope_tables_of_another_shape_rotate_after_concatenation():
@@ -185,12 +186,10 @@ def test_fp16_output_is_clipped_as_diffusers_does():
 
 
 def test_inject_then_leaf_offload_calls_the_hooked_modules():
-    from diffusers.hooks import apply_group_offloading
-
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))
     eager, _, _ = eager_and_injected(model, call)
-    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="leaf_level")
+    group_offload(model, "leaf_level")
     with torch.no_grad():
         assert_matches_eager(eager, call(model), torch.bfloat16, "inject, then leaf offload")
     # Hooks on every module with weights (Linear, q/k RMSNorm): the steps reading those weights

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, clone,
-                            count_ltx_ops, eager_and_injected, output_of, rel_l2)
+from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
+                            assert_remove_restores, clone, count_ltx_ops, eager_and_injected,
+                            group_offload, output_of, rel_l2)
 from ltx_kernels.integration import FUSIONS
 
 from diffusers import LTXVideoTransformer3DModel  # noqa: E402  (inject_helpers skips without it)
@@ -132,15 +133,11 @@ def test_blocks_keep_their_class_name_and_state_dict():
 
 
 def test_attention_backend_is_kept():
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
     model = tiny_model(torch.float32)
     model.set_attention_backend("_native_math")
     ltx_kernels.inject_optimized_kernels(model, verbose=False)
-    for block in model.transformer_blocks:
-        for attn in (block.attn1, block.attn2):
-            assert type(attn.processor).__name__ == "LTXKernelsAttnProcessor"
-            assert attn.processor._attention_backend == AttentionBackendName._NATIVE_MATH
+    assert_backend_kept([attn for block in model.transformer_blocks
+                         for attn in (block.attn1, block.attn2)], "LTXKernelsAttnProcessor")
 
 
 def test_custom_processor_is_kept_and_reported():
@@ -173,20 +170,12 @@ def test_pipeline_injection_covers_its_transformer():
 # ------------------------------------------------------------------------------------------------
 # Hooks and offloading
 # ------------------------------------------------------------------------------------------------
-def _group_offload(model, offload_type):
-    from diffusers.hooks import apply_group_offloading
-
-    kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
-    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type=offload_type,
-                           **kwargs)
-
-
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
 def test_inject_then_group_offload(offload_type):
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))
     eager, injected, _ = eager_and_injected(model, call)
-    _group_offload(model, offload_type)
+    group_offload(model, offload_type)
     with torch.no_grad():
         offloaded = output_of(call(model))
     assert_matches_eager(eager, offloaded, torch.bfloat16, f"inject, then {offload_type} offload")
@@ -203,7 +192,7 @@ def test_inject_then_group_offload(offload_type):
 def test_group_offload_then_inject_raises_for_hooked_blocks(offload_type):
     # Both levels hook the blocks (leaf level for the parameters held by the block itself).
     model = tiny_model(torch.float32)
-    _group_offload(model, offload_type)
+    group_offload(model, offload_type)
     with pytest.raises(RuntimeError, match=r"cannot patch transformer_blocks\.0 "
                                            r"\(LTXVideoTransformerBlock\): its forward is wrapped"):
         ltx_kernels.inject_optimized_kernels(model, verbose=False)

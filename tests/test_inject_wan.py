@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores,
-                            count_ltx_ops, eager_and_injected, output_of, rel_l2)
+from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
+                            assert_remove_restores, count_ltx_ops, eager_and_injected,
+                            group_offload, output_of, rel_l2)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.wan import WanKernelsAttnProcessor
 
@@ -256,15 +257,11 @@ def test_custom_processor_is_kept_and_reported():
 
 
 def test_attention_backend_is_kept():
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
     model = tiny_model(torch.float32)
     model.set_attention_backend("_native_math")
     ltx_kernels.inject_optimized_kernels(model, verbose=False)
-    for block in model.blocks:
-        for attn in (block.attn1, block.attn2):
-            assert type(attn.processor).__name__ == "WanKernelsAttnProcessor"
-            assert attn.processor._attention_backend == AttentionBackendName._NATIVE_MATH
+    assert_backend_kept([attn for block in model.blocks for attn in (block.attn1, block.attn2)],
+                        "WanKernelsAttnProcessor")
 
 
 def test_same_named_class_from_elsewhere_is_left_alone():
@@ -284,12 +281,10 @@ def test_same_named_class_from_elsewhere_is_left_alone():
 # Hooks and torch.compile
 # ------------------------------------------------------------------------------------------------
 def test_inject_then_leaf_offload_falls_back_where_hooked():
-    from diffusers.hooks import apply_group_offloading
-
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))
     eager, _, _ = eager_and_injected(model, call)
-    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="leaf_level")
+    group_offload(model, "leaf_level")
     with torch.no_grad():
         assert_matches_eager(eager, call(model), torch.bfloat16, "inject, then leaf offload")
     # Hooked: the Linear layers (FF), norm2 (affine) and the q/k norms. Not hooked: norm1, norm3

@@ -64,12 +64,34 @@ def norm_modulate(ops, norm, x, scale, shift):
     return norm(x) * (1 + scale) + shift
 
 
-def norm_modulate_fp32(ops, norm, x, scale, shift):
-    """Wan: `(norm(x.float()) * (1 + scale) + shift).type_as(x)` with an fp32 LayerNorm."""
-    if ("layernorm_modulate" in ops and _plain(norm) and _is_plain_layernorm(norm)
-            and _modulation_ok(x, norm, scale, shift, upcast=True)):
+def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
+    """norm is a hook-free nn.LayerNorm (FP32LayerNorm) and the modulation tensors are None or of
+    one dtype (fp32 or x's), as the upcast ops take them."""
+    dtypes = {t.dtype for t in (scale, shift, gate) if t is not None}
+    return (_plain(norm) and _is_plain_layernorm(norm) and len(dtypes) <= 1
+            and _modulation_ok(x, norm, scale, shift, gate, upcast=True))
+
+
+def norm_modulate_fp32(ops, norm, x, scale=None, shift=None):
+    """Wan: `(norm(x.float()) * (1 + scale) + shift).type_as(x)` with an fp32 LayerNorm, or
+    `norm(x.float()).type_as(x)` without modulation (Wan's norm2)."""
+    if "layernorm_modulate" in ops and _fp32_norm_fusable(norm, x, scale, shift):
         return layernorm_modulate(x, scale, shift, norm.weight, norm.bias, norm.eps, upcast=True)
-    return (norm(x.float()) * (1 + scale) + shift).type_as(x)
+    n = norm(x.float())  # nn.Identity for Wan's norm2 without cross_attn_norm
+    if scale is not None:
+        n = n * (1 + scale) + shift
+    return n.type_as(x)
+
+
+def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None):
+    """The upcast twin of add_norm_modulate (Wan), each output rounded once. Returns (h, n):
+    h = (x.float() + y * gate).type_as(x), or x + y without gate; n = norm_modulate_fp32(h)."""
+    if ("add_layernorm_modulate" in ops and _same_dtype(x, y)
+            and _fp32_norm_fusable(norm, x, scale, shift, gate)):
+        return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps,
+                                      upcast=True)
+    h = x + y if gate is None else residual_fp32(ops, x, y, gate)
+    return h, norm_modulate_fp32(ops, norm, h, scale, shift)
 
 
 def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None):
@@ -108,16 +130,22 @@ def _rmsnorm_eps(norm, x):
     return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
 
 
+def fuses_qk_norm(ops, norm_q, norm_k, q, k) -> bool:
+    """Whether qk_norm_rope runs the q/k norms in our op: a hook-free torch.nn.RMSNorm pair with one
+    eps, q and k of one dtype, weights in it or fp32."""
+    return ("qk_rmsnorm_rope" in ops and isinstance(norm_q, torch.nn.RMSNorm)
+            and isinstance(norm_k, torch.nn.RMSNorm) and _plain(norm_q, norm_k)
+            and _rmsnorm_eps(norm_q, q) == _rmsnorm_eps(norm_k, k)
+            and q.dtype == k.dtype and _weights_ok(q, norm_q.weight, norm_k.weight))
+
+
 def qk_norm_rope(ops, norm_q, norm_k, q, k, cos_sin, diffusers_rope, *, across_heads: bool,
                  interleaved: bool = True):
     """q, k = norm_q(q), norm_k(k) (torch.nn.RMSNorm; None: no norm), then RoPE with
     cos_sin = (cos, sin) or None. diffusers_rope(t, cos_sin) is the model's own rotation, used when
     the rope op is disabled or cannot take the tables."""
     rotate = cos_sin is not None and "rope" in ops and _same_rope_tables(q, cos_sin)
-    fused_norm = ("qk_rmsnorm_rope" in ops and isinstance(norm_q, torch.nn.RMSNorm)
-                  and isinstance(norm_k, torch.nn.RMSNorm) and _plain(norm_q, norm_k)
-                  and _rmsnorm_eps(norm_q, q) == _rmsnorm_eps(norm_k, k)
-                  and q.dtype == k.dtype and _weights_ok(q, norm_q.weight, norm_k.weight))
+    fused_norm = fuses_qk_norm(ops, norm_q, norm_k, q, k)
     if fused_norm:
         cos, sin = cos_sin if rotate else (None, None)
         q, k = qk_rmsnorm_rope(q, k, norm_q.weight, norm_k.weight, cos, sin,

@@ -20,46 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import add_layernorm_modulate, layernorm_modulate
 from . import steps
 
 # Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
 # animate and ChronoEdit copies are verbatim). A same-named class from elsewhere is left alone.
 _WAN_MODULES = frozenset(f"diffusers.models.transformers.{name}" for name in (
     "transformer_wan", "transformer_wan_animate", "transformer_chronoedit", "transformer_wan_vace"))
-
-
-# ------------------------------------------------------------------------------------------------
-# Wan's fp32 norm steps (shared-step candidates: steps.norm_modulate_fp32 / add_norm_modulate for
-# upcast models)
-# ------------------------------------------------------------------------------------------------
-def _fp32_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
-    """norm is a hook-free nn.LayerNorm (FP32LayerNorm) and the modulation tensors (None or one
-    dtype, fp32 or x's) and norm weights are what the upcast ops take."""
-    dtypes = {t.dtype for t in (scale, shift, gate) if t is not None}
-    return (steps._plain(norm) and steps._is_plain_layernorm(norm) and len(dtypes) <= 1
-            and steps._modulation_ok(x, norm, scale, shift, gate, upcast=True))
-
-
-def norm_fp32(ops, norm, x, scale=None, shift=None):
-    """steps.norm_modulate_fp32, also for Wan's unmodulated `norm2(x.float()).type_as(x)`."""
-    if scale is not None or shift is not None:
-        return steps.norm_modulate_fp32(ops, norm, x, scale, shift)
-    if "layernorm_modulate" in ops and _fp32_fusable(norm, x):
-        return layernorm_modulate(x, None, None, norm.weight, norm.bias, norm.eps, upcast=True)
-    return norm(x.float()).type_as(x)  # nn.Identity without cross_attn_norm
-
-
-def add_norm_fp32(ops, norm, x, y, gate=None, scale=None, shift=None):
-    """Wan's residual and the norm after it, each rounded once. Returns (h, n):
-    h = (x.float() + y * gate).type_as(x), or x + y without gate (`x + attn2`);
-    n = (norm(h.float()) * (1 + scale) + shift).type_as(x), or norm(h.float()).type_as(x)."""
-    if ("add_layernorm_modulate" in ops and steps._same_dtype(x, y)
-            and _fp32_fusable(norm, x, scale, shift, gate)):
-        return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps,
-                                      upcast=True)
-    h = x + y if gate is None else steps.residual_fp32(ops, x, y, gate)
-    return h, norm_fp32(ops, norm, h, scale, shift)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -94,14 +60,6 @@ def _rope_operands(ops, rotary_emb):
     return ops, (torch.stack((cos, cos), -1).flatten(-2), torch.stack((sin, sin), -1).flatten(-2))
 
 
-def _fuses_qk_norm(ops, norm_q, norm_k, q, k) -> bool:
-    """The condition under which steps.qk_norm_rope runs the norms in our op."""
-    return ("qk_rmsnorm_rope" in ops and isinstance(norm_q, torch.nn.RMSNorm)
-            and isinstance(norm_k, torch.nn.RMSNorm) and steps._plain(norm_q, norm_k)
-            and steps._rmsnorm_eps(norm_q, q) == steps._rmsnorm_eps(norm_k, k)
-            and q.dtype == k.dtype and steps._weights_ok(q, norm_q.weight, norm_k.weight))
-
-
 def _heads(attn, t):
     return t.unflatten(2, (attn.heads, -1))
 
@@ -111,7 +69,7 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
     [B, S, H, Dh], RoPE per head (none without rotary_emb). Returns (query, key) split."""
     ops, tables = _rope_operands(ops, rotary_emb)
     norm_q, norm_k = attn.norm_q, attn.norm_k
-    if not _fuses_qk_norm(ops, norm_q, norm_k, query, key):
+    if not steps.fuses_qk_norm(ops, norm_q, norm_k, query, key):
         # The shared step would norm the head-split tensors; these norms span the whole token.
         query, key, norm_q, norm_k = norm_q(query), norm_k(key), None, None
     return steps.qk_norm_rope(ops, norm_q, norm_k, _heads(attn, query), _heads(attn, key), tables,
@@ -179,12 +137,12 @@ def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb):
     norm_hidden_states = steps.norm_modulate_fp32(ops, self.norm1, hidden_states, scale_msa,
                                                   shift_msa)
     attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
-    hidden_states, norm_hidden_states = add_norm_fp32(ops, self.norm2, hidden_states, attn_output,
-                                                      gate=gate_msa)
+    hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
+        ops, self.norm2, hidden_states, attn_output, gate=gate_msa)
 
     attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
-    hidden_states, norm_hidden_states = add_norm_fp32(ops, self.norm3, hidden_states, attn_output,
-                                                      scale=c_scale_msa, shift=c_shift_msa)
+    hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
+        ops, self.norm3, hidden_states, attn_output, c_scale_msa, c_shift_msa)
 
     ff_output = steps.feed_forward(ops, self.ffn, norm_hidden_states)
     return steps.residual_fp32(ops, hidden_states, ff_output, c_gate_msa)
