@@ -5,7 +5,9 @@
 #   bash benchmarks/run_on_device.sh [pytest -k expression]
 # Env: SANITIZE=1 (compute-sanitizer memcheck + racecheck on a subset), RMSNORM_BENCH=1 (also the
 # rmsnorm benchmarks), OPS_BENCH=0 (skip benchmark_ops), TRANSFORMER_BENCH="<args>;<args>" (runs
-# benchmark_transformer.py once per ;-separated argument list), SKIP_TESTS=1, SKIP_BENCH=1.
+# benchmark_transformer.py once per ;-separated argument list), VIDEO_BENCH="<args>;<args>" (runs
+# scripts/generate_video.py --weights random once per list; JSON and chart to $OUT/bench/video_<i>.*,
+# the video to /tmp), SKIP_TESTS=1, SKIP_BENCH=1.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -38,6 +40,12 @@ fi
   for run_args in "${transformer_runs[@]}"; do
     # shellcheck disable=SC2086  # word splitting of the argument list is intended
     python3 benchmarks/benchmark_transformer.py $run_args --out "$OUT/bench"
+  done
+  IFS=';' read -ra video_runs <<<"${VIDEO_BENCH:-}"
+  for i in "${!video_runs[@]}"; do
+    # shellcheck disable=SC2086
+    python3 scripts/generate_video.py --weights random --no-progress ${video_runs[$i]} \
+      --output "/tmp/videos/video_$i.mp4" --json "$OUT/bench/video_$i.json" --chart "$OUT/bench/video_$i.png"
   done
   if [ "${RMSNORM_BENCH:-0}" = 1 ]; then
     for weight in bf16 none; do

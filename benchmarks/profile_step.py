@@ -1,0 +1,104 @@
+"""Where one LTX-Video denoising step spends its GPU time, per column of benchmark_transformer.py:
+torch.profiler over --steps calls after warm-up, kernel time summed per category (GEMM, attention,
+ltx_kernels ops, Inductor/Triton, other), the top kernels by total time, and how long the host
+takes to issue one step against its wall time.
+
+  python benchmarks/profile_step.py --tokens 2688 --columns kernels,compile+kernels
+"""
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark_transformer as bt  # noqa: E402
+
+CATEGORIES = (  # first match wins; names are lower-cased CUDA kernel names
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
+    ("ltx_kernels", ("norm_modulate_", "gated_residual_", "qk_norm_rope_", "gelu_kernel", "rmsnorm_")),
+    ("inductor/triton", ("triton_",)),
+)
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, needles in CATEGORIES:
+        if any(needle in lowered for needle in needles):
+            return label
+    return "other"
+
+
+def host_times(step, reps=5):
+    """Median (host ms to issue one step's kernels, wall ms until they finish). Issue close to
+    wall means the host, not the GPU, sets the pace (launch overhead or a hidden sync)."""
+    issue, wall = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        issue.append((issued - start) * 1000)
+        wall.append((time.perf_counter() - start) * 1000)
+    return statistics.median(issue), statistics.median(wall)
+
+
+def profile_column(column, model, call, steps, top):
+    injected = "kernels" in column
+    if injected:
+        bt.ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    torch._dynamo.reset()
+    target = torch.compile(model, fullgraph=True) if column.startswith("compile") else model
+    if column.startswith("blocks"):
+        model.compile_repeated_blocks(fullgraph=True)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                call(target)
+            issue_ms, wall_ms = host_times(lambda: call(target))
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    call(target)
+                torch.cuda.synchronize()
+    finally:
+        bt.uncompile_blocks(model)
+        if injected:
+            bt.ltx_kernels.remove_optimized_kernels(model)
+    kernels = collections.Counter()
+    counts = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.device_time / steps
+            counts[event.name] += 1 / steps
+    totals = collections.Counter()
+    for name, us in kernels.items():
+        totals[category(name)] += us
+    print(f"\n## {column}: GPU kernel time per step {sum(totals.values()) / 1000:.2f} ms; wall "
+          f"{wall_ms:.2f} ms, of which the host issues the calls in {issue_ms:.2f} ms")
+    print("  " + ", ".join(f"{label} {us / 1000:.2f} ms" for label, us in totals.most_common()))
+    for name, us in kernels.most_common(top):
+        print(f"  {us / 1000:7.3f} ms  x{counts[name]:5.0f}  [{category(name)}] {name[:110]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2688, choices=sorted(bt.LTX_GRIDS))
+    parser.add_argument("--columns", default="eager,kernels,compile,compile+kernels")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    model, call = bt.ltx_case(args.tokens)
+    print(f"# LTX-Video 2B, batch 2 x {args.tokens} tokens, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")
+    for column in args.columns.split(","):
+        profile_column(column.strip(), model, call, args.steps, args.top)
+
+
+if __name__ == "__main__":
+    main()

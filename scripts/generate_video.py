@@ -1,0 +1,527 @@
+"""LTX-Video text-to-video with ltx_kernels: generate a video, or benchmark the whole pipeline.
+
+  python scripts/generate_video.py                         # kernels on, 161 frames 512x768, 50 steps
+  python scripts/generate_video.py --no-optimized-kernels --compile
+  python scripts/generate_video.py --use-optimized-kernels --compile     # both together
+  python scripts/generate_video.py --compare --num-frames 49 --steps 30  # the four rows in one process
+
+Weights (--weights): `hub` loads --model-id with diffusers (from the local cache, else downloaded);
+`random` builds the same pipeline offline from the real LTX-Video configs (the 2B transformer, the
+VAE and the scheduler of Lightricks/LTX-Video 0.9.0/0.9.1, diffusers' defaults) with random weights
+and random prompt embeddings in place of the 4.7B-parameter T5 text encoder: the timings are those
+of the real architecture, the video is noise. `auto` (default) loads the hub pipeline when it can
+and otherwise falls back to `random`, saying why.
+
+Timing: wall clock of whole pipeline calls (prompt handling, denoising loop, VAE decode; the frames
+come back as a tensor on the GPU, and writing the file is not timed), synchronized, median of
+--runs calls after --warmup-iterations calls. The first warm-up call of a compiled configuration
+is its compile time, reported apart. it/s is the rate of the denoising loop alone. Every configuration starts from the same seed, so their final latents are
+compared with the baseline's (relative L2).
+
+Outputs: the video (--output; mp4 through diffusers' export_to_video, which needs imageio +
+imageio-ffmpeg or OpenCV, else an animated GIF beside it), a JSON of the results (--json) and,
+with --compare, a PNG chart (--chart, needs matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import ltx_kernels
+
+CONFIGS = ("baseline", "kernels", "compile", "kernels+compile")
+CONFIG_TITLES = {
+    "baseline": "Baseline (diffusers eager)",
+    "kernels": "Optimized kernels",
+    "compile": "Baseline + torch.compile",
+    "kernels+compile": "Optimized kernels + torch.compile",
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_PROMPT = ("A woman with long brown hair and light skin smiles at another woman with long blonde "
+                  "hair. The woman with brown hair wears a black jacket and has a small, barely "
+                  "noticeable mole on her right cheek. The camera angle is a close-up, focused on the "
+                  "woman with brown hair's face. The lighting is warm and natural, likely from the "
+                  "setting sun, casting a soft glow on the scene. The scene appears to be real-life "
+                  "footage.")
+DEFAULT_NEGATIVE_PROMPT = "worst quality, inconsistent motion, blurry, jittery, distorted"
+TEXT_TOKENS = 128  # LTXPipeline's max_sequence_length
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    kernels = parser.add_mutually_exclusive_group()
+    kernels.add_argument("--use-optimized-kernels", dest="kernels", action="store_true", default=True,
+                         help="run the transformer on ltx_kernels' fused ops (default)")
+    kernels.add_argument("--no-optimized-kernels", dest="kernels", action="store_false",
+                         help="run diffusers' own code (the baseline)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the transformer (fullgraph); stacks with the kernels")
+    parser.add_argument("--compile-scope", choices=("full", "blocks"), default="full",
+                        help="full: torch.compile of the whole transformer; blocks: "
+                             "compile_repeated_blocks (compiles in seconds, about as fast)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: default)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run baseline, kernels, compile and kernels+compile in one process and "
+                             "print the comparison table (--configs picks a subset)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"configurations for --compare, comma-separated from {', '.join(CONFIGS)}")
+    parser.add_argument("--batch-size", type=int, default=1, help="videos per prompt")
+    parser.add_argument("--num-frames", type=int, default=161, help="8k+1 frames")
+    parser.add_argument("--height", type=int, default=512, help="multiple of 32")
+    parser.add_argument("--width", type=int, default=768, help="multiple of 32")
+    parser.add_argument("--steps", type=int, default=50, help="denoising steps (at least 2)")
+    parser.add_argument("--warmup-iterations", type=int, default=2,
+                        help="untimed pipeline calls per configuration (the first one compiles)")
+    parser.add_argument("--runs", type=int, default=3, help="timed pipeline calls per configuration")
+    parser.add_argument("--guidance-scale", type=float, default=3.0)
+    parser.add_argument("--frame-rate", type=int, default=25)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
+    parser.add_argument("--weights", choices=("auto", "hub", "random"), default="auto",
+                        help="auto: the hub pipeline if it can be loaded, else random weights")
+    parser.add_argument("--model-id", default="Lightricks/LTX-Video")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="enable_model_cpu_offload() (needs a CUDA device)")
+    parser.add_argument("--attention-backend", default=None,
+                        help="diffusers attention backend for every configuration, e.g. "
+                             "_native_cudnn or flash_hub (default: diffusers' default, native SDPA)")
+    parser.add_argument("--output", type=Path, default=Path("ltx_video.mp4"),
+                        help="video file (default: ltx_video.mp4)")
+    parser.add_argument("--no-video", action="store_true", help="do not write the video")
+    parser.add_argument("--json", type=Path, default=None, help="results (default: <output>.json)")
+    parser.add_argument("--chart", type=Path, default=None,
+                        help="comparison chart, with --compare (default: <output>_compare.png)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a tiny random model (2 blocks, small VAE) for smoke tests on any device")
+    args = parser.parse_args(argv)
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    if not configs:
+        parser.error("--configs: give at least one configuration")
+    if args.compare:
+        args.configs = [c for c in CONFIGS if c in configs]
+    else:
+        args.configs = [("kernels+compile" if args.compile else "kernels") if args.kernels
+                        else ("compile" if args.compile else "baseline")]
+    if args.steps < 2:
+        parser.error("--steps: at least 2 (LTX's scheduler gives NaN timesteps for one step)")
+    if args.num_frames < 1 or (args.num_frames - 1) % 8:
+        parser.error(f"--num-frames: must be 8k+1 (1, 9, ..., 49, ..., 161), got {args.num_frames}")
+    for name in ("height", "width"):
+        if getattr(args, name) <= 0 or getattr(args, name) % 32:
+            parser.error(f"--{name}: must be a positive multiple of 32, got {getattr(args, name)}")
+    for name in ("batch_size", "runs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be at least 1")
+    if args.warmup_iterations < 0:
+        parser.error("--warmup-iterations: must be at least 0")
+    if args.cpu_offload and not torch.cuda.is_available():
+        parser.error("--cpu-offload: needs a CUDA device")
+    if args.tiny and args.weights == "hub":
+        parser.error("--tiny builds a random model; it cannot be combined with --weights hub")
+    args.json = args.json or args.output.with_suffix(".json")
+    args.chart = args.chart or args.output.with_name(args.output.stem + "_compare.png")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# The pipeline: loaded from the hub, or built with random weights from the real configs.
+
+def tiny_configs() -> tuple[dict, dict]:
+    """Transformer and VAE configs of a tiny LTX-Video with the real block structure."""
+    transformer = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
+                       cross_attention_dim=32, num_layers=2, caption_channels=32)
+    vae = dict(latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+               layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1))
+    return transformer, vae
+
+
+def build_random_pipeline(dtype: torch.dtype, device: torch.device | str, tiny: bool = False):
+    """LTXPipeline with random weights: the LTX-Video 0.9.0/0.9.1 transformer, VAE and scheduler
+    configs (diffusers' defaults), no text encoder or tokenizer (prompt embeddings are passed in)."""
+    from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
+                           LTXVideoTransformer3DModel)
+
+    from diffusers.utils import logging
+
+    transformer_config, vae_config = tiny_configs() if tiny else ({}, {})
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # silence "modules that should be kept in float32: []" on .to(dtype)
+    try:
+        with torch.device(device):
+            transformer = LTXVideoTransformer3DModel(**transformer_config).to(dtype).eval()
+            vae = AutoencoderKLLTXVideo(**vae_config).to(dtype).eval()
+    finally:
+        logging.set_verbosity(verbosity)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1)
+    return LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
+                       transformer=transformer)
+
+
+def load_pipeline(args, device: torch.device, dtype: torch.dtype):
+    """(pipeline, weights description). --weights auto falls back to random weights with one line."""
+    if args.weights == "random" or args.tiny:
+        pipe = build_random_pipeline(dtype, "cpu" if args.cpu_offload else device, tiny=args.tiny)
+        return pipe, "random" + (" (tiny model)" if args.tiny else "")
+    from diffusers import LTXPipeline
+
+    try:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no", "off")
+        pipe = _load_hub_pipeline(LTXPipeline, args.model_id, dtype,
+                                  try_download=args.weights == "hub" or not offline)
+    except Exception as error:  # noqa: BLE001  (any failure to load means: fall back)
+        if args.weights == "hub":
+            raise
+        print(f"weights: {args.model_id} could not be loaded ({one_line(error, 160)}); "
+              "falling back to random weights (--weights random): timings are real, the video is noise")
+        pipe = build_random_pipeline(dtype, "cpu" if args.cpu_offload else device)
+        return pipe, "random (hub unavailable)"
+    if not args.cpu_offload:
+        pipe.to(device)
+    return pipe, f"hub:{args.model_id}"
+
+
+def _load_hub_pipeline(pipeline_class, model_id: str, dtype: torch.dtype, try_download: bool):
+    """From the local cache first; from the hub when that fails and downloads are allowed."""
+    def load(**kwargs):
+        with warnings.catch_warnings():  # newer diffusers prefer dtype=; older ones know only torch_dtype
+            warnings.simplefilter("ignore", FutureWarning)
+            return pipeline_class.from_pretrained(model_id, torch_dtype=dtype, **kwargs)
+
+    try:
+        return load(local_files_only=True)
+    except Exception:  # noqa: BLE001
+        if not try_download:
+            raise
+    return load()
+
+
+def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Keyword arguments of every pipeline call except the generator. A pipeline without a text
+    encoder gets seeded random prompt embeddings [1, 128, caption_channels] and masks (a prompt
+    mask as long as the prompt's words, roughly its T5 length)."""
+    inputs = dict(height=args.height, width=args.width, num_frames=args.num_frames,
+                  frame_rate=args.frame_rate, num_inference_steps=args.steps,
+                  guidance_scale=args.guidance_scale, num_videos_per_prompt=args.batch_size,
+                  max_sequence_length=TEXT_TOKENS, output_type="pt")
+    if pipe.text_encoder is not None:
+        return dict(inputs, prompt=args.prompt, negative_prompt=args.negative_prompt)
+    generator = torch.Generator("cpu").manual_seed(args.seed)
+    width = pipe.transformer.config.caption_channels
+
+    def embeds_and_mask(text: str):
+        embeds = torch.randn(1, TEXT_TOKENS, width, generator=generator).to(device, dtype)
+        mask = torch.zeros(1, TEXT_TOKENS, dtype=torch.long, device=device)
+        mask[:, :min(TEXT_TOKENS, len(text.split()) * 4 // 3 + 1)] = 1
+        return embeds, mask
+
+    inputs["prompt_embeds"], inputs["prompt_attention_mask"] = embeds_and_mask(args.prompt)
+    # LTXPipeline needs negative embeddings whenever guidance is on (it would call the encoder).
+    inputs["negative_prompt_embeds"], inputs["negative_prompt_attention_mask"] = embeds_and_mask(
+        args.negative_prompt)
+    return inputs
+
+
+# ------------------------------------------------------------------------------------------------
+# Configurations and timing.
+
+def apply_config(pipe, config: str, args) -> str:
+    """Switch the pipeline to `config` (from the baseline state); returns a note for the table."""
+    notes = []
+    if config.startswith("kernels"):
+        report = ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+        notes.append(f"{report.total_patched} modules on ltx_kernels ops")
+    if config.endswith("compile"):
+        torch._dynamo.reset()
+        options = dict(fullgraph=True, mode=args.compile_mode)
+        if args.compile_scope == "blocks":
+            pipe.transformer.compile_repeated_blocks(**options)
+        else:
+            pipe.transformer.compile(**options)
+        mode = f", mode={args.compile_mode}" if args.compile_mode else ""
+        notes.append(f"torch.compile ({args.compile_scope}, fullgraph{mode})")
+    return "; ".join(notes) or "reference"
+
+
+def restore_baseline(pipe) -> None:
+    """Undo apply_config: drop compiled call paths and the kernels."""
+    for module in pipe.transformer.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    ltx_kernels.remove_optimized_kernels(pipe)
+    torch._dynamo.reset()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Call:
+    """One timed pipeline call: wall seconds in total and up to the end of the denoising loop."""
+    total_s: float
+    denoise_s: float
+    latents: torch.Tensor  # final packed latents [B, S, C], fp32, on the CPU
+    frames: torch.Tensor  # decoded video [B, F, 3, H, W] in [0, 1], on the pipeline's device
+
+
+def call_pipeline(pipe, inputs: dict, args, device: torch.device) -> Call:
+    marks = {}
+
+    def on_step_end(_pipe, step, _timestep, tensors):
+        if step == args.steps - 1:  # end of the loop: the rest is unpacking and the VAE decode
+            synchronize(device)
+            marks["denoised"] = time.perf_counter()
+            marks["latents"] = tensors["latents"].detach().float().cpu()
+        return {}
+
+    generator = torch.Generator(device).manual_seed(args.seed)
+    synchronize(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        frames = pipe(**inputs, generator=generator, callback_on_step_end=on_step_end).frames
+    synchronize(device)
+    end = time.perf_counter()
+    return Call(total_s=end - start, denoise_s=marks["denoised"] - start, latents=marks["latents"],
+                frames=frames)
+
+
+@dataclass
+class Row:
+    """One configuration's results (seconds; medians over the timed runs)."""
+    config: str
+    notes: str
+    total_s: float
+    denoise_s: float
+    decode_s: float
+    it_per_s: float
+    warmup_s: list = field(default_factory=list)
+    runs_s: list = field(default_factory=list)
+    peak_gib: float | None = None
+    speedup: float | None = None
+    vs_compile: float | None = None
+    rel_l2: float | None = None
+
+
+def measure(pipe, config: str, inputs: dict, args, device: torch.device) -> tuple[Row, Call]:
+    notes = apply_config(pipe, config, args)
+    progress = _progress(args)
+    warmup_s = []
+    for i in progress(range(args.warmup_iterations), desc=f"{config}: warm-up"
+                      + (" (the first call compiles)" if "compile" in config else "")):
+        pipe.set_progress_bar_config(desc=f"{config} warm-up {i + 1}", leave=False,
+                                     disable=args.no_progress)
+        warmup_s.append(call_pipeline(pipe, inputs, args, device).total_s)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    calls = []
+    for i in range(args.runs):
+        pipe.set_progress_bar_config(desc=f"{config} run {i + 1}/{args.runs}", leave=False,
+                                     disable=args.no_progress)
+        calls.append(call_pipeline(pipe, inputs, args, device))
+    median = sorted(calls, key=lambda c: c.total_s)[(len(calls) - 1) // 2]
+    denoise_s = statistics.median(c.denoise_s for c in calls)
+    row = Row(config=config, notes=notes, total_s=statistics.median(c.total_s for c in calls),
+              denoise_s=denoise_s, decode_s=statistics.median(c.total_s - c.denoise_s for c in calls),
+              it_per_s=args.steps / denoise_s, warmup_s=warmup_s, runs_s=[c.total_s for c in calls],
+              peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+    if "compile" in config and warmup_s:
+        row.notes += f"; first call {warmup_s[0]:.1f} s (compile)"
+    return row, median
+
+
+def _progress(args):
+    if args.no_progress:
+        return lambda iterable, desc: iterable
+    from tqdm.auto import tqdm
+
+    return lambda iterable, desc: tqdm(iterable, desc=desc, leave=False)
+
+
+def relative_l2(x: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((x.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def finish_rows(rows: list[Row], latents: dict) -> None:
+    """Speedups over the baseline and over compile alone; latent drift from the baseline."""
+    by_config = {row.config: row for row in rows}
+    for row in rows:
+        if "baseline" in by_config:
+            row.speedup = by_config["baseline"].total_s / row.total_s
+            row.rel_l2 = relative_l2(latents[row.config], latents["baseline"])
+        if "compile" in by_config and row.config == "kernels+compile":
+            row.vs_compile = by_config["compile"].total_s / row.total_s
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting.
+
+def environment(device: torch.device) -> dict:
+    import diffusers
+
+    info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__,
+                ltx_kernels=ltx_kernels.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+    return info
+
+
+def one_line(error: BaseException, limit: int) -> str:
+    """`Type: first line of the message`, for one-line explanations."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["| Configuration | Time (s) | it/s | Speedup | vs compile | VAE decode (s) | Peak GiB "
+             "| Latent rel L2 | Notes |", "|:---|---:|---:|---:|---:|---:|---:|---:|:---|"]
+    for row in rows:
+        lines.append(
+            f"| {CONFIG_TITLES[row.config]} | {row.total_s:.2f} | {row.it_per_s:.2f} | "
+            f"{_fmt(row.speedup, '.2f', 'x')} | {_fmt(row.vs_compile, '.2f', 'x')} | "
+            f"{row.decode_s:.3f} | {_fmt(row.peak_gib, '.1f')} | {_fmt(row.rel_l2, '.1e')} | "
+            f"{row.notes} |")
+    return "\n".join(lines)
+
+
+def describe(args, env: dict, weights: str) -> str:
+    return (f"Device: {env['device']} | torch {env['torch']} | diffusers {env['diffusers']} | "
+            f"precision: {args.dtype} | resolution: {args.width}x{args.height} | frames: "
+            f"{args.num_frames} | steps: {args.steps} | guidance: {args.guidance_scale} | batch: "
+            f"{args.batch_size} | weights: {weights}")
+
+
+def write_json(path: Path, args, env: dict, weights: str, rows: list[Row], video: str | None) -> None:
+    settings = {key: (str(value) if isinstance(value, Path) else value)
+                for key, value in vars(args).items() if key not in ("prompt", "negative_prompt")}
+    payload = dict(environment=env, weights=weights, settings=settings, prompt=args.prompt,
+                   video=video, results=[row.__dict__ for row in rows])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def write_chart(path: Path, rows: list[Row], title: str) -> bool:
+    """Horizontal bars of end-to-end seconds per configuration, labelled with the speedup."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"chart: matplotlib is not installed (pip install matplotlib); {path} not written")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(rows)))
+    labels = [CONFIG_TITLES[row.config] for row in rows][::-1]
+    seconds = [row.total_s for row in rows][::-1]
+    bars = ax.barh(labels, seconds, color=["#4c72b0" if "kernels" in row.config else "#999999"
+                                           for row in rows][::-1])
+    for bar, row in zip(bars, rows[::-1]):
+        speedup = f"  {row.total_s:.2f} s" + (f" ({row.speedup:.2f}x)" if row.speedup else "")
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, speedup, va="center", fontsize=9)
+    ax.set_xlim(0, max(seconds) * 1.3)
+    ax.set_xlabel("end-to-end seconds per video (lower is better)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def save_video(frames, path: Path, fps: int) -> str:
+    """The first video of the batch as mp4 (diffusers' export_to_video); when no encoder is
+    installed (imageio + imageio-ffmpeg, or OpenCV), an animated GIF beside it."""
+    from diffusers.utils import export_to_gif, export_to_video
+
+    video = list(frames[0].permute(0, 2, 3, 1).float().cpu().numpy())  # [H, W, 3] frames in [0, 1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return export_to_video(video, str(path), fps=fps)
+    except (ImportError, AttributeError, ModuleNotFoundError) as error:
+        import numpy as np
+        from PIL import Image
+
+        gif = path.with_suffix(".gif")
+        print(f"video: no mp4 encoder ({one_line(error, 120)}); "
+              f"writing {gif} instead (pip install imageio imageio-ffmpeg for mp4)")
+        images = [Image.fromarray((np.clip(frame, 0, 1) * 255).round().astype("uint8")) for frame in video]
+        return export_to_gif(images, str(gif), fps=fps)
+
+
+# ------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> list[Row]:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype]
+    if ltx_kernels.load_error is not None and any("kernels" in c for c in args.configs):
+        raise SystemExit(f"ltx_kernels failed to load ({ltx_kernels.load_error}); build it with "
+                         "`pip install -e . --no-build-isolation`, or pass --no-optimized-kernels")
+    pipe, weights = load_pipeline(args, device, dtype)
+    if weights.startswith("random"):
+        print("weights: random, from the real LTX-Video configs (timings are real, the video is noise)"
+              if not args.tiny else "weights: random, tiny model (smoke test; timings mean nothing)")
+    if args.attention_backend:
+        pipe.transformer.set_attention_backend(args.attention_backend)
+    if args.cpu_offload:
+        pipe.enable_model_cpu_offload()
+    env = environment(device)
+    header = describe(args, env, weights)
+    print(header)
+    inputs = pipeline_inputs(pipe, args, device, dtype)
+
+    rows, latents, last = [], {}, None
+    for config in args.configs:
+        print(f"\n== {CONFIG_TITLES[config]}", flush=True)
+        try:
+            row, last = measure(pipe, config, inputs, args, device)
+        finally:
+            restore_baseline(pipe)
+        latents[config] = last.latents
+        rows.append(row)
+        print(f"{config}: {row.total_s:.2f} s ({row.it_per_s:.2f} it/s, decode {row.decode_s:.3f} s)"
+              + (f", warm-up {', '.join(f'{s:.1f}' for s in row.warmup_s)} s" if row.warmup_s else ""),
+              flush=True)
+    finish_rows(rows, latents)
+
+    print(f"\n{header}\n")
+    print(format_table(rows))
+    video = None if args.no_video else save_video(last.frames, args.output, args.frame_rate)
+    if video:
+        print(f"\nvideo ({CONFIG_TITLES[rows[-1].config]}): {video}")
+    write_json(args.json, args, env, weights, rows, video)
+    print(f"results: {args.json}")
+    title = (f"LTX-Video, {args.num_frames} frames {args.width}x{args.height}, {args.steps} steps, "
+             f"{args.dtype}, {weights} weights\n{env['device']}, torch {env['torch']}, {env['date']}")
+    if args.compare and write_chart(args.chart, rows, title):
+        print(f"chart: {args.chart}")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
