@@ -15,6 +15,7 @@ output is compared with the eager output (relative L2).
   python benchmarks/benchmark_transformer.py --model ltx --tokens 2688 8064 --out results/
 """
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -124,27 +125,34 @@ def uncompile_blocks(model):
             module._compiled_call_impl = None
 
 
-def run_column(column, model, call, reps):
+@contextlib.contextmanager
+def configured(column, model):
+    """The model set up as `column` (kernels injected, compiled whole or per block); yields what to
+    call, or None when the model has no repeated blocks to compile. Undone on exit."""
     injected = column.endswith("kernels") and column != "eager"
     if injected:
         ltx_kernels.inject_optimized_kernels(model, verbose=False)
     torch._dynamo.reset()
     try:
         if column.startswith("compile"):
-            compiled = torch.compile(model, fullgraph=True)
-            return time_step(lambda: call(compiled), reps)
-        if column.startswith("blocks"):
+            yield torch.compile(model, fullgraph=True)
+        elif column.startswith("blocks"):
             if not getattr(model, "_repeated_blocks", None):
-                return None
-            model.compile_repeated_blocks(fullgraph=True)
-            try:
-                return time_step(lambda: call(model), reps)
-            finally:
-                uncompile_blocks(model)
-        return time_step(lambda: call(model), reps)
+                yield None
+            else:
+                model.compile_repeated_blocks(fullgraph=True)
+                yield model
+        else:
+            yield model
     finally:
+        uncompile_blocks(model)
         if injected:
             ltx_kernels.remove_optimized_kernels(model)
+
+
+def run_column(column, model, call, reps):
+    with configured(column, model) as target:
+        return None if target is None else time_step(lambda: call(target), reps)
 
 
 def rel_l2(out, ref):

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark_transformer as bt  # noqa: E402
+from benchmark_transformer import configured  # noqa: E402
 
 CATEGORIES = (  # first match wins; names are lower-cased CUDA kernel names
     ("attention", ("flash", "fmha", "attention", "cudnn")),
@@ -50,26 +51,17 @@ def host_times(step, reps=5):
 
 
 def profile_column(column, model, call, steps, top):
-    injected = "kernels" in column
-    if injected:
-        bt.ltx_kernels.inject_optimized_kernels(model, verbose=False)
-    torch._dynamo.reset()
-    target = torch.compile(model, fullgraph=True) if column.startswith("compile") else model
-    if column.startswith("blocks"):
-        model.compile_repeated_blocks(fullgraph=True)
-    try:
-        with torch.no_grad():
-            for _ in range(3):
+    with configured(column, model) as target, torch.no_grad():
+        if target is None:
+            print(f"\n## {column}: the model has no repeated blocks")
+            return
+        for _ in range(3):
+            call(target)
+        issue_ms, wall_ms = host_times(lambda: call(target))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
                 call(target)
-            issue_ms, wall_ms = host_times(lambda: call(target))
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    call(target)
-                torch.cuda.synchronize()
-    finally:
-        bt.uncompile_blocks(model)
-        if injected:
-            bt.ltx_kernels.remove_optimized_kernels(model)
+            torch.cuda.synchronize()
     kernels = collections.Counter()
     counts = collections.Counter()
     for event in prof.events():
@@ -93,11 +85,15 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
+    columns = [c.strip() for c in args.columns.split(",") if c.strip()]
+    unknown = set(columns) - set(bt.COLUMNS)
+    if unknown:
+        parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(bt.COLUMNS)}")
     model, call = bt.ltx_case(args.tokens)
     print(f"# LTX-Video 2B, batch 2 x {args.tokens} tokens, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")
-    for column in args.columns.split(","):
-        profile_column(column.strip(), model, call, args.steps, args.top)
+    for column in columns:
+        profile_column(column, model, call, args.steps, args.top)
 
 
 if __name__ == "__main__":

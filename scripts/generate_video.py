@@ -15,8 +15,10 @@ and otherwise falls back to `random`, saying why.
 Timing: wall clock of whole pipeline calls (prompt handling, denoising loop, VAE decode; the frames
 come back as a tensor on the GPU, and writing the file is not timed), synchronized, median of
 --runs calls after --warmup-iterations calls. The first warm-up call of a compiled configuration
-is its compile time, reported apart. it/s is the rate of the denoising loop alone. Every configuration starts from the same seed, so their final latents are
-compared with the baseline's (relative L2).
+is its compile time, reported apart. it/s is the rate of the denoising loop alone (from the end of
+its first step to the end of its last); decode is the time from the end of the loop to the frames.
+Every configuration starts from the same seed, so their final latents are compared with the
+baseline's (relative L2).
 
 Outputs: the video (--output; mp4 through diffusers' export_to_video, which needs imageio +
 imageio-ffmpeg or OpenCV, else an animated GIF beside it), a JSON of the results (--json) and,
@@ -67,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          help="run diffusers' own code (the baseline)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the transformer (fullgraph); stacks with the kernels")
-    parser.add_argument("--compile-scope", choices=("full", "blocks"), default="full",
-                        help="full: torch.compile of the whole transformer; blocks: "
+    parser.add_argument("--compile-scope", choices=("full", "blocks"), default=None,
+                        help="full (default): torch.compile of the whole transformer; blocks: "
                              "compile_repeated_blocks (compiles in seconds, about as fast)")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: default)")
@@ -111,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.configs != parser.get_default("configs") and not args.compare:
+        parser.error("--configs: only with --compare (otherwise the flags pick one configuration)")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
@@ -131,8 +135,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("batch_size", "runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be at least 1")
-    if args.warmup_iterations < 0:
-        parser.error("--warmup-iterations: must be at least 0")
+    compiles = any("compile" in config for config in args.configs)
+    if args.warmup_iterations < (1 if compiles else 0):
+        parser.error(f"--warmup-iterations: must be at least {int(compiles)}"
+                     + (" with torch.compile (the first call compiles, outside the timed runs)"
+                        if compiles else ""))
+    for name in ("compile_scope", "compile_mode"):
+        if getattr(args, name) is not None and not compiles:
+            parser.error(f"--{name.replace('_', '-')}: no effect without --compile (or --compare)")
+    args.compile_scope = args.compile_scope or "full"
+    if args.cpu_offload and compiles and args.compile_scope == "full":
+        parser.error("--cpu-offload with torch.compile: use --compile-scope blocks (the offload "
+                     "hook on the transformer wraps the module that a full compile would trace)")
     if args.cpu_offload and not torch.cuda.is_available():
         parser.error("--cpu-offload: needs a CUDA device")
     if args.tiny and args.weights == "hub":
@@ -218,14 +232,16 @@ def _load_hub_pipeline(pipeline_class, model_id: str, dtype: torch.dtype, try_do
 
 def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dict:
     """Keyword arguments of every pipeline call except the generator. A pipeline without a text
-    encoder gets seeded random prompt embeddings [1, 128, caption_channels] and masks (a prompt
-    mask as long as the prompt's words, roughly its T5 length)."""
+    encoder gets seeded random prompt embeddings [batch, 128, caption_channels] and masks (a
+    prompt mask as long as the prompt's words, roughly its T5 length), one row per video, as
+    the encoder would give for one prompt and --batch-size videos."""
     inputs = dict(height=args.height, width=args.width, num_frames=args.num_frames,
                   frame_rate=args.frame_rate, num_inference_steps=args.steps,
-                  guidance_scale=args.guidance_scale, num_videos_per_prompt=args.batch_size,
-                  max_sequence_length=TEXT_TOKENS, output_type="pt")
+                  guidance_scale=args.guidance_scale, max_sequence_length=TEXT_TOKENS,
+                  output_type="pt")
     if pipe.text_encoder is not None:
-        return dict(inputs, prompt=args.prompt, negative_prompt=args.negative_prompt)
+        return dict(inputs, prompt=args.prompt, negative_prompt=args.negative_prompt,
+                    num_videos_per_prompt=args.batch_size)
     generator = torch.Generator("cpu").manual_seed(args.seed)
     width = pipe.transformer.config.caption_channels
 
@@ -233,7 +249,8 @@ def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dic
         embeds = torch.randn(1, TEXT_TOKENS, width, generator=generator).to(device, dtype)
         mask = torch.zeros(1, TEXT_TOKENS, dtype=torch.long, device=device)
         mask[:, :min(TEXT_TOKENS, len(text.split()) * 4 // 3 + 1)] = 1
-        return embeds, mask
+        # LTXPipeline does not repeat given embeddings per video: the batch comes from them.
+        return embeds.expand(args.batch_size, -1, -1), mask.expand(args.batch_size, -1)
 
     inputs["prompt_embeds"], inputs["prompt_attention_mask"] = embeds_and_mask(args.prompt)
     # LTXPipeline needs negative embeddings whenever guidance is on (it would call the encoder).
@@ -246,11 +263,20 @@ def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dic
 # Configurations and timing.
 
 def apply_config(pipe, config: str, args) -> str:
-    """Switch the pipeline to `config` (from the baseline state); returns a note for the table."""
+    """Switch the pipeline to `config` (from the baseline state); returns a note for the table.
+    With --cpu-offload the offload hooks come off while the kernels go in, so the kernels patch
+    the bare modules (as after loading) and the hooks then wrap them."""
     notes = []
     if config.startswith("kernels"):
+        if args.cpu_offload:
+            pipe.remove_all_hooks()
         report = ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+        if args.cpu_offload:
+            pipe.enable_model_cpu_offload()
+        print(report)
         notes.append(f"{report.total_patched} modules on ltx_kernels ops")
+        if report.skipped:
+            notes.append(f"{sum(len(entries) for entries in report.skipped.values())} skipped")
     if config.endswith("compile"):
         torch._dynamo.reset()
         options = dict(fullgraph=True, mode=args.compile_mode)
@@ -263,12 +289,16 @@ def apply_config(pipe, config: str, args) -> str:
     return "; ".join(notes) or "reference"
 
 
-def restore_baseline(pipe) -> None:
+def restore_baseline(pipe, args) -> None:
     """Undo apply_config: drop compiled call paths and the kernels."""
     for module in pipe.transformer.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
+    if args.cpu_offload:
+        pipe.remove_all_hooks()
     ltx_kernels.remove_optimized_kernels(pipe)
+    if args.cpu_offload:
+        pipe.enable_model_cpu_offload()
     torch._dynamo.reset()
 
 
@@ -279,21 +309,24 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass
 class Call:
-    """One timed pipeline call: wall seconds in total and up to the end of the denoising loop."""
+    """One timed pipeline call (wall seconds): the whole call, the denoising loop from the end
+    of its first step to the end of its last, and what follows the loop (unpacking, VAE decode)."""
     total_s: float
-    denoise_s: float
+    loop_s: float
+    decode_s: float
     latents: torch.Tensor  # final packed latents [B, S, C], fp32, on the CPU
-    frames: torch.Tensor  # decoded video [B, F, 3, H, W] in [0, 1], on the pipeline's device
+    frames: torch.Tensor  # decoded video [B, F, 3, H, W] in [0, 1], on the CPU
 
 
 def call_pipeline(pipe, inputs: dict, args, device: torch.device) -> Call:
     marks = {}
 
     def on_step_end(_pipe, step, _timestep, tensors):
-        if step == args.steps - 1:  # end of the loop: the rest is unpacking and the VAE decode
+        if step in (0, args.steps - 1):  # loop rate between the two; the rest is the decode
             synchronize(device)
-            marks["denoised"] = time.perf_counter()
-            marks["latents"] = tensors["latents"].detach().float().cpu()
+            marks[step] = time.perf_counter()
+        if step == args.steps - 1:
+            marks["latents"] = tensors["latents"].detach().clone()
         return {}
 
     generator = torch.Generator(device).manual_seed(args.seed)
@@ -303,8 +336,9 @@ def call_pipeline(pipe, inputs: dict, args, device: torch.device) -> Call:
         frames = pipe(**inputs, generator=generator, callback_on_step_end=on_step_end).frames
     synchronize(device)
     end = time.perf_counter()
-    return Call(total_s=end - start, denoise_s=marks["denoised"] - start, latents=marks["latents"],
-                frames=frames)
+    last = marks[args.steps - 1]
+    return Call(total_s=end - start, loop_s=last - marks[0], decode_s=end - last,
+                latents=marks["latents"].float().cpu(), frames=frames.cpu())
 
 
 @dataclass
@@ -313,10 +347,9 @@ class Row:
     config: str
     notes: str
     total_s: float
-    denoise_s: float
+    it_per_s: float  # denoising steps per second inside the loop
     decode_s: float
-    it_per_s: float
-    warmup_s: list = field(default_factory=list)
+    warmup_s: list = field(default_factory=list)  # the first one of a compiled row is its compile
     runs_s: list = field(default_factory=list)
     peak_gib: float | None = None
     speedup: float | None = None
@@ -325,6 +358,8 @@ class Row:
 
 
 def measure(pipe, config: str, inputs: dict, args, device: torch.device) -> tuple[Row, Call]:
+    """Warm-up calls, then --runs timed calls. Returns the row and the last call (all calls start
+    from the same seed, so their latents agree; its frames are the ones saved)."""
     notes = apply_config(pipe, config, args)
     progress = _progress(args)
     warmup_s = []
@@ -340,15 +375,12 @@ def measure(pipe, config: str, inputs: dict, args, device: torch.device) -> tupl
         pipe.set_progress_bar_config(desc=f"{config} run {i + 1}/{args.runs}", leave=False,
                                      disable=args.no_progress)
         calls.append(call_pipeline(pipe, inputs, args, device))
-    median = sorted(calls, key=lambda c: c.total_s)[(len(calls) - 1) // 2]
-    denoise_s = statistics.median(c.denoise_s for c in calls)
+    loop_s = statistics.median(c.loop_s for c in calls)
     row = Row(config=config, notes=notes, total_s=statistics.median(c.total_s for c in calls),
-              denoise_s=denoise_s, decode_s=statistics.median(c.total_s - c.denoise_s for c in calls),
-              it_per_s=args.steps / denoise_s, warmup_s=warmup_s, runs_s=[c.total_s for c in calls],
+              it_per_s=(args.steps - 1) / loop_s, decode_s=statistics.median(c.decode_s for c in calls),
+              warmup_s=warmup_s, runs_s=[c.total_s for c in calls],
               peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
-    if "compile" in config and warmup_s:
-        row.notes += f"; first call {warmup_s[0]:.1f} s (compile)"
-    return row, median
+    return row, calls[-1]
 
 
 def _progress(args):
@@ -370,7 +402,7 @@ def finish_rows(rows: list[Row], latents: dict) -> None:
         if "baseline" in by_config:
             row.speedup = by_config["baseline"].total_s / row.total_s
             row.rel_l2 = relative_l2(latents[row.config], latents["baseline"])
-        if "compile" in by_config and row.config == "kernels+compile":
+        if "compile" in by_config:
             row.vs_compile = by_config["compile"].total_s / row.total_s
 
 
@@ -398,14 +430,18 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = ["| Configuration | Time (s) | it/s | Speedup | vs compile | VAE decode (s) | Peak GiB "
-             "| Latent rel L2 | Notes |", "|:---|---:|---:|---:|---:|---:|---:|---:|:---|"]
+    """The seed's table (time, it/s, speedup, notes) with the comparison's extra columns. Decode:
+    from the end of the loop to the frames; first call: a compiled row's compile warm-up."""
+    lines = ["| Configuration | Time (s) | it/s | Speedup | vs compile | Decode (s) | Peak GiB "
+             "| Latent rel L2 | First call (s) | Notes |",
+             "|:---|---:|---:|---:|---:|---:|---:|---:|---:|:---|"]
     for row in rows:
+        first_call = row.warmup_s[0] if "compile" in row.config and row.warmup_s else None
         lines.append(
             f"| {CONFIG_TITLES[row.config]} | {row.total_s:.2f} | {row.it_per_s:.2f} | "
             f"{_fmt(row.speedup, '.2f', 'x')} | {_fmt(row.vs_compile, '.2f', 'x')} | "
             f"{row.decode_s:.3f} | {_fmt(row.peak_gib, '.1f')} | {_fmt(row.rel_l2, '.1e')} | "
-            f"{row.notes} |")
+            f"{_fmt(first_call, '.1f')} | {row.notes} |")
     return "\n".join(lines)
 
 
@@ -501,7 +537,7 @@ def main(argv=None) -> list[Row]:
         try:
             row, last = measure(pipe, config, inputs, args, device)
         finally:
-            restore_baseline(pipe)
+            restore_baseline(pipe, args)
         latents[config] = last.latents
         rows.append(row)
         print(f"{config}: {row.total_s:.2f} s ({row.it_per_s:.2f} it/s, decode {row.decode_s:.3f} s)"
@@ -511,9 +547,13 @@ def main(argv=None) -> list[Row]:
 
     print(f"\n{header}\n")
     print(format_table(rows))
-    video = None if args.no_video else save_video(last.frames, args.output, args.frame_rate)
-    if video:
-        print(f"\nvideo ({CONFIG_TITLES[rows[-1].config]}): {video}")
+    video = None
+    if not args.no_video:
+        try:
+            video = save_video(last.frames, args.output, args.frame_rate)
+            print(f"\nvideo ({CONFIG_TITLES[rows[-1].config]}): {video}")
+        except Exception as error:  # noqa: BLE001  (the measurements are still written)
+            print(f"\nvideo: could not write {args.output} ({one_line(error, 200)})")
     write_json(args.json, args, env, weights, rows, video)
     print(f"results: {args.json}")
     title = (f"LTX-Video, {args.num_frames} frames {args.width}x{args.height}, {args.steps} steps, "

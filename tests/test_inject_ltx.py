@@ -216,6 +216,34 @@ def test_model_hook_then_inject_patches_blocks_and_reports_output_norm():
     assert "layernorm_modulate" not in count_ltx_ops(lambda: call(model))
 
 
+def test_hook_removed_then_inject_patches_everything():
+    # pipe.remove_all_hooks() (accelerate's remove_hook_from_module) leaves the class's forward
+    # bound on the instance; that is no hook, and it must not bypass the patched class.
+    from accelerate import cpu_offload_with_hook
+    from accelerate.hooks import remove_hook_from_module
+
+    model = tiny_model(torch.bfloat16)
+    call = caller(tiny_inputs(torch.bfloat16))
+    with torch.no_grad():
+        eager = output_of(call(model))
+    cpu_offload_with_hook(model, execution_device=torch.device("cpu"))
+    remove_hook_from_module(model, recurse=True)
+    assert "forward" in vars(model)  # what accelerate leaves behind
+    report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    assert not report.skipped and report.patched["LTXVideoTransformer3DModel (output norm)"] == 1
+    assert "forward" not in vars(model)
+    with torch.no_grad():
+        assert_matches_eager(eager, call(model), torch.bfloat16, "hook removed, then inject")
+    assert count_ltx_ops(lambda: call(model))["layernorm_modulate"] == 1
+    # hooks again, removed again (what --cpu-offload in generate_video.py does), then remove
+    cpu_offload_with_hook(model, execution_device=torch.device("cpu"))
+    remove_hook_from_module(model, recurse=True)
+    assert ltx_kernels.remove_optimized_kernels(model) > 0 and "forward" not in vars(model)
+    assert not count_ltx_ops(lambda: call(model))
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), eager)
+
+
 def test_layerwise_casting_after_inject_falls_back_where_hooked():
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))

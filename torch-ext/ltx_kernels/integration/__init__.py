@@ -74,8 +74,16 @@ class InjectionReport:
 
 def has_forward_hook(module: torch.nn.Module) -> bool:
     """True when `forward` is replaced on the instance: an accelerate or diffusers hook (offload,
-    cache, layerwise casting) or another patch wraps the forward it found there."""
-    return "forward" in vars(module)
+    cache, layerwise casting) or another patch wraps the forward it found there. The class's own
+    forward bound to the module (what accelerate's remove_hook_from_module, and so
+    pipe.remove_all_hooks(), leaves behind) is not a hook."""
+    forward = vars(module).get("forward")
+    return forward is not None and not _is_own_forward(module, forward)
+
+
+def _is_own_forward(module: torch.nn.Module, forward) -> bool:
+    return (getattr(forward, "__self__", None) is module
+            and getattr(forward, "__func__", None) is type(module).forward)
 
 
 class Injector:
@@ -101,6 +109,8 @@ class Injector:
                     "those hooks first (pipe.remove_all_hooks(), model.disable_cache()).")
             self.report.skipped[kind].append((name, reason + "; inject before adding hooks"))
             return False
+        if "forward" in vars(module):  # a stale bound forward would bypass the patched class
+            del module.forward
         module.__class__ = _patched_class(type(module), forward)
         setattr(module, _OPS, self.ops)
         self.report.patched[kind] += 1
@@ -235,6 +245,8 @@ def remove_optimized_kernels(pipe_or_model) -> int:
         for _, module in modules:
             original_class = getattr(type(module), _ORIGINAL_CLASS, None)
             if original_class is not None:
+                if "forward" in vars(module):  # stale bound patched forward left by a removed hook
+                    del module.forward
                 module.__class__ = original_class
                 del module.__dict__[_OPS]
                 restored += 1
