@@ -198,8 +198,9 @@ def test_group_offload_then_inject_raises_for_hooked_blocks(offload_type):
         ltx_kernels.inject_optimized_kernels(model, verbose=False)
 
 
-def test_model_hook_then_inject_patches_blocks_and_reports_output_norm():
-    # enable_model_cpu_offload hooks only the top-level components, with this accelerate call.
+def model_hooked_like_cpu_offload():
+    """(tiny bf16 model, call, its eager output) with the top-level hook that
+    enable_model_cpu_offload adds (accelerate's cpu_offload_with_hook)."""
     from accelerate import cpu_offload_with_hook
 
     model = tiny_model(torch.bfloat16)
@@ -207,6 +208,11 @@ def test_model_hook_then_inject_patches_blocks_and_reports_output_norm():
     with torch.no_grad():
         eager = output_of(call(model))
     cpu_offload_with_hook(model, execution_device=torch.device("cpu"))
+    return model, call, eager
+
+
+def test_model_hook_then_inject_patches_blocks_and_reports_output_norm():
+    model, call, eager = model_hooked_like_cpu_offload()
     report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
     assert report.patched["LTXVideoTransformerBlock"] == 2
     [(name, reason)] = report.skipped["LTXVideoTransformer3DModel (output norm)"]
@@ -222,11 +228,7 @@ def test_hook_removed_then_inject_patches_everything():
     from accelerate import cpu_offload_with_hook
     from accelerate.hooks import remove_hook_from_module
 
-    model = tiny_model(torch.bfloat16)
-    call = caller(tiny_inputs(torch.bfloat16))
-    with torch.no_grad():
-        eager = output_of(call(model))
-    cpu_offload_with_hook(model, execution_device=torch.device("cpu"))
+    model, call, eager = model_hooked_like_cpu_offload()
     remove_hook_from_module(model, recurse=True)
     assert "forward" in vars(model)  # what accelerate leaves behind
     report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
