@@ -73,6 +73,27 @@ def make_activation(shape, dtype, device, layout: str = "contiguous") -> torch.T
     raise ValueError(layout)
 
 
+def assert_compiles_once(fn, args_for_length, lengths=(37, 91)):
+    """torch.compile(fn, fullgraph=True, dynamic=True) traces without a graph break, does not
+    recompile when the sequence length changes, and matches eager fn exactly.
+    args_for_length(seq) -> fn's arguments; called once per length, in order."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    cases = [args_for_length(seq) for seq in lengths]
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        outputs = [compiled(*cases[0])]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outputs += [compiled(*args) for args in cases[1:]]  # new sequence lengths
+    for args, out in zip(cases, outputs):
+        expected = fn(*args)
+        if isinstance(out, torch.Tensor):
+            out, expected = (out,), (expected,)
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def capture_graph(step):
     """Runs step() once on a side stream (warm-up outside the capture), then captures it in a CUDA
     graph. Returns (graph, outputs of the captured call)."""

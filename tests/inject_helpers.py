@@ -91,6 +91,15 @@ def group_offload(model, offload_type: str = "leaf_level") -> None:
                            **kwargs)
 
 
+def inject_then_group_offload(model, call, offload_type: str, dtype=torch.bfloat16) -> None:
+    """Injects, adds group offloading on top (its hooks wrap the fused code), and checks that the
+    output still matches eager."""
+    eager, _, _ = eager_and_injected(model, call)
+    group_offload(model, offload_type)
+    with torch.no_grad():
+        assert_matches_eager(eager, call(model), dtype, f"inject, then {offload_type} offload")
+
+
 def assert_backend_kept(attention_modules, processor_name: str) -> None:
     """Each module got our processor, carrying the `_native_math` backend set before injection."""
     from diffusers.models.attention_dispatch import AttentionBackendName

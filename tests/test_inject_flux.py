@@ -7,7 +7,7 @@ import torch
 import ltx_kernels
 from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
                             assert_remove_restores, count_ltx_ops, eager_and_injected,
-                            group_offload, output_of, rel_l2)
+                            inject_then_group_offload, output_of, rel_l2)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.flux import DOUBLE_ATTN, SINGLE_ATTN
 
@@ -188,10 +188,7 @@ def test_fp16_output_is_clipped_as_diffusers_does():
 def test_inject_then_leaf_offload_calls_the_hooked_modules():
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))
-    eager, _, _ = eager_and_injected(model, call)
-    group_offload(model, "leaf_level")
-    with torch.no_grad():
-        assert_matches_eager(eager, call(model), torch.bfloat16, "inject, then leaf offload")
+    inject_then_group_offload(model, call, "leaf_level")
     # Hooks on every module with weights (Linear, q/k RMSNorm): the steps reading those weights
     # call the hooked modules (q/k: RMSNorm, then our RoPE; single-block MLP: Linear, then our
     # GELU; steps.feed_forward runs the whole FF as diffusers does); the weightless AdaLN

@@ -1,15 +1,13 @@
 """inject_optimized_kernels on LTX-Video: tiny models on the CPU (as diffusers' own model tests build
 them), the full-size transformer on the GPU; the API (report, ops selection, removal), hooks and
 offloading, torch.compile."""
-import os
-
 import pytest
 import torch
 
 import ltx_kernels
 from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
                             assert_remove_restores, clone, count_ltx_ops, eager_and_injected,
-                            group_offload, output_of, rel_l2)
+                            group_offload, inject_then_group_offload, output_of, rel_l2)
 from ltx_kernels.integration import FUSIONS
 
 from diffusers import LTXVideoTransformer3DModel  # noqa: E402  (inject_helpers skips without it)
@@ -174,11 +172,7 @@ def test_pipeline_injection_covers_its_transformer():
 def test_inject_then_group_offload(offload_type):
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))
-    eager, injected, _ = eager_and_injected(model, call)
-    group_offload(model, offload_type)
-    with torch.no_grad():
-        offloaded = output_of(call(model))
-    assert_matches_eager(eager, offloaded, torch.bfloat16, f"inject, then {offload_type} offload")
+    inject_then_group_offload(model, call, offload_type)
     if offload_type == "leaf_level":
         # Hooks on the Linear layers: the FF step calls the hooked projection instead of reading
         # its weight, everything else stays fused.

@@ -10,7 +10,7 @@ import torch
 import ltx_kernels
 from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
                             assert_remove_restores, count_ltx_ops, eager_and_injected,
-                            group_offload, output_of, rel_l2)
+                            inject_then_group_offload, output_of, rel_l2)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.wan import WanKernelsAttnProcessor
 
@@ -283,10 +283,7 @@ def test_same_named_class_from_elsewhere_is_left_alone():
 def test_inject_then_leaf_offload_falls_back_where_hooked():
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))
-    eager, _, _ = eager_and_injected(model, call)
-    group_offload(model, "leaf_level")
-    with torch.no_grad():
-        assert_matches_eager(eager, call(model), torch.bfloat16, "inject, then leaf offload")
+    inject_then_group_offload(model, call, "leaf_level")
     # Hooked: the Linear layers (FF), norm2 (affine) and the q/k norms. Not hooked: norm1, norm3
     # (no parameters), so their fused steps stay.
     assert count_ltx_ops(lambda: call(model)) == {

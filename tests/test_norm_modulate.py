@@ -16,7 +16,7 @@ from fused_helpers import (
     BROADCASTS, DTYPES, FRAMES, LAYOUTS, assert_new_contiguous, assert_rounds_within,
     make_modulation, rows_hidden_cases, skip_big_on_cpu, varied_rows,
 )
-from helpers import capture_graph, make_activation, poison_allocator
+from helpers import assert_compiles_once, capture_graph, make_activation, poison_allocator
 
 OPS = ["rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate", "add_layernorm_modulate"]
 # model: upcast=False, every operand in x's dtype (LTX-Video, FLUX). upcast: upcast=True with
@@ -432,23 +432,13 @@ def _block(x, y, modulation, weight, bias):
 
 
 def test_compile_fullgraph_no_recompile(device):
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    compiled = torch.compile(_block, fullgraph=True, dynamic=True)
     bf16 = torch.bfloat16
     weight = (1 + 0.5 * torch.randn(128, device=device)).to(bf16)
     bias = torch.randn(128, device=device).to(bf16)
     modulation = (0.5 * torch.randn(2, 1, 6, 128, device=device)).to(bf16)
-    inputs = [(torch.randn(2, seq, 128, device=device).to(bf16),
-               torch.randn(2, seq, 128, device=device).to(bf16)) for seq in (37, 91)]
-    with torch._dynamo.config.patch(error_on_recompile=False):
-        first = compiled(*inputs[0], modulation, weight, bias)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        second = compiled(*inputs[1], modulation, weight, bias)  # a new sequence length
-    for (x, y), outs in zip(inputs, (first, second)):
-        for out, expected in zip(outs, _block(x, y, modulation, weight, bias)):
-            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_compiles_once(_block, lambda seq: (
+        torch.randn(2, seq, 128, device=device).to(bf16),
+        torch.randn(2, seq, 128, device=device).to(bf16), modulation, weight, bias))
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from fused_helpers import (
     BROADCASTS, DTYPES, FRAMES, LAYOUTS, assert_new_contiguous, assert_rounds_within,
     make_modulation, rows_hidden_cases, skip_big_on_cpu, varied_rows,
 )
-from helpers import MANTISSA_BITS, capture_graph, make_activation, poison_allocator
+from helpers import MANTISSA_BITS, assert_compiles_once, capture_graph, make_activation, poison_allocator
 
 PRECISIONS = ["model", "upcast", "upcast_fp32"]  # as in test_norm_modulate.py
 APPROXIMATE = ["none", "tanh"]
@@ -398,23 +398,13 @@ def _block(x, attn, modulation, weight, bias):
 
 
 def test_compile_fullgraph_no_recompile(device):
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    compiled = torch.compile(_block, fullgraph=True, dynamic=True)
     bf16 = torch.bfloat16
     modulation = torch.randn(2, 1, 6, 128, device=device).to(bf16)
     weight = (torch.randn(256, 128, device=device) / 12).to(bf16)
     bias = torch.randn(256, device=device).to(bf16)
-    inputs = [(torch.randn(2, seq, 128, device=device).to(bf16),
-               torch.randn(2, seq, 128, device=device).to(bf16)) for seq in (37, 91)]
-    with torch._dynamo.config.patch(error_on_recompile=False):
-        first = compiled(*inputs[0], modulation, weight, bias)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        second = compiled(*inputs[1], modulation, weight, bias)  # a new sequence length
-    for (x, attn), outs in zip(inputs, (first, second)):
-        for out, expected in zip(outs, _block(x, attn, modulation, weight, bias)):
-            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_compiles_once(_block, lambda seq: (
+        torch.randn(2, seq, 128, device=device).to(bf16),
+        torch.randn(2, seq, 128, device=device).to(bf16), modulation, weight, bias))
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ import torch
 import ltx_kernels
 from ltx_kernels import reference
 
-from helpers import assert_rounds_exact, capture_graph, make_activation, poison_allocator
+from helpers import (assert_compiles_once, assert_rounds_exact, capture_graph, make_activation,
+                     poison_allocator)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HIDDEN = [64, 111, 769, 2048, 3072, 5125]
@@ -164,22 +165,12 @@ def test_opcheck(device, dtype, weight_kind):
 
 
 def test_compile_fullgraph_no_recompile(device):
-    import torch._dynamo
-
     def block(x, w):
         return ltx_kernels.rmsnorm(x, w) * 2 + 1
 
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True, dynamic=True)
     w = torch.randn(128, device=device).to(torch.bfloat16)
-    x1 = torch.randn(2, 37, 128, device=device).to(torch.bfloat16)
-    x2 = torch.randn(2, 91, 128, device=device).to(torch.bfloat16)
-    with torch._dynamo.config.patch(error_on_recompile=False):
-        out1 = compiled(x1, w)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        out2 = compiled(x2, w)  # a new sequence length must not recompile
-    for x, out in ((x1, out1), (x2, out2)):
-        torch.testing.assert_close(out, block(x, w), rtol=0, atol=0)
+    assert_compiles_once(block, lambda seq: (
+        torch.randn(2, seq, 128, device=device).to(torch.bfloat16), w))
 
 
 @pytest.mark.gpu

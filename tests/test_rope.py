@@ -17,7 +17,7 @@ from fused_helpers import (
     DTYPES, LAYOUTS, assert_new_contiguous, assert_rounds_within, rows_hidden_cases,
     skip_big_on_cpu, varied_rows,
 )
-from helpers import capture_graph, make_activation, poison_allocator
+from helpers import assert_compiles_once, capture_graph, make_activation, poison_allocator
 
 # Even widths; 110, 770 and 5126 have an odd number of pairs (55, 385, 2563): scalar tails.
 ROPE_HIDDEN = [110, 770, 1536, 2048, 3072, 5120, 5126]
@@ -522,21 +522,11 @@ def _attention_inputs(x, qk_weight, table):
 
 
 def test_compile_fullgraph_no_recompile(device):
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    compiled = torch.compile(_attention_inputs, fullgraph=True, dynamic=True)
     bf16 = torch.bfloat16
     weight = (1 + 0.3 * torch.randn(128, device=device)).to(bf16)
-    inputs = [(torch.randn(2, seq, 3 * 128, device=device).to(bf16),
-               torch.rand(seq, 2 * 128, device=device) * 6 - 3) for seq in (37, 91)]
-    with torch._dynamo.config.patch(error_on_recompile=False):
-        first = compiled(inputs[0][0], weight, inputs[0][1])
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        second = compiled(inputs[1][0], weight, inputs[1][1])  # a new sequence length
-    for (x, table), outs in zip(inputs, (first, second)):
-        for out, expected in zip(outs, _attention_inputs(x, weight, table)):
-            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_compiles_once(_attention_inputs, lambda seq: (
+        torch.randn(2, seq, 3 * 128, device=device).to(bf16), weight,
+        torch.rand(seq, 2 * 128, device=device) * 6 - 3))
 
 
 @pytest.mark.gpu
