@@ -86,6 +86,15 @@ def _is_own_forward(module: torch.nn.Module, forward) -> bool:
             and getattr(forward, "__func__", None) is type(module).forward)
 
 
+class FusedAttnProcessor:
+    """Base of our replacement attention processors. Injector.set_processor gives each one the
+    enabled ops and the replaced processor's attention backend and parallel config."""
+
+    _attention_backend = None
+    _parallel_config = None
+    ops: frozenset = frozenset()
+
+
 class Injector:
     """Handed to the per-model patch functions: applies and records patches."""
 
@@ -115,6 +124,17 @@ class Injector:
         setattr(module, _OPS, self.ops)
         self.report.patched[kind] += 1
         return True
+
+    def has_stock_processor(self, name: str, attn: torch.nn.Module, stock: str, kind: str,
+                            custom_sources: str, is_stock=None) -> bool:
+        """True when `attn` runs diffusers' processor class named `stock` (and is_stock(processor),
+        when given); otherwise its custom processor is kept, and the skip is reported with what
+        usually installs one (`custom_sources`)."""
+        processor = attn.processor
+        if type(processor).__name__ == stock and (is_stock is None or is_stock(processor)):
+            return True
+        self.skip(kind, name, f"custom processor {type(processor).__name__} kept ({custom_sources})")
+        return False
 
     def set_processor(self, name: str, attn: torch.nn.Module, processor, kind: str) -> None:
         """Installs `processor` on attention module `attn`, keeping the backend settings."""

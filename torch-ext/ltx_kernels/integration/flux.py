@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import gelu, linear_gelu
-from . import steps
+from . import FusedAttnProcessor, steps
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,14 +128,10 @@ def _rope_rows(cos_sin, text_len: int, total: int):
     return (cos[:text_len], sin[:text_len]), (cos[text_len:], sin[text_len:])
 
 
-class FluxKernelsAttnProcessor:
+class FluxKernelsAttnProcessor(FusedAttnProcessor):
     """`FluxAttnProcessor` with each stream's per-head q/k RMSNorm + RoPE in one launch. Same
     signature (FluxAttention filters its kwargs by it); backend and parallel config are copied
     from the replaced processor."""
-
-    _attention_backend = None
-    _parallel_config = None
-    ops: frozenset = frozenset()
 
     def __call__(self, attn, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -254,10 +250,7 @@ SINGLE_ATTN = "FluxAttention (single: q/k norm + RoPE)"
 
 
 def _patch_attention(name: str, attn, kind: str, injector) -> None:
-    processor = type(attn.processor).__name__
-    if processor != "FluxAttnProcessor":
-        injector.skip(kind, name, f"custom processor {processor} kept (IP-adapter or user code)")
-    else:
+    if injector.has_stock_processor(name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code"):
         injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
 
 

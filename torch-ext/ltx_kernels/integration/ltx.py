@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import steps
+from . import FusedAttnProcessor, steps
 
 
 def _diffusers_rope(x, cos_sin):
@@ -25,13 +25,9 @@ def _diffusers_rope(x, cos_sin):
     return apply_rotary_emb(x, cos_sin)
 
 
-class LTXKernelsAttnProcessor:
+class LTXKernelsAttnProcessor(FusedAttnProcessor):
     """`LTXVideoAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature (LTXAttention
     filters its kwargs by it); backend and parallel config are copied from the replaced processor."""
-
-    _attention_backend = None
-    _parallel_config = None
-    ops: frozenset = frozenset()
 
     def __call__(self, attn, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -150,11 +146,9 @@ def patch_block(name: str, block, injector) -> None:
     for attn_name, kind in (("attn1", "LTXAttention (self: q/k norm + RoPE)"),
                             ("attn2", "LTXAttention (cross: q/k norm)")):
         attn = getattr(block, attn_name)
-        if type(attn.processor).__name__ != "LTXVideoAttnProcessor":
-            injector.skip(kind, f"{name}.{attn_name}", f"custom processor "
-                          f"{type(attn.processor).__name__} kept (LoRA/IP adapters or user code)")
-            continue
-        injector.set_processor(f"{name}.{attn_name}", attn, LTXKernelsAttnProcessor(), kind)
+        if injector.has_stock_processor(f"{name}.{attn_name}", attn, "LTXVideoAttnProcessor", kind,
+                                        "LoRA/IP adapters or user code"):
+            injector.set_processor(f"{name}.{attn_name}", attn, LTXKernelsAttnProcessor(), kind)
     reason = steps.feed_forward_fusable(block.ff)
     if reason:
         injector.skip("LTXVideoTransformerBlock feed-forward", f"{name}.ff", reason)

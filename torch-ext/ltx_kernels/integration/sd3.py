@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import steps
+from . import FusedAttnProcessor, steps
 from .flux import ADA_NORM_PATCHERS, ada_norm_patcher
 
 
@@ -44,11 +44,9 @@ def _split_heads(x, heads: int, head_dim: int):
     return x.view(x.shape[0], -1, heads, head_dim).transpose(1, 2)
 
 
-class SD3KernelsAttnProcessor:
+class SD3KernelsAttnProcessor(FusedAttnProcessor):
     """`JointAttnProcessor2_0` with each per-head q/k RMSNorm in one launch. Same signature (the
     Attention module filters its kwargs by it)."""
-
-    ops: frozenset = frozenset()
 
     def _norm(self, norm, x):
         return x if norm is None else steps.diffusers_rmsnorm(self.ops, norm, x)
@@ -148,13 +146,12 @@ DUAL_ATTN = "Attention (SD3.5 dual self-attention: per-head q/k RMSNorm)"
 
 
 def _patch_attention(name: str, attn, kind: str, injector) -> None:
-    processor = type(attn.processor).__name__
+    if not injector.has_stock_processor(name, attn, "JointAttnProcessor2_0", kind,
+                                        "IP-adapter, fused QKV, PAG or user code"):
+        return
     norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
     norms = [n for n in norms if n is not None]
-    if processor != "JointAttnProcessor2_0":
-        injector.skip(kind, name, f"custom processor {processor} kept (IP-adapter, fused QKV, "
-                                  "PAG or user code)")
-    elif not norms:
+    if not norms:
         injector.skip(kind, name, "no q/k norm (qk_norm=None, SD3): nothing to fuse")
     elif not all(steps._is_diffusers_rmsnorm(n) for n in norms):
         injector.skip(kind, name, f"q/k norm {type(norms[0]).__name__} has no fused kernel")

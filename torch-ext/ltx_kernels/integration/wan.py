@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import steps
+from . import FusedAttnProcessor, steps
 
 # Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
 # animate and ChronoEdit copies are verbatim). A same-named class from elsewhere is left alone.
@@ -76,14 +76,10 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
                               wan_rope, across_heads=True)
 
 
-class WanKernelsAttnProcessor:
+class WanKernelsAttnProcessor(FusedAttnProcessor):
     """`WanAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature; backend and
     parallel config are copied from the replaced processor and passed where diffusers passes
     them."""
-
-    _attention_backend = None
-    _parallel_config = None
-    ops: frozenset = frozenset()
 
     def __call__(self, attn, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -197,10 +193,9 @@ def _block_patcher(forward):
         injector.swap_forward(name, block, forward, kind)
         for attn_name, attn_kind in (("attn1", SELF_ATTENTION), ("attn2", CROSS_ATTENTION)):
             attn = getattr(block, attn_name)
-            processor = attn.processor
-            if type(processor).__name__ != "WanAttnProcessor" or not _is_wan(processor):
-                injector.skip(attn_kind, f"{name}.{attn_name}", f"custom processor "
-                              f"{type(processor).__name__} kept (LoRA/IP adapters or user code)")
+            if not injector.has_stock_processor(f"{name}.{attn_name}", attn, "WanAttnProcessor",
+                                                attn_kind, "LoRA/IP adapters or user code",
+                                                is_stock=_is_wan):
                 continue
             injector.set_processor(f"{name}.{attn_name}", attn, WanKernelsAttnProcessor(),
                                    attn_kind)
