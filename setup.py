@@ -78,13 +78,15 @@ kernel_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").
 cpu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").glob("*.c"))
 
 common_defines = ["-DCUDA_KERNEL", "-DLTX_OPS_NAMESPACE=ltx_kernels"]
+# No -std flag: torch's BuildExtension adds the C++ standard its own headers need (C++17 up to
+# torch 2.11, C++20 from 2.12 on), for g++ and nvcc alike. The kernels compile under either.
 extension = CUDAExtension(
     name="ltx_kernels._C",
     sources=["torch-ext/torch_binding.cpp", *kernel_sources],
     include_dirs=[str(ROOT / "kernel_src")],
     extra_compile_args={
-        "cxx": ["-O3", "-std=c++17", *common_defines],
-        "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--threads=1", *arch_flags],
+        "cxx": ["-O3", *common_defines],
+        "nvcc": ["-O3", "-lineinfo", "--threads=1", *arch_flags],
     },
 )
 

@@ -63,7 +63,9 @@ def clone(model):
     return copy.deepcopy(model)
 
 
-class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the calls of each ltx_kernels op (forward and backward) while active."""
+
     def __init__(self):
         super().__init__()
         self.counts = {}
@@ -77,7 +79,7 @@ class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 def count_ltx_ops(call) -> dict:
     """{op name: number of calls} of the ltx_kernels ops run by call()."""
-    with torch.no_grad(), _OpCounter() as counter:
+    with torch.no_grad(), OpCounter() as counter:
         call()
     return counter.counts
 

@@ -116,8 +116,15 @@ def test_tiny_sd3_matches_eager_and_restores(dtype, variant):
 
 @pytest.mark.parametrize("variant", [SD35, SD3], ids=["sd35_rms_qk_norm", "sd3_no_qk_norm"])
 def test_tiny_sd3_bf16_is_bit_identical_on_cpu(variant):
+    # Every step but SD3.5's per-head q/k RMSNorm: diffusers computes it as
+    # `x * torch.rsqrt(var + eps)`, and under torch 2.15 (not 2.11) the CPU's vectorized rsqrt can
+    # be one fp32 ulp off the correctly rounded one our op uses; where x * rsqrt lands on a bf16
+    # rounding tie the two then round apart (seen: 1 element of 4096 at head_dim 8). The rmsnorm
+    # op itself is checked against float64 (correct rounding) in test_rmsnorm.py, and with every op
+    # this model matches eager within REL_L2_TOLERANCE (test_tiny_sd3_matches_eager_and_restores).
     model = tiny_model(torch.bfloat16, **variant)
-    eager, injected, _ = eager_and_injected(model, caller(tiny_inputs(torch.bfloat16)))
+    ops = [name for name in FUSIONS if name != "rmsnorm"]
+    eager, injected, _ = eager_and_injected(model, caller(tiny_inputs(torch.bfloat16)), ops=ops)
     assert torch.equal(output_of(injected), output_of(eager))
 
 

@@ -24,6 +24,9 @@ load_error: Exception | None = None
 try:
     from ._ops import ops
     from . import _fake  # noqa: F401  (registers the fake implementations)
+    from . import _autograd
+
+    _autograd.register(OPS)
 except (ImportError, RuntimeError) as error:  # missing or stale build: stay importable for the report
     load_error = error
     ops = None

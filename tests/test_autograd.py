@@ -1,0 +1,277 @@
+"""Autograd of every op: never silently wrong. For each op, every input that requires grad gets the
+gradient of a float64 evaluation of the op's formula (`ltx_kernels.reference`, differentiated by
+PyTorch in float64) on fresh random inputs, in every dtype, for every broadcast form of the
+modulation tensors, odd hidden sizes, row-strided views and empty tensors; only the gradients
+asked for are computed; opcheck (with its autograd and AOT tests), torch.compile(fullgraph=True) of
+forward + backward, double backward and CUDA-graph capture of forward + backward."""
+import pytest
+import torch
+
+import ltx_kernels
+from fused_helpers import BROADCASTS, DTYPES, FRAMES, make_modulation
+from helpers import capture_graph, make_activation
+from ltx_kernels import reference
+
+# Relative L2 error of each gradient against the float64 evaluation. fp32: the backward computes
+# in fp32 (reductions over up to a few thousand terms); fp16/bf16: the gradient is rounded to the
+# input dtype where the forward rounds (as PyTorch's backward of the diffusers code is), a few
+# roundings of 2^-11 / 2^-8 that add up in quadrature (seen on the CPU: at most 2.2e-7, 8e-4,
+# 8.4e-3 over every case and three seeds).
+GRAD_TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+B, S, D = 2, 6, 37  # odd hidden size; S divisible by FRAMES
+HEADS, HEAD_DIM = 3, 16
+
+
+def _rand(*shape, dtype, device, std=1.0):
+    return (std * torch.randn(*shape, device=device)).to(dtype)
+
+
+def _x_for(kind, x):
+    """x as the op sees it for a broadcast form ("frames" views x as [B, F, S/F, D])."""
+    return x.unflatten(1, (FRAMES, -1)) if kind == "frames" else x
+
+
+def cases(op, dtype, device):
+    """(id, args, kwargs) of `op` covering its input forms; every float tensor may require grad."""
+    x = make_activation((B, S, D), dtype, device, "row_strided")
+    y = _rand(B, S, D, dtype=dtype, device=device)
+    weight = _rand(D, dtype=dtype, device=device, std=0.3).add_(1)
+    bias = _rand(D, dtype=dtype, device=device, std=0.3)
+    out = []
+    if op == "rmsnorm":
+        out += [("no_weight", (x, None, 1e-6), {}), ("weight", (x, weight, 1e-6), {}),
+                ("fp32_weight", (x, weight.float(), 1e-6), {})]
+    elif op in ("rmsnorm_modulate", "layernorm_modulate"):
+        extra = (weight,) if op == "rmsnorm_modulate" else (weight, bias)
+        for kind in BROADCASTS:
+            scale, shift = make_modulation(kind, B, S, D, dtype, device, 2)
+            out.append((kind, (_x_for(kind, x), scale, shift, *extra), {}))
+        scale, shift = make_modulation("unbind6", B, S, D, torch.float32, device, 2)
+        out.append(("upcast_fp32_modulation", (x, scale, shift, *extra), {"upcast": True}))
+        out.append(("no_modulation_no_weight", (x, None, None), {}))
+    elif op in ("add_rmsnorm_modulate", "add_layernorm_modulate"):
+        extra = (weight,) if op == "add_rmsnorm_modulate" else (weight, bias)
+        for kind in BROADCASTS:
+            scale, shift, gate = make_modulation(kind, B, S, D, dtype, device, 3)
+            out.append((kind, (_x_for(kind, x), _x_for(kind, y), scale, shift, gate, *extra), {}))
+        scale, shift, gate = make_modulation("unbind6", B, S, D, torch.float32, device, 3)
+        out.append(("upcast", (x, y, scale, shift, gate, *extra), {"upcast": True}))
+        scale, shift = make_modulation("B1D", B, S, D, dtype, device, 2)
+        out.append(("no_gate", (x, y, scale, shift, None), {}))
+    elif op == "gated_residual":
+        for kind in BROADCASTS:
+            (gate,) = make_modulation(kind, B, S, D, dtype, device, 1)
+            out.append((kind, (_x_for(kind, x), _x_for(kind, y), gate), {}))
+        gate = make_modulation("unbind6", B, S, D, torch.float32, device, 1)[0]
+        out += [("upcast", (x, y, gate), {"upcast": True}), ("no_gate", (x, y, None), {})]
+    elif op in ("rope", "qk_rmsnorm_rope"):
+        tokens = make_activation((B, S, HEADS * HEAD_DIM), dtype, device, "row_strided")
+        heads = tokens.unflatten(2, (HEADS, HEAD_DIM))  # row-strided tokens, contiguous heads
+        other = _rand(B, S, HEADS, HEAD_DIM, dtype=dtype, device=device)
+        angle = torch.rand(S, HEAD_DIM, device=device) * 6.3
+        cos, sin = angle.cos(), angle.sin()
+        full = torch.rand(B, S, HEADS * HEAD_DIM, device=device) * 6.3
+        half_angle = torch.rand(S, HEAD_DIM // 2, device=device) * 6.3
+        if op == "rope":
+            out += [("per_head_table", (heads, cos, sin, True), {}),
+                    ("token_table", (tokens, full.cos(), full.sin(), True), {}),
+                    ("halves", (heads, cos, sin, False), {}),
+                    ("split_half_table", (heads, half_angle.cos(), half_angle.sin(), False), {}),
+                    ("x_dtype_table", (heads, cos.to(dtype), sin.to(dtype), True), {})]
+        else:
+            wd = _rand(HEADS * HEAD_DIM, dtype=dtype, device=device, std=0.3).add_(1)
+            wh = _rand(HEAD_DIM, dtype=dtype, device=device, std=0.3).add_(1)
+            tokens_k = _rand(B, S, HEADS * HEAD_DIM, dtype=dtype, device=device)
+            out += [("ltx", (tokens, tokens_k, wd, wd.float(), full.cos(), full.sin()), {}),
+                    ("no_rope", (tokens, tokens_k, wd, None, None, None), {}),
+                    ("wan_across_heads", (heads, other, wd, wd, cos, sin), {}),
+                    ("flux_per_head", (heads, other, wh, wh, cos, sin),
+                     {"across_heads": False}),
+                    ("halves", (heads, other, None, None, cos, sin),
+                     {"across_heads": False, "interleaved": False})]
+    elif op == "gelu":
+        out += [("tanh", (x, "tanh"), {}), ("none", (x, "none"), {})]
+    elif op == "geglu":
+        wide = make_activation((B, S, 2 * D), dtype, device, "row_strided")
+        out += [("none", (wide, "none"), {}), ("tanh", (wide, "tanh"), {})]
+    elif op == "linear_gelu":
+        w = _rand(24, D, dtype=dtype, device=device, std=D ** -0.5)
+        out += [("bias", (x, w, _rand(24, dtype=dtype, device=device)), {}),
+                ("no_bias", (x, w, None), {})]
+    else:
+        raise AssertionError(f"no autograd test case for op {op}")
+    return out
+
+
+def _tensors(args):
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+def _requiring_grad(args, which=None):
+    """args with (leaf copies of) the float tensors requiring grad: all, or the indices `which`."""
+    result = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and (which is None or i in which):
+            a = a.detach().requires_grad_(True)
+        result.append(a)
+    return result
+
+
+def _loss(outputs, grads):
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return sum((o.float() * g).sum() for o, g in zip(outputs, grads))
+
+
+def _output_grads(op, args, kwargs):
+    with torch.no_grad():
+        outputs = getattr(ltx_kernels, op)(*args, **kwargs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return [torch.randn(o.shape, device=o.device) for o in outputs]
+
+
+def _float64_grads(op, args, kwargs, grads):
+    """Gradients of the float64 evaluation of reference.<op> (no intermediate rounding)."""
+    args64 = [a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+              else a for a in args]
+    outputs = getattr(reference, op)(*args64, **kwargs, compute_dtype=torch.float64,
+                                     round_output=False)
+    wanted = [a for a in args64 if isinstance(a, torch.Tensor) and a.requires_grad]
+    return torch.autograd.grad(_loss(outputs, [g.double() for g in grads]), wanted)
+
+
+def _rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_every_op_has_autograd(op):
+    """Step 0 of training: each op registers its autograd (no silent pass-through)."""
+    handle = getattr(torch.ops.ltx_kernels, op).default
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(handle.name(), "Autograd"), op
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_gradients_match_float64(op, dtype, device):
+    for case, args, kwargs in cases(op, dtype, device):
+        args = _requiring_grad(args)
+        grads = _output_grads(op, args, kwargs)
+        _loss(getattr(ltx_kernels, op)(*args, **kwargs), grads).backward()
+        expected = _float64_grads(op, args, kwargs, grads)
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        for index, (a, want) in enumerate(zip(inputs, expected)):
+            what = f"{op}[{case}] {dtype} grad of tensor input {index}"
+            assert a.grad is not None, f"{what}: missing"
+            assert a.grad.dtype == a.dtype and a.grad.shape == a.shape, what
+            assert torch.isfinite(a.grad).all(), f"{what}: non-finite"
+            error = _rel_l2(a.grad, want)
+            assert error <= GRAD_TOLERANCE[dtype], f"{what}: relative L2 {error:.3g}"
+
+
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_only_requested_gradients(op, device):
+    """With only x requiring grad (LoRA: the frozen norm weights and modulation get none), x's
+    gradient is the same as with every input requiring grad, and no other input gets one."""
+    _, args, kwargs = cases(op, torch.float32, device)[1 if op != "linear_gelu" else 0]
+    grads = _output_grads(op, args, kwargs)
+    everything = _requiring_grad(args)
+    _loss(getattr(ltx_kernels, op)(*everything, **kwargs), grads).backward()
+    only_x = _requiring_grad(args, which={0})
+    _loss(getattr(ltx_kernels, op)(*only_x, **kwargs), grads).backward()
+    torch.testing.assert_close(only_x[0].grad, everything[0].grad, rtol=1e-6, atol=1e-6)
+    assert all(a.grad is None for a in _tensors(only_x[1:]))
+
+
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_empty_tensors(op, device):
+    def no_tokens(a):  # the sequence dim sliced to 0 (activations, per-token operands, tables)
+        if isinstance(a, torch.Tensor) and a.dim() >= 3 and a.shape[1] == S:
+            return a[:, :0]
+        if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] == S:
+            return a[:0]
+        return a
+
+    empty = _requiring_grad([no_tokens(a) for a in cases(op, torch.float32, device)[0][1]])
+    outputs = getattr(ltx_kernels, op)(*empty)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    sum(o.sum() for o in outputs).backward()
+    for a in _tensors(empty):
+        assert a.grad is not None and a.grad.shape == a.shape
+        # an empty input's gradient is empty; a broadcast parameter's is a sum over no rows: 0
+        assert torch.count_nonzero(a.grad) == 0
+
+
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_opcheck_with_autograd(op, device):
+    for _, args, kwargs in cases(op, torch.float32, device)[:2]:
+        torch.library.opcheck(getattr(torch.ops.ltx_kernels, op).default,
+                              tuple(_requiring_grad(args)), kwargs)
+
+
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_compiled_forward_backward(op, device):
+    """torch.compile(fullgraph=True) traces forward and backward (no graph break) and gives the
+    eager gradients."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    _, args, kwargs = cases(op, torch.float32, device)[0]
+    grads = _output_grads(op, args, kwargs)
+
+    def step(*tensors):
+        values = iter(tensors)
+        full = [next(values) if isinstance(a, torch.Tensor) else a for a in args]
+        return _loss(getattr(ltx_kernels, op)(*full, **kwargs), grads)
+
+    eager_inputs = _tensors(_requiring_grad(args))
+    step(*eager_inputs).backward()
+    compiled_inputs = _tensors(_requiring_grad(args))
+    torch.compile(step, fullgraph=True)(*compiled_inputs).backward()
+    for a, b in zip(compiled_inputs, eager_inputs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_double_backward_is_differentiated(device):
+    """create_graph=True: the gradients stay connected to the inputs (second derivatives as the
+    float64 reference's), never silently cut off."""
+    x, scale, shift, weight = _requiring_grad(
+        cases("rmsnorm_modulate", torch.float32, device)[1][1])
+    grads = _output_grads("rmsnorm_modulate", (x, scale, shift, weight), {})
+
+    def second(fn, tensors, dtype):
+        x, scale, shift, weight = tensors
+        out = fn(x, scale, shift, weight)
+        (gx,) = torch.autograd.grad(_loss(out, [g.to(dtype) for g in grads]), x, create_graph=True)
+        return torch.autograd.grad((gx * gx).sum(), (x, scale, weight))
+
+    ours = second(ltx_kernels.rmsnorm_modulate, (x, scale, shift, weight), torch.float32)
+    tensors64 = [t.detach().double().requires_grad_() for t in (x, scale, shift, weight)]
+    exact = second(lambda *t: reference.rmsnorm_modulate(*t, compute_dtype=torch.float64,
+                                                          round_output=False),
+                   tensors64, torch.float64)
+    for got, want in zip(ours, exact):
+        assert _rel_l2(got, want) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_cuda_graph_forward_backward():
+    x, scale, shift, weight = _requiring_grad(
+        cases("rmsnorm_modulate", torch.bfloat16, "cuda")[1][1])
+    grads = _output_grads("rmsnorm_modulate", (x, scale, shift, weight), {})
+
+    def step():
+        for t in (x, scale, shift, weight):
+            t.grad = None
+        _loss(ltx_kernels.rmsnorm_modulate(x, scale, shift, weight), grads).backward()
+        return x.grad, scale.grad, weight.grad
+
+    graph, captured = capture_graph(step)
+    expected = [g.clone() for g in step()]
+    with torch.no_grad():
+        for t in (x, scale, shift, weight):
+            t.add_(0)  # same inputs: the replay must reproduce the eager gradients
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

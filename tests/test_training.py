@@ -1,0 +1,105 @@
+"""Training through injected models: in model.train(), every parameter gets the gradient stock
+diffusers gives it (full fine-tuning and peft LoRA adapters on the attention and feed-forward
+projections), with and without gradient checkpointing, and under torch.compile; tiny LTX-Video,
+FLUX, Wan and SD3.5 models on the CPU."""
+import pytest
+import torch
+
+import ltx_kernels
+import test_inject_flux
+import test_inject_ltx
+import test_inject_sd3
+import test_inject_wan
+from inject_helpers import OpCounter, clone, output_of, rel_l2
+
+MODELS = {
+    "ltx": (test_inject_ltx, {}),
+    "flux": (test_inject_flux, {}),
+    "wan": (test_inject_wan, {}),
+    "sd35": (test_inject_sd3, test_inject_sd3.SD35),
+}
+# Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose
+# fused step then falls back to the adapter-carrying module.
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj"]
+# fp32: only the summation order of the fused forward differs from stock.
+GRAD_TOLERANCE = 1e-5
+
+
+def _train_step(model, call):
+    """Forward + backward of a fixed random projection of the output; returns the ltx_kernels op
+    calls made."""
+    with OpCounter() as counter:
+        out = output_of(call(model))
+        torch.manual_seed(1234)
+        (out * torch.randn_like(out)).sum().backward()
+    return counter.counts
+
+
+def _assert_same_gradients(stock, injected, what):
+    trained = [(n, p) for n, p in stock.named_parameters() if p.requires_grad]
+    assert trained, what
+    injected_params = dict(injected.named_parameters())
+    for name, p in trained:
+        q = injected_params[name]
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name} gradient presence differs"
+        if p.grad is not None:
+            error = rel_l2(q.grad, p.grad)
+            assert error <= GRAD_TOLERANCE, f"{what}: {name} gradient relative L2 {error:.3g}"
+
+
+def _stock_and_injected(model_name, lora=False, checkpointing=False, inject_first=False):
+    module, config = MODELS[model_name]
+    model = module.tiny_model(torch.float32, **config).train()
+    if lora and not inject_first:
+        _add_lora(model)
+    stock = clone(model)
+    report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    assert report.total_patched > 0
+    if lora and inject_first:
+        _add_lora(model)
+        _add_lora(stock)
+        stock.load_state_dict(model.state_dict())
+    if checkpointing:
+        stock.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing()
+    return stock, model, module.caller(module.tiny_inputs(torch.float32))
+
+
+def _add_lora(model):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(7)
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS,
+                                      init_lora_weights=False))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_injected_model_trains_like_stock(model_name, lora, checkpointing):
+    stock, injected, call = _stock_and_injected(model_name, lora, checkpointing)
+    assert not _train_step(stock, call)
+    assert _train_step(injected, call), "the injected model ran none of the fused ops"
+    _assert_same_gradients(stock, injected, f"{model_name} lora={lora} ckpt={checkpointing}")
+
+
+def test_lora_added_after_injection():
+    stock, injected, call = _stock_and_injected("ltx", lora=True, inject_first=True)
+    _train_step(stock, call)
+    _train_step(injected, call)
+    _assert_same_gradients(stock, injected, "LoRA added after injection")
+
+
+def test_compiled_training_step_matches_stock():
+    """torch.compile(fullgraph=True) of the injected model: forward + backward trace with no graph
+    break, two steps run without recompiling, and the gradients are stock's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    stock, injected, call = _stock_and_injected("ltx", lora=True)
+    compiled = torch.compile(injected, fullgraph=True)
+    _train_step(stock, call)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            injected.zero_grad(set_to_none=True)
+            _train_step(compiled, call)
+    _assert_same_gradients(stock, injected, "compiled LoRA step")
