@@ -7,7 +7,8 @@
 # rmsnorm benchmarks), OPS_BENCH=0 (skip benchmark_ops), TRANSFORMER_BENCH="<args>;<args>" (runs
 # benchmark_transformer.py once per ;-separated argument list), VIDEO_BENCH="<args>;<args>" (runs
 # scripts/generate_video.py --weights random once per list; JSON and chart to $OUT/bench/video_<i>.*,
-# the video to /tmp), SKIP_TESTS=1, SKIP_BENCH=1.
+# the video to /tmp), BACKWARD_BENCH=1 (benchmark_ops.py --backward), TRAINING_BENCH="<args>" (runs
+# benchmark_training.py with those arguments), SKIP_TESTS=1, SKIP_BENCH=1.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -36,6 +37,9 @@ fi
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 {
   [ "${OPS_BENCH:-1}" = 0 ] || python3 benchmarks/benchmark_ops.py --out "$OUT/bench"
+  [ "${BACKWARD_BENCH:-0}" = 0 ] || python3 benchmarks/benchmark_ops.py --backward --out "$OUT/bench"
+  # shellcheck disable=SC2086  # word splitting of the argument list is intended
+  [ -z "${TRAINING_BENCH+set}" ] || python3 benchmarks/benchmark_training.py $TRAINING_BENCH --out "$OUT/bench"
   IFS=';' read -ra transformer_runs <<<"${TRANSFORMER_BENCH:-}"
   for run_args in "${transformer_runs[@]}"; do
     # shellcheck disable=SC2086  # word splitting of the argument list is intended
