@@ -13,7 +13,7 @@
 #endif
 
 #include "binding_utils.h"
-#include "registration.h"
+#include "ltx_registration.h"
 
 // kernel-builder gives the op namespace the (versioned) extension name; the setuptools build
 // names it `ltx_kernels`.

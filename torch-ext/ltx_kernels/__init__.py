@@ -22,7 +22,7 @@ __all__ = [*OPS, "reference", "OPS", "load_error", "inject_optimized_kernels",
 load_error: Exception | None = None
 
 try:
-    from ._ops import ops
+    from ._op_namespace import ops
     from . import _fake  # noqa: F401  (registers the fake implementations)
     from . import _autograd
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from ._ops import add_op_namespace_prefix, ops
+from ._op_namespace import add_op_namespace_prefix, ops
 
 
 def _is_tensor_argument(argument) -> bool:

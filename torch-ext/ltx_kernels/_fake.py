@@ -3,7 +3,7 @@ without touching data. Each mirrors its C++ op: same output shapes, dtypes and (
 strides, and the same shape checks, as torch._check errors."""
 import torch
 
-from ._ops import add_op_namespace_prefix
+from ._op_namespace import add_op_namespace_prefix
 
 
 @torch.library.register_fake(add_op_namespace_prefix("rmsnorm"))

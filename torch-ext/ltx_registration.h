@@ -1,6 +1,7 @@
-// Op-library registration macros, as kernel-builder generates them: TORCH_EXTENSION_NAME is the
-// extension's module name, and REGISTER_EXTENSION gives the module an (empty) Python init so that
-// importing it loads the library and runs its TORCH_LIBRARY registrations.
+// Op-library registration macros, the same as the registration.h that kernel-builder generates
+// (templates/torch/registration.h) but under our own name, which kernel-builder never writes:
+// TORCH_LIBRARY_EXPAND expands a macro namespace name, and REGISTER_EXTENSION gives the module an
+// (empty) Python init so that importing it loads the library and runs its registrations.
 #pragma once
 
 #include <Python.h>
