@@ -109,7 +109,7 @@ def main() -> int:
                           f"({100 * tbs_by_shape[label][n] / copy_tbs:3.0f}%)" for n in cols)
         print(f"{label:>14}: {line}")
     print()
-    print(f"| shape | " + " | ".join(names) + " | ours vs best other |")
+    print("| shape | " + " | ".join(names) + " | ours vs best other |")
     print("|---|" + "---|" * (len(names) + 1))
     verdicts = []
     for shape in SHAPES:

@@ -120,7 +120,6 @@ def run_column(column, model, initial, inputs, target, steps, checkpointing):
                 end.synchronize()
                 times.append(begin.elapsed_time(end))
             peak_gib = torch.cuda.max_memory_allocated() / 2**30
-            del optimizer
             return first_s, statistics.median(times), peak_gib, grads
     finally:
         if checkpointing:
