@@ -8,7 +8,7 @@ import torch
 
 import ltx_kernels
 from ltx_kernels import OPS, _fake, reference
-from ltx_kernels.__main__ import _smoke_inputs
+from ltx_kernels.__main__ import smoke_inputs
 from ltx_kernels.integration import FUSIONS
 
 
@@ -32,7 +32,7 @@ PIECES = {
     "references (reference.<op>)": lambda: _functions_defined_in(reference),
     "reference.__all__": lambda: set(reference.__all__),
     "fakes (_fake.<op>)": lambda: _functions_defined_in(_fake, but={"register"}),
-    "environment report inputs": lambda: set(_smoke_inputs("cpu")),
+    "environment report inputs": lambda: set(smoke_inputs("cpu")),
 }
 
 

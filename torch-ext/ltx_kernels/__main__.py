@@ -13,7 +13,7 @@ import ltx_kernels
 from ltx_kernels import reference
 
 
-def _smoke_inputs(device: str) -> dict:
+def smoke_inputs(device: str) -> dict:
     """Op name -> small random bf16 arguments of that op (LTX-like: D = 96 = 3 heads x 32)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=g).to(device, dtype)
@@ -37,7 +37,7 @@ def _smoke_inputs(device: str) -> dict:
 
 def _check_op(op: str, device: str) -> str:
     try:
-        args = _smoke_inputs(device)[op]
+        args = smoke_inputs(device)[op]
         outs = getattr(ltx_kernels, op)(*args)
         refs = getattr(reference, op)(*args, compute_dtype=torch.float64)
         outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))

@@ -15,9 +15,10 @@ How a module is patched, and why that way:
   hook (leaf-level offloading or layerwise casting added after injection); otherwise it calls the
   module as diffusers does. So a step never bypasses a hook.
 
-Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS) minus the comma-separated names in the
-environment variable LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that
-step only, so kernels can be taken out one at a time when hunting a numerical difference.
+Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS) minus the
+comma-separated names in the environment variable LTX_KERNELS_DISABLE. A disabled op falls back to
+the diffusers code for that step only, so kernels can be taken out one at a time when hunting a
+numerical difference.
 """
 from __future__ import annotations
 
@@ -165,11 +166,12 @@ def _patched_class(cls: type, forward) -> type:
 
 
 def _patchers() -> dict:
-    """Class name -> patch function(name, module, injector), for every supported model."""
-    from . import flux, ltx, sd3, wan
+    """Class name -> patch function(name, module, injector), for the AdaLN modules and every
+    supported model."""
+    from . import adaln, flux, ltx, sd3, wan
 
     table = {}
-    for model in (ltx, flux, wan, sd3):
+    for model in (adaln, ltx, flux, wan, sd3):
         table.update(model.PATCHERS)
     return table
 
