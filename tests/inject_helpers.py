@@ -29,6 +29,23 @@ def output_of(result):
     return result.sample
 
 
+def caller(inputs):
+    """call(model): one forward of a model on the keyword arguments `inputs`."""
+    return lambda model: model(**inputs)
+
+
+def randomize_norms(module, tables: bool = False, bias_mean: float = 1.0):
+    """Norm weights ~ N(1, 0.3), other norm parameters ~ N(bias_mean, 0.3), and with tables=True the
+    scale_shift_tables ~ N(0, 0.5): away from their init values, so a dropped weight shows."""
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1.0 if name.endswith("weight") else bias_mean, 0.3)
+            elif tables and "scale_shift_table" in name:
+                parameter.normal_(0.0, 0.5)
+    return module
+
+
 def eager_and_injected(model: torch.nn.Module, call, ops=None):
     """(eager output, injected output, report) of call(model); the model is injected in place."""
     with torch.no_grad():
@@ -77,6 +94,14 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def block_op_counts(per_block: dict, fallbacks: dict, disabled, layers: int) -> dict:
+    """{op: calls} of `layers` blocks that each run the ops `per_block` counts, with op `disabled`
+    left out: the counts of a block then change to fallbacks[disabled] (its unfused step's ops)."""
+    counts = {op: n for op, n in per_block.items() if op != disabled}
+    counts.update(fallbacks.get(disabled, {}))
+    return {op: n * layers for op, n in counts.items()}
+
+
 def count_ltx_ops(call) -> dict:
     """{op name: number of calls} of the ltx_kernels ops run by call()."""
     with torch.no_grad(), OpCounter() as counter:
@@ -106,6 +131,7 @@ def assert_backend_kept(attention_modules, processor_name: str) -> None:
     """Each module got our processor, carrying the `_native_math` backend set before injection."""
     from diffusers.models.attention_dispatch import AttentionBackendName
 
+    assert attention_modules
     for attn in attention_modules:
         assert type(attn.processor).__name__ == processor_name
         assert attn.processor._attention_backend == AttentionBackendName._NATIVE_MATH

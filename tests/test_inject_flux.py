@@ -1,97 +1,27 @@
 """inject_optimized_kernels on FLUX.1: tiny models on the CPU (as diffusers' own model tests build
 them), the full-size configuration's report on the meta device, a full-size double + single block
-pair on the GPU."""
+pair on the GPU. The tests every model runs alike are in test_inject_models.py."""
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
-                            assert_remove_restores, count_ltx_ops, eager_and_injected,
-                            inject_then_group_offload, output_of, rel_l2)
+from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, caller,
+                            count_ltx_ops, eager_and_injected, inject_then_group_offload, output_of,
+                            randomize_norms, rel_l2)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.flux import DOUBLE_ATTN, SINGLE_ATTN
+from model_zoo.flux import expected_ops, image_ids, tiny_inputs, tiny_model
 
 from diffusers import FluxTransformer2DModel  # noqa: E402  (inject_helpers skips without it)
 from diffusers.models.transformers.transformer_flux import (FluxAttnProcessor, FluxPosEmbed,
                                                             FluxSingleTransformerBlock,
                                                             FluxTransformerBlock)
 
-TINY = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-            axes_dims_rope=[4, 4, 8])
-HEIGHT, WIDTH, TEXT = 4, 4, 5
-
 
 def report_for(double: int, single: int) -> dict:
     return {"FluxTransformerBlock": double, "FluxSingleTransformerBlock": single,
             "AdaLayerNormZero": 2 * double, "AdaLayerNormZeroSingle": single,
             "AdaLayerNormContinuous": 1, DOUBLE_ATTN: double, SINGLE_ATTN: single}
-
-
-def expected_ops(ops, double: int, single: int) -> dict:
-    """ltx_kernels op calls per forward of a FLUX model with `ops` enabled: each step runs its op,
-    or the op of its fallback (the unfused step's pieces)."""
-    ops = set(ops)
-    counts = dict.fromkeys(FUSIONS, 0)
-
-    def norm_modulate(n):
-        counts["layernorm_modulate"] += n * ("layernorm_modulate" in ops)
-
-    def residual(n):
-        counts["gated_residual"] += n * ("gated_residual" in ops)
-
-    norm_modulate(2 * double + single + 1)  # norm1, norm1_context, single norm, norm_out
-    if "add_layernorm_modulate" in ops:  # x + gate * attn, norm2 + modulation, both streams
-        counts["add_layernorm_modulate"] += 2 * double
-    else:
-        residual(2 * double)
-        norm_modulate(2 * double)
-    residual(2 * double + single)  # FF residuals, single-block output
-    attentions = 2 * double + single  # q/k norm + RoPE: one per stream
-    if "qk_rmsnorm_rope" in ops:
-        counts["qk_rmsnorm_rope"] += attentions
-    elif "rope" in ops:
-        counts["rope"] += 2 * attentions
-    mlps = 2 * double + single
-    if "linear_gelu" in ops:
-        counts["linear_gelu"] += mlps
-    elif "gelu" in ops:
-        counts["gelu"] += mlps
-    return {op: n for op, n in counts.items() if n}
-
-
-def randomize_norms(module):
-    with torch.no_grad():  # weights away from their init values, so a dropped weight shows
-        for name, parameter in module.named_parameters():
-            if "norm" in name:
-                parameter.normal_(1.0, 0.3)
-    return module
-
-
-def tiny_model(dtype, **config):
-    return randomize_norms(FluxTransformer2DModel(**{**TINY, **config}).to(dtype).eval())
-
-
-def image_ids(height, width, device="cpu"):
-    rows, cols = torch.meshgrid(torch.arange(height, device=device),
-                                torch.arange(width, device=device), indexing="ij")
-    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
-
-
-def tiny_inputs(dtype, batch=2):
-    return dict(
-        hidden_states=torch.randn(batch, HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype),
-        encoder_hidden_states=torch.randn(batch, TEXT, TINY["joint_attention_dim"], dtype=dtype),
-        pooled_projections=torch.randn(batch, TINY["pooled_projection_dim"], dtype=dtype),
-        timestep=torch.rand(batch, dtype=dtype),
-        img_ids=image_ids(HEIGHT, WIDTH),
-        # Text positions that differ, so text rows of the RoPE tables matter (FLUX uses zeros).
-        txt_ids=torch.randint(0, 8, (TEXT, 3)).float(),
-        return_dict=False)
-
-
-def caller(inputs):
-    return lambda model: model(**inputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -106,29 +36,12 @@ def test_tiny_flux_matches_eager_and_restores(dtype):
     assert_remove_restores(model, call, eager)
 
 
-def test_tiny_flux_bf16_is_bit_identical_on_cpu():
-    model = tiny_model(torch.bfloat16)
-    eager, injected, _ = eager_and_injected(model, caller(tiny_inputs(torch.bfloat16)))
-    assert torch.equal(output_of(injected), output_of(eager))
-
-
 def test_tiny_flux_fp16():
     # fp16 is not in REL_L2_TOLERANCE: held to the bf16 bound (the C LayerNorm sums in another
     # order than PyTorch's, one ulp at some elements).
     model = tiny_model(torch.float16)
     eager, injected, _ = eager_and_injected(model, caller(tiny_inputs(torch.float16)))
     assert rel_l2(output_of(injected), output_of(eager)) <= REL_L2_TOLERANCE[torch.bfloat16]
-
-
-@pytest.mark.parametrize("disabled", FUSIONS)
-def test_each_op_can_be_disabled_alone(disabled):
-    model = tiny_model(torch.bfloat16)
-    call = caller(tiny_inputs(torch.bfloat16))
-    ops = [name for name in FUSIONS if name != disabled]
-    eager, injected, report = eager_and_injected(model, call, ops=ops)
-    assert disabled not in report.ops
-    assert_matches_eager(eager, injected, torch.bfloat16, f"without {disabled}")
-    assert count_ltx_ops(lambda: call(model)) == expected_ops(ops, 1, 1)
 
 
 def test_custom_processor_is_kept_and_reported():
@@ -147,17 +60,6 @@ def test_custom_processor_is_kept_and_reported():
     assert isinstance(model.transformer_blocks[0].attn.processor, MyProcessor)
     # The block itself stays fused; only that attention's q/k norm + RoPE runs as in diffusers.
     assert count_ltx_ops(lambda: call(model))["qk_rmsnorm_rope"] == 1
-
-
-def test_attention_backend_is_kept():
-    model = tiny_model(torch.float32)
-    model.set_attention_backend("_native_math")
-    call = caller(tiny_inputs(torch.float32))
-    eager, injected, _ = eager_and_injected(model, call)
-    assert_matches_eager(eager, injected, torch.float32, "math backend")
-    assert_backend_kept([block.attn for block in (*model.transformer_blocks,
-                                                  *model.single_transformer_blocks)],
-                        "FluxKernelsAttnProcessor")
 
 
 def test_rope_tables_of_another_shape_rotate_after_concatenation():
@@ -195,18 +97,6 @@ def test_inject_then_leaf_offload_calls_the_hooked_modules():
     # LayerNorms and the residuals stay fused.
     expected = expected_ops(set(FUSIONS) - {"linear_gelu", "qk_rmsnorm_rope"}, 1, 1)
     assert count_ltx_ops(lambda: call(model)) == {**expected, "gelu": 1}
-
-
-def test_compile_repeated_blocks_fullgraph_cpu():
-    torch._dynamo.reset()
-    model = tiny_model(torch.float32)
-    inputs = tiny_inputs(torch.float32)
-    eager, _, _ = eager_and_injected(model, caller(inputs))
-    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
-        model(**inputs)
-        out = model(**inputs)
-    assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
 
 
 def test_full_size_flux_report_on_meta():

@@ -1,51 +1,17 @@
 """inject_optimized_kernels on LTX-Video: tiny models on the CPU (as diffusers' own model tests build
 them), the full-size transformer on the GPU; the API (report, ops selection, removal), hooks and
-offloading, torch.compile."""
+offloading, torch.compile. The tests every model runs alike are in test_inject_models.py."""
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
-                            assert_remove_restores, clone, count_ltx_ops, eager_and_injected,
-                            group_offload, inject_then_group_offload, output_of, rel_l2)
+from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, caller,
+                            clone, count_ltx_ops, eager_and_injected, group_offload,
+                            inject_then_group_offload, output_of, rel_l2)
 from ltx_kernels.integration import FUSIONS
+from model_zoo.ltx import TINY, expected_counts, full_inputs, tiny_inputs, tiny_model
 
 from diffusers import LTXVideoTransformer3DModel  # noqa: E402  (inject_helpers skips without it)
-
-TINY = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-            cross_attention_dim=16, num_layers=2, caption_channels=16)
-FRAMES, HEIGHT, WIDTH, TEXT = 2, 4, 4, 6
-# Per block: norm1, q/k of attn1 and attn2, two gated residuals, attn2 residual + norm2, FF.
-OPS_PER_BLOCK = {"rmsnorm_modulate": 1, "qk_rmsnorm_rope": 2, "gated_residual": 2,
-                 "add_rmsnorm_modulate": 1, "linear_gelu": 1}
-
-
-def tiny_model(dtype, **config):
-    model = LTXVideoTransformer3DModel(**{**TINY, **config}).to(dtype).eval()
-    with torch.no_grad():  # weights away from their init values, so a dropped weight shows
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.normal_(1.0, 0.3)
-            elif "scale_shift_table" in name:
-                parameter.normal_(0.0, 0.5)
-    return model
-
-
-def tiny_inputs(dtype, device="cpu", batch=2):
-    hidden = torch.randn(batch, FRAMES * HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype,
-                         device=device)
-    text = torch.randn(batch, TEXT, TINY["caption_channels"], dtype=dtype, device=device)
-    mask = torch.ones(batch, TEXT, dtype=torch.bool, device=device)
-    mask[0, TEXT - 2:] = False
-    timestep = torch.randint(0, 1000, (batch,), device=device)
-    return dict(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep,
-                encoder_attention_mask=mask, num_frames=FRAMES, height=HEIGHT, width=WIDTH,
-                rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
-
-
-def caller(inputs):
-    return lambda model: model(**inputs)
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("affine", [False, True], ids=["norm_no_weight", "norm_weight"])
@@ -58,34 +24,8 @@ def test_tiny_ltx_matches_eager_and_restores(dtype, affine):
         "LTXVideoTransformerBlock": 2, "LTXAttention (self: q/k norm + RoPE)": 2,
         "LTXAttention (cross: q/k norm)": 2, "LTXVideoTransformer3DModel (output norm)": 1}
     assert not report.skipped
-    counts = count_ltx_ops(lambda: call(model))
-    expected = {op: n * TINY["num_layers"] for op, n in OPS_PER_BLOCK.items()}
-    assert counts == {**expected, "layernorm_modulate": 1}
+    assert count_ltx_ops(lambda: call(model)) == expected_counts()
     assert_remove_restores(model, call, eager)
-
-
-def test_tiny_ltx_bf16_is_bit_identical_on_cpu():
-    # Every op rounds where diffusers' bf16 code rounds; the C backend sums in the same order as
-    # far as the outputs show at this size. A regression in a rounding point shows up here first.
-    model = tiny_model(torch.bfloat16)
-    eager, injected, _ = eager_and_injected(model, caller(tiny_inputs(torch.bfloat16)))
-    assert torch.equal(output_of(injected), output_of(eager))
-
-
-@pytest.mark.parametrize("disabled", FUSIONS)
-def test_each_op_can_be_disabled_alone(disabled, monkeypatch):
-    model = tiny_model(torch.bfloat16)
-    call = caller(tiny_inputs(torch.bfloat16))
-    ops = [name for name in FUSIONS if name != disabled]
-    eager, injected, report = eager_and_injected(model, call, ops=ops)
-    assert disabled not in report.ops
-    assert_matches_eager(eager, injected, torch.bfloat16, f"without {disabled}")
-    assert disabled not in count_ltx_ops(lambda: call(model))
-    ltx_kernels.remove_optimized_kernels(model)
-    # The same through the environment variable.
-    monkeypatch.setenv("LTX_KERNELS_DISABLE", f" {disabled} ,")
-    ltx_kernels.inject_optimized_kernels(model, verbose=False)
-    assert disabled not in count_ltx_ops(lambda: call(model))
 
 
 def test_disabling_rope_keeps_qk_norm_fused():
@@ -128,14 +68,6 @@ def test_blocks_keep_their_class_name_and_state_dict():
     assert type(block.attn1.processor).__name__ == "LTXKernelsAttnProcessor"
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-
-
-def test_attention_backend_is_kept():
-    model = tiny_model(torch.float32)
-    model.set_attention_backend("_native_math")
-    ltx_kernels.inject_optimized_kernels(model, verbose=False)
-    assert_backend_kept([attn for block in model.transformer_blocks
-                         for attn in (block.attn1, block.attn2)], "LTXKernelsAttnProcessor")
 
 
 def test_custom_processor_is_kept_and_reported():
@@ -269,41 +201,15 @@ def test_compile_fullgraph_no_recompile_cpu():
     assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
 
 
-def test_compile_repeated_blocks_fullgraph_cpu():
-    torch._dynamo.reset()
-    model = tiny_model(torch.float32)
-    inputs = tiny_inputs(torch.float32)
-    eager, _, _ = eager_and_injected(model, caller(inputs))
-    model.compile_repeated_blocks(fullgraph=True, backend="inductor")
-    assert all(block._compiled_call_impl is not None for block in model.transformer_blocks)
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
-        out = model(**inputs)
-        out = model(**inputs)
-    assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
-
-
 # ------------------------------------------------------------------------------------------------
 # Full size on the GPU
 # ------------------------------------------------------------------------------------------------
-def ltx_full_inputs(batch, frames, height, width, device, dtype=torch.bfloat16, text=128):
-    generator = torch.Generator(device).manual_seed(0)
-    hidden = torch.randn(batch, frames * height * width, 128, generator=generator, device=device,
-                         dtype=dtype)
-    prompt = torch.randn(batch, text, 4096, generator=generator, device=device, dtype=dtype)
-    mask = torch.ones(batch, text, dtype=torch.bool, device=device)
-    mask[:, text // 2:] = False
-    return dict(hidden_states=hidden, encoder_hidden_states=prompt,
-                timestep=torch.full((batch,), 500.0, device=device), encoder_attention_mask=mask,
-                num_frames=frames, height=height, width=width,
-                rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
-
-
 @pytest.mark.gpu
 def test_full_size_ltx_gpu():
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LTXVideoTransformer3DModel().to(torch.bfloat16).eval()
-    call = caller(ltx_full_inputs(2, 7, 16, 24, "cuda"))  # 49 frames 512x768: 2688 tokens
+    call = caller(full_inputs(2, 7, 16, 24, "cuda"))  # 49 frames 512x768: 2688 tokens
     eager, injected, report = eager_and_injected(model, call)
     assert report.patched["LTXVideoTransformerBlock"] == 28
     error = rel_l2(output_of(injected), output_of(eager))

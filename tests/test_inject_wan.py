@@ -1,66 +1,27 @@
 """inject_optimized_kernels on Wan 2.x: tiny models on the CPU (diffusers' own test config), as
 users load them (bf16 with `_keep_in_fp32_modules` kept fp32, through save/from_pretrained):
 T2V, I2V (image-context attention), Wan 2.2 TI2V (per-token modulation), VACE, fused QKV
-projections; exact op counts, each op disabled alone, the RoPE tables, hooks, torch.compile."""
+projections; exact op counts, the RoPE tables, hooks. Each op disabled alone and torch.compile:
+test_inject_models.py."""
 import tempfile
 
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager,
-                            assert_remove_restores, count_ltx_ops, eager_and_injected,
-                            inject_then_group_offload, output_of, rel_l2)
+from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, caller,
+                            count_ltx_ops, eager_and_injected, inject_then_group_offload, output_of,
+                            rel_l2)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.wan import WanKernelsAttnProcessor
+from model_zoo.wan import (FRAMES, HEIGHT, I2V, LAYERS, TINY, WIDTH, expected_counts, load_as,
+                           randomize, tiny_inputs, tiny_model)
 
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel  # noqa: E402
 
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-            out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
-            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
-I2V = dict(image_dim=8, added_kv_proj_dim=24)  # added_kv_proj_dim = inner dim, as the real config
-LAYERS = TINY["num_layers"]
-FRAMES, HEIGHT, WIDTH = 2, 8, 8
-TOKENS = FRAMES * HEIGHT * WIDTH // 4
-# Per block: norm1; q/k of attn1 (+ RoPE) and attn2; attn1 residual + norm2; attn2 residual +
-# norm3; FF; FF residual.
-OPS_PER_BLOCK = {"layernorm_modulate": 1, "qk_rmsnorm_rope": 2, "add_layernorm_modulate": 2,
-                 "linear_gelu": 1, "gated_residual": 1}
 BLOCK_KINDS = {"WanAttention (self: q/k norm + RoPE)": LAYERS,
                "WanAttention (cross: q/k norm)": LAYERS}
 OUTPUT_NORM = "WanTransformer3DModel (output norm)"
-
-
-def randomize(model):
-    """Norm weights/biases and modulation tables away from their init values."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
-            elif "scale_shift_table" in name:
-                parameter.normal_(0.0, 0.5)
-    return model
-
-
-def load_as(model, dtype):
-    """The model as from_pretrained(torch_dtype=dtype) loads it (test_load_as checks): cast, with
-    the `_keep_in_fp32_modules` (tables, norm1/2/3, RoPE, time embedder) left in fp32."""
-    keep = model._keep_in_fp32_modules
-
-    def kept(named):
-        return {name: t.data for name, t in named if any(m in name.split(".") for m in keep)}
-
-    fp32 = {**kept(model.named_parameters()), **kept(model.named_buffers())}
-    model.to(dtype)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name in fp32:
-            tensor.data = fp32[name]
-    return model.eval()
-
-
-def tiny_model(dtype, cls=WanTransformer3DModel, **config):
-    return load_as(randomize(cls(**{**TINY, **config})), dtype)
 
 
 def test_load_as():
@@ -72,38 +33,6 @@ def test_load_as():
     cast = load_as(model, torch.bfloat16)
     for name, tensor in [*cast.named_parameters(), *cast.named_buffers()]:
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
-
-
-def tiny_inputs(dtype, variant="t2v", batch=2):
-    text = 512 if variant == "i2v" else 12  # I2V splits the context at 512 - image tokens
-    inputs = dict(hidden_states=torch.randn(batch, 4, FRAMES, HEIGHT, WIDTH, dtype=dtype),
-                  timestep=torch.randint(0, 1000, (batch,)),
-                  encoder_hidden_states=torch.randn(batch, text, 16, dtype=dtype),
-                  return_dict=False)
-    if variant == "i2v":
-        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, I2V["image_dim"],
-                                                            dtype=dtype)
-    if variant == "ti2v":  # Wan 2.2 TI2V: one timestep per token
-        inputs["timestep"] = torch.randint(0, 1000, (batch, TOKENS))
-    return inputs
-
-
-def caller(inputs):
-    return lambda model: model(**inputs)
-
-
-def expected_counts(disabled=None, layers=LAYERS):
-    """The ltx_kernels ops one forward runs, with op `disabled` left out."""
-    per_block = dict(OPS_PER_BLOCK)
-    if disabled in per_block:
-        del per_block[disabled]
-    if disabled == "add_layernorm_modulate":  # gated residual + norm2, x + a2 (eager) + norm3
-        per_block.update(gated_residual=2, layernorm_modulate=3)
-    if disabled == "qk_rmsnorm_rope":  # torch.nn.RMSNorm, then our RoPE on attn1's q and k
-        per_block["rope"] = 2
-    if disabled == "linear_gelu":
-        per_block["gelu"] = 1
-    return {op: n * layers for op, n in per_block.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,17 +118,6 @@ def test_vace():
 # ------------------------------------------------------------------------------------------------
 # Ops selection
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("disabled", FUSIONS)
-def test_each_op_can_be_disabled_alone(disabled):
-    model = tiny_model(torch.bfloat16)
-    call = caller(tiny_inputs(torch.bfloat16, "ti2v"))
-    eager, injected, report = eager_and_injected(
-        model, call, ops=[name for name in FUSIONS if name != disabled])
-    assert disabled not in report.ops
-    assert_matches_eager(eager, injected, torch.bfloat16, f"without {disabled}")
-    assert count_ltx_ops(lambda: call(model)) == expected_counts(disabled)
-
-
 def test_no_ops_is_the_diffusers_code():
     model = tiny_model(torch.float32)
     call = caller(tiny_inputs(torch.float32))
@@ -256,14 +174,6 @@ def test_custom_processor_is_kept_and_reported():
     assert isinstance(model.blocks[1].attn1.processor, MyProcessor)
 
 
-def test_attention_backend_is_kept():
-    model = tiny_model(torch.float32)
-    model.set_attention_backend("_native_math")
-    ltx_kernels.inject_optimized_kernels(model, verbose=False)
-    assert_backend_kept([attn for block in model.blocks for attn in (block.attn1, block.attn2)],
-                        "WanKernelsAttnProcessor")
-
-
 def test_same_named_class_from_elsewhere_is_left_alone():
     from diffusers.models.transformers import transformer_wan
 
@@ -278,7 +188,7 @@ def test_same_named_class_from_elsewhere_is_left_alone():
 
 
 # ------------------------------------------------------------------------------------------------
-# Hooks and torch.compile
+# Hooks
 # ------------------------------------------------------------------------------------------------
 def test_inject_then_leaf_offload_falls_back_where_hooked():
     model = tiny_model(torch.bfloat16)
@@ -289,20 +199,6 @@ def test_inject_then_leaf_offload_falls_back_where_hooked():
     assert count_ltx_ops(lambda: call(model)) == {
         "layernorm_modulate": LAYERS, "add_layernorm_modulate": LAYERS,
         "gated_residual": 2 * LAYERS, "rope": 2 * LAYERS}
-
-
-def test_compile_repeated_blocks_fullgraph_cpu():
-    # Dynamo and the fake kernels, without graph breaks or recompiles (aot_eager: inductor takes
-    # 20 s here; the LTX tests cover it).
-    torch._dynamo.reset()
-    model = tiny_model(torch.float32)
-    inputs = tiny_inputs(torch.float32)
-    eager, _, _ = eager_and_injected(model, caller(inputs))
-    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
-        out = model(**inputs)
-        out = model(**inputs)
-    assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,18 +6,10 @@ import pytest
 import torch
 
 import ltx_kernels
-import test_inject_flux
-import test_inject_ltx
-import test_inject_sd3
-import test_inject_wan
-from inject_helpers import OpCounter, clone, output_of, rel_l2
+from inject_helpers import OpCounter, caller, clone, output_of, rel_l2
+from model_zoo import MODELS, ltx
 
-MODELS = {
-    "ltx": (test_inject_ltx, {}),
-    "flux": (test_inject_flux, {}),
-    "wan": (test_inject_wan, {}),
-    "sd35": (test_inject_sd3, test_inject_sd3.SD35),
-}
+TRAINED = ["ltx", "flux", "wan", "sd35"]  # the tiny models of model_zoo.MODELS trained here
 # Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose
 # fused step then falls back to the adapter-carrying module.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj"]
@@ -52,8 +44,7 @@ def _assert_same_gradients(stock, injected, what):
 
 
 def _stock_and_injected(model_name, lora=False, checkpointing=False, inject_first=False):
-    module, config = MODELS[model_name]
-    model = module.tiny_model(torch.float32, **config).train()
+    model = MODELS[model_name].build(torch.float32).train()
     if lora and not inject_first:
         _add_lora(model)
     stock = clone(model)
@@ -66,7 +57,7 @@ def _stock_and_injected(model_name, lora=False, checkpointing=False, inject_firs
     if checkpointing:
         stock.enable_gradient_checkpointing()
         model.enable_gradient_checkpointing()
-    return stock, model, module.caller(module.tiny_inputs(torch.float32))
+    return stock, model, caller(MODELS[model_name].inputs(torch.float32))
 
 
 def _add_lora(model):
@@ -78,7 +69,7 @@ def _add_lora(model):
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("model_name", TRAINED)
 def test_injected_model_trains_like_stock(model_name, lora, checkpointing):
     stock, injected, call = _stock_and_injected(model_name, lora, checkpointing)
     assert not _counted_train_step(stock, call)
@@ -125,7 +116,7 @@ def test_full_size_ltx_bf16_gradients_gpu(lora):
     stock = clone(reference_model).to(torch.bfloat16)
     injected = clone(stock)
     ltx_kernels.inject_optimized_kernels(injected, verbose=False)
-    inputs = test_inject_ltx.ltx_full_inputs(2, 4, 16, 24, "cuda", dtype=torch.float32)
+    inputs = ltx.full_inputs(2, 4, 16, 24, "cuda", dtype=torch.float32)
     bf16_inputs = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
                    for k, v in inputs.items()}
     _train_step(reference_model, lambda m: m(**inputs))

@@ -7,14 +7,9 @@ implementation, a fake implementation for torch.compile/export, and a pure-PyTor
 import torch
 
 from . import reference
+from ._op_names import OPS  # the names of the ops this build registers under torch.ops.ltx_kernels
 
 __version__ = "0.1.0"
-#: Names of the ops this build registers under torch.ops.ltx_kernels.
-OPS = (
-    "rmsnorm", "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate",
-    "add_layernorm_modulate", "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu",
-    "linear_gelu",
-)
 __all__ = [*OPS, "reference", "OPS", "load_error", "inject_optimized_kernels",
            "remove_optimized_kernels", "InjectionReport"]
 
@@ -23,9 +18,9 @@ load_error: Exception | None = None
 
 try:
     from ._op_namespace import ops
-    from . import _fake  # noqa: F401  (registers the fake implementations)
-    from . import _autograd
+    from . import _autograd, _fake
 
+    _fake.register(OPS)
     _autograd.register(OPS)
 except (ImportError, RuntimeError) as error:  # missing or stale build: stay importable for the report
     load_error = error

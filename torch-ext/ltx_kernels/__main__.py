@@ -13,14 +13,14 @@ import ltx_kernels
 from ltx_kernels import reference
 
 
-def _smoke_inputs(op: str, device: str):
-    """Small random bf16 arguments of each op (LTX-like: D = 96 = 3 heads x 32)."""
+def smoke_inputs(device: str) -> dict:
+    """Op name -> small random bf16 arguments of that op (LTX-like: D = 96 = 3 heads x 32)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=g).to(device, dtype)
     x, y, mod = rand(2, 5, 96), rand(2, 5, 96), rand(2, 1, 96)
     cos, sin = rand(5, 32, dtype=torch.float32), rand(5, 32, dtype=torch.float32)
     q = rand(2, 5, 3, 32)
-    args = {
+    return {
         "rmsnorm": (rand(5, 96), rand(96), 1e-6),
         "rmsnorm_modulate": (x, mod, mod),
         "layernorm_modulate": (x, mod, mod),
@@ -33,12 +33,11 @@ def _smoke_inputs(op: str, device: str):
         "geglu": (x,),
         "linear_gelu": (x, rand(64, 96), rand(64)),
     }
-    return args[op]
 
 
 def _check_op(op: str, device: str) -> str:
     try:
-        args = _smoke_inputs(op, device)
+        args = smoke_inputs(device)[op]
         outs = getattr(ltx_kernels, op)(*args)
         refs = getattr(reference, op)(*args, compute_dtype=torch.float64)
         outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))

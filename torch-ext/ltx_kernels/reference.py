@@ -10,7 +10,9 @@ Uses:
 """
 import torch
 
-__all__ = ["rmsnorm"]
+from ._op_names import OPS
+
+__all__ = list(OPS)  # the reference of op <op> is the function <op> of this module
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
@@ -44,10 +46,6 @@ def rmsnorm(
 # does when all operands have dtype T (LTX-Video, FLUX, SD3); with upcast=True everything is
 # computed in compute_dtype and rounded once (Wan's `x.float() ... .type_as(x)`). See ltx_kernels.h.
 # ------------------------------------------------------------------------------------------------
-__all__ += [
-    "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate", "add_layernorm_modulate",
-    "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu", "linear_gelu",
-]
 
 
 def _rounder(dtype: torch.dtype, upcast: bool):

@@ -15,9 +15,10 @@ How a module is patched, and why that way:
   hook (leaf-level offloading or layerwise casting added after injection); otherwise it calls the
   module as diffusers does. So a step never bypasses a hook.
 
-Which ops are used: `ops=` (default: all of FUSIONS) minus the comma-separated names in the
-environment variable LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that
-step only, so kernels can be taken out one at a time when hunting a numerical difference.
+Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS) minus the
+comma-separated names in the environment variable LTX_KERNELS_DISABLE. A disabled op falls back to
+the diffusers code for that step only, so kernels can be taken out one at a time when hunting a
+numerical difference.
 """
 from __future__ import annotations
 
@@ -27,11 +28,10 @@ from collections import Counter, defaultdict
 
 import torch
 
-#: The fused ops inject_optimized_kernels can use, by op name (each can be disabled alone).
-FUSIONS = (
-    "rmsnorm", "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate", "add_layernorm_modulate",
-    "gated_residual", "qk_rmsnorm_rope", "rope", "linear_gelu", "gelu", "geglu",
-)
+from .._op_names import OPS
+
+#: The fused ops inject_optimized_kernels can use, by op name (each can be disabled alone): all.
+FUSIONS = OPS
 DISABLE_ENV = "LTX_KERNELS_DISABLE"
 
 # Attribute names stored on patched modules.
@@ -166,11 +166,12 @@ def _patched_class(cls: type, forward) -> type:
 
 
 def _patchers() -> dict:
-    """Class name -> patch function(name, module, injector), for every supported model."""
-    from . import flux, ltx, sd3, wan
+    """Class name -> patch function(name, module, injector), for the AdaLN modules and every
+    supported model."""
+    from . import adaln, flux, ltx, sd3, wan
 
     table = {}
-    for model in (ltx, flux, wan, sd3):
+    for model in (adaln, ltx, flux, wan, sd3):
         table.update(model.PATCHERS)
     return table
 
@@ -196,8 +197,6 @@ def register_inductor_fallbacks() -> None:
     the fallbacks beforehand, with the layout constraint Inductor would pick, skips that path."""
     from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
     from torch._library.utils import get_layout_constraint_tag
-
-    from .. import OPS
 
     for name in OPS:
         for overload_name in getattr(torch.ops.ltx_kernels, name).overloads():

@@ -1,9 +1,6 @@
-"""FLUX.1 (diffusers `transformer_flux.py`) on the fused ops, and the AdaLN norm modules that FLUX,
-SD3 and many other diffusers transformers share.
+"""FLUX.1 (diffusers `transformer_flux.py`) on the fused ops.
 
-AdaLN modules (patched themselves, wherever they appear; `sd3.py` reuses ADA_NORM_PATCHERS):
-  AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous: norm + modulation
-                                -> layernorm_modulate (rmsnorm_modulate for a diffusers RMSNorm)
+AdaLN modules (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous): `adaln.py`.
 Double block (`FluxTransformerBlock`), for the image and the text stream each:
   attention: per-head q/k RMSNorm + RoPE -> qk_rmsnorm_rope (image rows and text rows of the
              tables, one launch per stream; concatenated text first as diffusers does)
@@ -21,91 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import gelu, linear_gelu
 from . import FusedAttnProcessor, steps
-
-
-# ------------------------------------------------------------------------------------------------
-# AdaLN modules: n = norm(x) * (1 + scale) + shift, with scale/shift chunks of Linear(SiLU(emb))
-# ------------------------------------------------------------------------------------------------
-def _modulate(module, x, emb, scale, shift):
-    """steps.norm_modulate for [B, S, D] x and a per-sample [B, k*D] embedding; other layouts run
-    the diffusers expression (no ops)."""
-    ops = module._ltx_kernels_ops if x.dim() == 3 and emb.dim() == 2 else frozenset()
-    return steps.norm_modulate(ops, module.norm, x, scale[:, None], shift[:, None])
-
-
-def ada_norm_zero_forward(self, x: torch.Tensor, timestep: torch.Tensor | None = None,
-                          class_labels: torch.LongTensor | None = None,
-                          hidden_dtype: torch.dtype | None = None, emb: torch.Tensor | None = None):
-    """`AdaLayerNormZero.forward` with the norm and modulation fused."""
-    if self.emb is not None:
-        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = _modulate(self, x, emb, scale_msa, shift_msa)
-    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
-
-
-def ada_norm_zero_single_forward(self, x: torch.Tensor, emb: torch.Tensor | None = None):
-    """`AdaLayerNormZeroSingle.forward` with the norm and modulation fused."""
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-    return _modulate(self, x, emb, scale_msa, shift_msa), gate_msa
-
-
-def ada_norm_continuous_forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor):
-    """`AdaLayerNormContinuous.forward` with the norm and modulation fused."""
-    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    return _modulate(self, x, emb, scale, shift)
-
-
-def norm_unfusable(norm) -> str | None:
-    """None when steps.norm_modulate fuses `norm`, else why not (for the report)."""
-    if steps._is_plain_layernorm(norm) or steps._is_diffusers_rmsnorm(norm):
-        return None
-    return f"norm {type(norm).__name__} has no fused kernel; it runs as in diffusers"
-
-
-def ada_norm_patcher(forward, kind: str):
-    """Patch function for an AdaLN module class whose forward is `forward`. A hooked AdaLN module
-    is skipped (reported): diffusers' own forward is always a correct fallback."""
-    def patch(name: str, module, injector) -> None:
-        reason = norm_unfusable(module.norm)
-        if reason:
-            injector.skip(kind, name, reason)
-        else:
-            injector.swap_forward(name, module, forward, kind, required=False)
-    return patch
-
-
-ADA_NORM_PATCHERS = {
-    "AdaLayerNormZero": ada_norm_patcher(ada_norm_zero_forward, "AdaLayerNormZero"),
-    "AdaLayerNormZeroSingle": ada_norm_patcher(ada_norm_zero_single_forward,
-                                               "AdaLayerNormZeroSingle"),
-    "AdaLayerNormContinuous": ada_norm_patcher(ada_norm_continuous_forward,
-                                               "AdaLayerNormContinuous"),
-}
-
-
-# ------------------------------------------------------------------------------------------------
-# A Linear followed by a bare nn.GELU (FLUX's and HunyuanVideo's single-block MLP)
-# ------------------------------------------------------------------------------------------------
-def _is_gelu(act) -> bool:
-    return isinstance(act, torch.nn.GELU)
-
-
-def linear_act(ops, proj, act, x):
-    """act(proj(x)): GELU-tanh as one GEMM with a GELU epilogue, other GELUs as our gelu op."""
-    if _is_gelu(act) and steps._plain(act):
-        if ("linear_gelu" in ops and act.approximate == "tanh" and steps._plain(proj)
-                and isinstance(proj, torch.nn.Linear)
-                and steps._same_dtype(x, proj.weight, proj.bias)):
-            return linear_gelu(x, proj.weight, proj.bias)
-        if "gelu" in ops:
-            return gelu(proj(x), act.approximate)
-    return act(proj(x))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,7 +144,7 @@ def single_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_state
 
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-    mlp_hidden_states = linear_act(ops, self.proj_mlp, self.act_mlp, norm_hidden_states)
+    mlp_hidden_states = steps.linear_act(ops, self.proj_mlp, self.act_mlp, norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                             **joint_attention_kwargs)
@@ -266,14 +179,12 @@ def patch_double_block(name: str, block, injector) -> None:
 def patch_single_block(name: str, block, injector) -> None:
     injector.swap_forward(name, block, single_block_forward, "FluxSingleTransformerBlock")
     _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector)
-    if not _is_gelu(block.act_mlp):
-        injector.skip("FluxSingleTransformerBlock MLP", f"{name}.act_mlp",
-                      f"activation {type(block.act_mlp).__name__} has no fused kernel; it runs "
-                      "as in diffusers")
+    reason = steps.linear_act_fusable(block.act_mlp)
+    if reason:
+        injector.skip("FluxSingleTransformerBlock MLP", f"{name}.act_mlp", reason)
 
 
 PATCHERS = {
-    **ADA_NORM_PATCHERS,
     "FluxTransformerBlock": patch_double_block,
     "FluxSingleTransformerBlock": patch_single_block,
 }

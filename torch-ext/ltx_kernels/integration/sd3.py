@@ -1,9 +1,8 @@
 """SD3 / SD3.5 (diffusers `JointTransformerBlock` in models/attention.py, `JointAttnProcessor2_0`)
 on the fused ops.
 
-AdaLN modules: AdaLayerNormZero, AdaLayerNormContinuous (context of the last, context-pre-only
-block; output norm) from `flux.py`; SD35AdaLayerNormZeroX (dual-attention layers) here: the one
-norm with its two modulations -> layernorm_modulate twice.
+AdaLN modules (AdaLayerNormZero; AdaLayerNormContinuous: context of the last, context-pre-only
+block, and the output norm; SD35AdaLayerNormZeroX: dual-attention layers): `adaln.py`.
 Per block, for the image stream (and the text stream unless context_pre_only):
   x + gate * attn (+ gate2 * attn2 on dual-attention layers), norm2 + modulation
                                        -> [gated_residual +] add_layernorm_modulate
@@ -21,22 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from . import FusedAttnProcessor, steps
-from .flux import ADA_NORM_PATCHERS, ada_norm_patcher
-
-
-def sd35_ada_norm_zero_x_forward(self, hidden_states: torch.Tensor,
-                                 emb: torch.Tensor | None = None):
-    """`SD35AdaLayerNormZeroX.forward`: both modulations of the one norm fused."""
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, \
-        gate_msa2 = emb.chunk(9, dim=1)
-    ops = self._ltx_kernels_ops if hidden_states.dim() == 3 and emb.dim() == 2 else frozenset()
-    norm_hidden_states = steps.norm_modulate(ops, self.norm, hidden_states, scale_msa[:, None],
-                                             shift_msa[:, None])
-    norm_hidden_states2 = steps.norm_modulate(ops, self.norm, hidden_states, scale_msa2[:, None],
-                                              shift_msa2[:, None])
-    return (norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2,
-            gate_msa2)
 
 
 def _split_heads(x, heads: int, head_dim: int):
@@ -153,7 +136,7 @@ def _patch_attention(name: str, attn, kind: str, injector) -> None:
     norms = [n for n in norms if n is not None]
     if not norms:
         injector.skip(kind, name, "no q/k norm (qk_norm=None, SD3): nothing to fuse")
-    elif not all(steps._is_diffusers_rmsnorm(n) for n in norms):
+    elif not all(steps.is_diffusers_rmsnorm(n) for n in norms):
         injector.skip(kind, name, f"q/k norm {type(norms[0]).__name__} has no fused kernel")
     else:
         injector.set_processor(name, attn, SD3KernelsAttnProcessor(), kind)
@@ -172,8 +155,5 @@ def patch_block(name: str, block, injector) -> None:
 
 
 PATCHERS = {
-    **ADA_NORM_PATCHERS,  # AdaLayerNormZero, AdaLayerNormContinuous: one definition, in flux.py
-    "SD35AdaLayerNormZeroX": ada_norm_patcher(sd35_ada_norm_zero_x_forward,
-                                              "SD35AdaLayerNormZeroX"),
     "JointTransformerBlock": patch_block,
 }

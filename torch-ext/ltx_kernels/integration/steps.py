@@ -22,12 +22,12 @@ def _same_dtype(x: torch.Tensor, *tensors) -> bool:
     return all(t is None or t.dtype == x.dtype for t in tensors)
 
 
-def _is_diffusers_rmsnorm(norm) -> bool:
+def is_diffusers_rmsnorm(norm) -> bool:
     return type(norm).__name__ == "RMSNorm" and not isinstance(norm, torch.nn.RMSNorm) \
         and getattr(norm, "bias", None) is None
 
 
-def _is_plain_layernorm(norm) -> bool:
+def is_plain_layernorm(norm) -> bool:
     return isinstance(norm, torch.nn.LayerNorm) and len(norm.normalized_shape) == 1
 
 
@@ -46,7 +46,7 @@ def _modulation_ok(x, norm, scale, shift, gate=None, upcast=False) -> bool:
 def diffusers_rmsnorm(ops, norm, x):
     """diffusers RMSNorm (any weight dtype; its double rounding with a 16-bit weight) in one
     launch, e.g. the per-head q/k norm of SD3.5 and HunyuanVideo."""
-    if "rmsnorm" in ops and _plain(norm) and _is_diffusers_rmsnorm(norm):
+    if "rmsnorm" in ops and _plain(norm) and is_diffusers_rmsnorm(norm):
         return rmsnorm(x, norm.weight, norm.eps)
     return norm(x)
 
@@ -57,9 +57,9 @@ def diffusers_rmsnorm(ops, norm, x):
 def norm_modulate(ops, norm, x, scale, shift):
     """diffusers RMSNorm or nn.LayerNorm of x, modulated, in x's dtype."""
     if _plain(norm) and _modulation_ok(x, norm, scale, shift):
-        if "rmsnorm_modulate" in ops and _is_diffusers_rmsnorm(norm):
+        if "rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
             return rmsnorm_modulate(x, scale, shift, norm.weight, norm.eps)
-        if "layernorm_modulate" in ops and _is_plain_layernorm(norm):
+        if "layernorm_modulate" in ops and is_plain_layernorm(norm):
             return layernorm_modulate(x, scale, shift, norm.weight, norm.bias, norm.eps)
     return norm(x) * (1 + scale) + shift
 
@@ -68,7 +68,7 @@ def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
     """norm is a hook-free nn.LayerNorm (FP32LayerNorm) and the modulation tensors are None or of
     one dtype (fp32 or x's), as the upcast ops take them."""
     dtypes = {t.dtype for t in (scale, shift, gate) if t is not None}
-    return (_plain(norm) and _is_plain_layernorm(norm) and len(dtypes) <= 1
+    return (_plain(norm) and is_plain_layernorm(norm) and len(dtypes) <= 1
             and _modulation_ok(x, norm, scale, shift, gate, upcast=True))
 
 
@@ -97,9 +97,9 @@ def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None):
 def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None):
     """h = x + y * gate (x + y without gate); n = norm(h) * (1 + scale) + shift. Returns (h, n)."""
     if _plain(norm) and _modulation_ok(x, norm, scale, shift, gate) and _same_dtype(x, y):
-        if "add_rmsnorm_modulate" in ops and _is_diffusers_rmsnorm(norm):
+        if "add_rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
             return add_rmsnorm_modulate(x, y, scale, shift, gate, norm.weight, norm.eps)
-        if "add_layernorm_modulate" in ops and _is_plain_layernorm(norm):
+        if "add_layernorm_modulate" in ops and is_plain_layernorm(norm):
             return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias,
                                           norm.eps)
     h = residual(ops, x, y, gate)
@@ -199,8 +199,26 @@ def feed_forward(ops, ff, x):
 
 def feed_forward_fusable(ff) -> str | None:
     """None when feed_forward fuses ff's activation, else why not (for the report)."""
-    act = ff.net[0]
-    kind = type(act).__name__
-    if kind == "GELU" or kind == "GEGLU":
-        return None
+    kind = type(ff.net[0]).__name__
+    return None if kind == "GELU" or kind == "GEGLU" else _no_kernel_for_activation(kind)
+
+
+def linear_act(ops, proj, act, x):
+    """act(proj(x)) for a Linear followed by a bare nn.GELU (FLUX's and HunyuanVideo's single-block
+    MLP): GELU-tanh as one GEMM with a GELU epilogue, other GELUs as our gelu op."""
+    if linear_act_fusable(act) is None and _plain(act):
+        if ("linear_gelu" in ops and act.approximate == "tanh" and _plain(proj)
+                and isinstance(proj, torch.nn.Linear) and _same_dtype(x, proj.weight, proj.bias)):
+            return linear_gelu(x, proj.weight, proj.bias)
+        if "gelu" in ops:
+            return gelu(proj(x), act.approximate)
+    return act(proj(x))
+
+
+def linear_act_fusable(act) -> str | None:
+    """None when linear_act fuses `act`, else why not (for the report)."""
+    return None if isinstance(act, torch.nn.GELU) else _no_kernel_for_activation(type(act).__name__)
+
+
+def _no_kernel_for_activation(kind: str) -> str:
     return f"activation {kind} has no fused kernel; it runs as in diffusers"

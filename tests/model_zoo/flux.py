@@ -1,0 +1,66 @@
+"""FLUX.1: the tiny transformer (as diffusers' own model tests build it) with its inputs and the
+ltx_kernels ops one injected forward runs."""
+import torch
+from diffusers import FluxTransformer2DModel
+
+from inject_helpers import randomize_norms
+from ltx_kernels.integration import FUSIONS
+
+TINY = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8])
+HEIGHT, WIDTH, TEXT = 4, 4, 5
+
+
+def expected_ops(ops, double: int, single: int) -> dict:
+    """ltx_kernels op calls per forward of a FLUX model with `ops` enabled: each step runs its op,
+    or the op of its fallback (the unfused step's pieces)."""
+    ops = set(ops)
+    counts = dict.fromkeys(FUSIONS, 0)
+
+    def norm_modulate(n):
+        counts["layernorm_modulate"] += n * ("layernorm_modulate" in ops)
+
+    def residual(n):
+        counts["gated_residual"] += n * ("gated_residual" in ops)
+
+    norm_modulate(2 * double + single + 1)  # norm1, norm1_context, single norm, norm_out
+    if "add_layernorm_modulate" in ops:  # x + gate * attn, norm2 + modulation, both streams
+        counts["add_layernorm_modulate"] += 2 * double
+    else:
+        residual(2 * double)
+        norm_modulate(2 * double)
+    residual(2 * double + single)  # FF residuals, single-block output
+    attentions = 2 * double + single  # q/k norm + RoPE: one per stream
+    if "qk_rmsnorm_rope" in ops:
+        counts["qk_rmsnorm_rope"] += attentions
+    elif "rope" in ops:
+        counts["rope"] += 2 * attentions
+    mlps = 2 * double + single
+    if "linear_gelu" in ops:
+        counts["linear_gelu"] += mlps
+    elif "gelu" in ops:
+        counts["gelu"] += mlps
+    return {op: n for op, n in counts.items() if n}
+
+
+def tiny_model(dtype, **config):
+    return randomize_norms(FluxTransformer2DModel(**{**TINY, **config}).to(dtype).eval())
+
+
+def image_ids(height, width, device="cpu"):
+    rows, cols = torch.meshgrid(torch.arange(height, device=device),
+                                torch.arange(width, device=device), indexing="ij")
+    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+def tiny_inputs(dtype, batch=2):
+    return dict(
+        hidden_states=torch.randn(batch, HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype),
+        encoder_hidden_states=torch.randn(batch, TEXT, TINY["joint_attention_dim"], dtype=dtype),
+        pooled_projections=torch.randn(batch, TINY["pooled_projection_dim"], dtype=dtype),
+        timestep=torch.rand(batch, dtype=dtype),
+        img_ids=image_ids(HEIGHT, WIDTH),
+        # Text positions that differ, so text rows of the RoPE tables matter (FLUX uses zeros).
+        txt_ids=torch.randint(0, 8, (TEXT, 3)).float(),
+        return_dict=False)

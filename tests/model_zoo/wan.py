@@ -1,0 +1,70 @@
+"""Wan 2.x: the tiny transformer (diffusers' own test config), as users load it (bf16 with
+`_keep_in_fp32_modules` kept fp32), with its inputs (T2V, I2V, Wan 2.2 TI2V) and the ltx_kernels
+ops one injected forward runs."""
+import torch
+from diffusers import WanTransformer3DModel
+
+from inject_helpers import block_op_counts, randomize_norms
+
+TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+I2V = dict(image_dim=8, added_kv_proj_dim=24)  # added_kv_proj_dim = inner dim, as the real config
+LAYERS = TINY["num_layers"]
+FRAMES, HEIGHT, WIDTH = 2, 8, 8
+TOKENS = FRAMES * HEIGHT * WIDTH // 4
+# Per block: norm1; q/k of attn1 (+ RoPE) and attn2; attn1 residual + norm2; attn2 residual +
+# norm3; FF; FF residual.
+OPS_PER_BLOCK = {"layernorm_modulate": 1, "qk_rmsnorm_rope": 2, "add_layernorm_modulate": 2,
+                 "linear_gelu": 1, "gated_residual": 1}
+# The counts of a block that change when one op is disabled.
+FALLBACKS = {
+    # gated residual + norm2, x + a2 (eager) + norm3
+    "add_layernorm_modulate": {"gated_residual": 2, "layernorm_modulate": 3},
+    "qk_rmsnorm_rope": {"rope": 2},  # torch.nn.RMSNorm, then our RoPE on attn1's q and k
+    "linear_gelu": {"gelu": 1},
+}
+
+
+def randomize(model):
+    """Norm weights/biases and modulation tables away from their init values."""
+    return randomize_norms(model, tables=True, bias_mean=0.0)
+
+
+def load_as(model, dtype):
+    """The model as from_pretrained(torch_dtype=dtype) loads it (test_load_as checks): cast, with
+    the `_keep_in_fp32_modules` (tables, norm1/2/3, RoPE, time embedder) left in fp32."""
+    keep = model._keep_in_fp32_modules
+
+    def kept(named):
+        return {name: t.data for name, t in named if any(m in name.split(".") for m in keep)}
+
+    fp32 = {**kept(model.named_parameters()), **kept(model.named_buffers())}
+    model.to(dtype)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name in fp32:
+            tensor.data = fp32[name]
+    return model.eval()
+
+
+def tiny_model(dtype, cls=WanTransformer3DModel, **config):
+    return load_as(randomize(cls(**{**TINY, **config})), dtype)
+
+
+def tiny_inputs(dtype, variant="t2v", batch=2):
+    text = 512 if variant == "i2v" else 12  # I2V splits the context at 512 - image tokens
+    inputs = dict(hidden_states=torch.randn(batch, 4, FRAMES, HEIGHT, WIDTH, dtype=dtype),
+                  timestep=torch.randint(0, 1000, (batch,)),
+                  encoder_hidden_states=torch.randn(batch, text, 16, dtype=dtype),
+                  return_dict=False)
+    if variant == "i2v":
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, I2V["image_dim"],
+                                                            dtype=dtype)
+    if variant == "ti2v":  # Wan 2.2 TI2V: one timestep per token
+        inputs["timestep"] = torch.randint(0, 1000, (batch, TOKENS))
+    return inputs
+
+
+def expected_counts(disabled=None, layers=LAYERS):
+    """The ltx_kernels ops one forward runs, with op `disabled` left out."""
+    return block_op_counts(OPS_PER_BLOCK, FALLBACKS, disabled, layers)

@@ -1,0 +1,71 @@
+"""inject_optimized_kernels tests that every model runs alike, parametrized over the tiny models of
+model_zoo.MODELS: each op disabled alone (by `ops=` and by LTX_KERNELS_DISABLE), bf16 outputs
+bit-identical to eager on the CPU, the attention backend kept, compile_repeated_blocks without
+graph breaks or recompiles. The tests of one model alone are in test_inject_<model>.py."""
+import pytest
+import torch
+
+import ltx_kernels
+from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager, caller,
+                            count_ltx_ops, eager_and_injected, output_of, rel_l2)
+from ltx_kernels.integration import FUSIONS
+from model_zoo import MODELS
+
+
+def models(*names):
+    return [pytest.param(MODELS[name], id=name) for name in names]
+
+
+@pytest.mark.parametrize("disabled", FUSIONS)
+@pytest.mark.parametrize("model", models("ltx", "flux", "wan_ti2v", "sd35"))
+def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
+    tiny = model.build(torch.bfloat16)
+    call = caller(model.inputs(torch.bfloat16))
+    ops = [name for name in FUSIONS if name != disabled]
+    eager, injected, report = eager_and_injected(tiny, call, ops=ops)
+    assert disabled not in report.ops
+    assert_matches_eager(eager, injected, torch.bfloat16, f"without {disabled}")
+    counts = count_ltx_ops(lambda: call(tiny))
+    assert disabled not in counts and counts == model.op_counts(disabled)
+    ltx_kernels.remove_optimized_kernels(tiny)
+    # The same through the environment variable.
+    monkeypatch.setenv("LTX_KERNELS_DISABLE", f" {disabled} ,")
+    ltx_kernels.inject_optimized_kernels(tiny, verbose=False)
+    counts = count_ltx_ops(lambda: call(tiny))
+    assert disabled not in counts and counts == model.op_counts(disabled)
+
+
+@pytest.mark.parametrize("model", models("ltx", "flux", "sd35", "sd3"))
+def test_bf16_is_bit_identical_on_cpu(model):
+    # Every op rounds where diffusers' bf16 code rounds; the C backend sums in the same order as
+    # far as the outputs show at this size. A regression in a rounding point shows up here first.
+    ops = [name for name in FUSIONS if name not in model.bit_identical_without]
+    eager, injected, _ = eager_and_injected(model.build(torch.bfloat16),
+                                            caller(model.inputs(torch.bfloat16)), ops=ops)
+    assert torch.equal(output_of(injected), output_of(eager))
+
+
+@pytest.mark.parametrize("model", models("ltx", "flux", "wan"))
+def test_attention_backend_is_kept(model):
+    tiny = model.build(torch.float32)
+    tiny.set_attention_backend("_native_math")
+    eager, injected, _ = eager_and_injected(tiny, caller(model.inputs(torch.float32)))
+    assert_matches_eager(eager, injected, torch.float32, "math backend")
+    assert_backend_kept([m for m in tiny.modules() if hasattr(m, "processor")], model.processor)
+
+
+@pytest.mark.parametrize("model", models("ltx", "flux", "wan"))
+def test_compile_repeated_blocks_fullgraph_cpu(model):
+    # Dynamo and the fake kernels, without graph breaks or recompiles (Inductor on LTX only: it
+    # takes 20 s a model here).
+    torch._dynamo.reset()
+    tiny = model.build(torch.float32)
+    inputs = model.inputs(torch.float32)
+    eager, _, _ = eager_and_injected(tiny, caller(inputs))
+    tiny.compile_repeated_blocks(fullgraph=True, backend=model.compile_backend)
+    blocks = [m for m in tiny.modules() if type(m).__name__ in tiny._repeated_blocks]
+    assert blocks and all(block._compiled_call_impl is not None for block in blocks)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        out = tiny(**inputs)
+        out = tiny(**inputs)
+    assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]

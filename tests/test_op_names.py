@@ -1,0 +1,48 @@
+"""The op list (`ltx_kernels._op_names.OPS`) is the one list of ops: the compiled library registers
+exactly those ops, and every piece that exists per op (wrapper, reference, fake, environment-report
+inputs) has each op and no other."""
+import inspect
+
+import pytest
+import torch
+
+import ltx_kernels
+from ltx_kernels import OPS, _fake, reference
+from ltx_kernels.__main__ import smoke_inputs
+from ltx_kernels.integration import FUSIONS
+
+
+def _functions_defined_in(module, but=()) -> set:
+    """The public functions `module` itself defines (not the ones it imports), less `but`."""
+    return {name for name, value in vars(module).items()
+            if inspect.isfunction(value) and value.__module__ == module.__name__
+            and not name.startswith("_")} - set(but)
+
+
+def test_ops_are_the_registered_ops():
+    registered = {name.split("::")[1].split(".")[0]
+                  for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("ltx_kernels::")}
+    assert len(set(OPS)) == len(OPS)
+    assert set(OPS) == registered
+
+
+PIECES = {
+    "wrappers (ltx_kernels.<op>)": lambda: _functions_defined_in(ltx_kernels),
+    "references (reference.<op>)": lambda: _functions_defined_in(reference),
+    "reference.__all__": lambda: set(reference.__all__),
+    "fakes (_fake.<op>)": lambda: _functions_defined_in(_fake, but={"register"}),
+    "environment report inputs": lambda: set(smoke_inputs("cpu")),
+}
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_every_op_has_its_piece_and_nothing_more(piece):
+    names = PIECES[piece]()
+    assert not set(OPS) - names, f"{piece}: missing for {sorted(set(OPS) - names)}"
+    assert not names - set(OPS), f"{piece}: not ops: {sorted(names - set(OPS))}"
+
+
+def test_fusions_are_the_ops():
+    assert FUSIONS == OPS
+    assert set(OPS) <= set(ltx_kernels.__all__)

@@ -1,0 +1,18 @@
+"""The op list: the name of every op ltx_kernels registers under `torch.ops.ltx_kernels`, in the
+order of the schema table (torch_binding.cpp). The ops are listed here and nowhere else in Python;
+everything that goes over them derives from `OPS` and finds its own piece of each op by the op's
+name:
+- `ltx_kernels.OPS`, the op wrappers `ltx_kernels.<op>`, and `ltx_kernels.integration.FUSIONS`
+  (the ops inject_optimized_kernels can use, each one can be disabled alone);
+- the references `ltx_kernels.reference.<op>`, the fake implementations `_fake.<op>`, the autograd
+  registrations (`_autograd`) and the environment report's smoke inputs (`__main__`);
+- the tests parametrized over ops.
+tests/test_op_names.py checks that the compiled library registers exactly these ops and that each
+piece has every op and no other. No imports, so that any module of the package can import it.
+"""
+
+OPS = (
+    "rmsnorm", "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate",
+    "add_layernorm_modulate", "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu",
+    "linear_gelu",
+)
