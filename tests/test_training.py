@@ -1,12 +1,15 @@
 """Training through injected models: in model.train(), every parameter gets the gradient stock
 diffusers gives it (full fine-tuning and peft LoRA adapters on the attention and feed-forward
 projections), with and without gradient checkpointing, and under torch.compile; tiny LTX-Video,
-FLUX, Wan and SD3.5 models on the CPU."""
+FLUX, Wan and SD3.5 models on the CPU. While autograd records, fused steps use only the ops with a
+fused backward (integration.FUSED_BACKWARD); forward passes without gradients use every op."""
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import OpCounter, caller, clone, output_of, rel_l2
+from inject_helpers import (REL_L2_TOLERANCE, OpCounter, caller, clone, count_ltx_ops, output_of,
+                            rel_l2)
+from ltx_kernels.integration import FUSED_BACKWARD
 from model_zoo import MODELS, ltx
 
 TRAINED = ["ltx", "flux", "wan", "sd35"]  # the tiny models of model_zoo.MODELS trained here
@@ -17,18 +20,31 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj"]
 GRAD_TOLERANCE = 1e-5
 
 
-def _train_step(model, call):
-    """Forward + backward of a fixed random projection of the output."""
+def _train_step(model, call) -> set:
+    """Forward + backward of a fixed random projection of the output. Returns the ltx_kernels ops
+    autograd recorded in the graph (the ops it differentiates through)."""
     out = output_of(call(model))
     torch.manual_seed(1234)  # the same projection whatever the output's dtype
-    (out.float() * torch.randn(out.shape, device=out.device)).sum().backward()
+    loss = (out.float() * torch.randn(out.shape, device=out.device)).sum()
+    recorded = _recorded_ops(loss.grad_fn)
+    loss.backward()
+    return recorded
 
 
-def _counted_train_step(model, call) -> dict:
-    """_train_step, returning the ltx_kernels op calls it made (forward and backward)."""
-    with OpCounter() as counter:
-        _train_step(model, call)
-    return counter.counts
+def _recorded_ops(root) -> set:
+    """Names of the ltx_kernels ops in the autograd graph below `root` (torch.library names their
+    nodes GeneratedBackwardFor_<namespace>_<op>_<overload>)."""
+    prefix, found, seen, stack = "GeneratedBackwardFor_ltx_kernels_", set(), set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name.startswith(prefix):
+            found.add(name[len(prefix):].rsplit("_default", 1)[0])
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def _assert_same_gradients(stock, injected, what):
@@ -72,9 +88,26 @@ def _add_lora(model):
 @pytest.mark.parametrize("model_name", TRAINED)
 def test_injected_model_trains_like_stock(model_name, lora, checkpointing):
     stock, injected, call = _stock_and_injected(model_name, lora, checkpointing)
-    assert not _counted_train_step(stock, call)
-    assert _counted_train_step(injected, call), "the injected model ran none of the fused ops"
+    assert not _train_step(stock, call)
+    recorded = _train_step(injected, call)
+    assert recorded <= FUSED_BACKWARD, f"autograd recorded ops without a fused backward: {recorded}"
     _assert_same_gradients(stock, injected, f"{model_name} lora={lora} ckpt={checkpointing}")
+
+
+@pytest.mark.parametrize("model_name", TRAINED)
+def test_forward_without_gradients_uses_every_op(model_name):
+    """A model in train() mode (LoRA adapters requiring grad) runs the fused ops where autograd
+    does not record: under torch.no_grad() (validation sampling), and with the whole model frozen."""
+    stock, injected, call = _stock_and_injected(model_name, lora=True)
+    no_grad_counts = count_ltx_ops(lambda: call(injected))  # count_ltx_ops runs under no_grad
+    assert no_grad_counts, "no fused op ran under torch.no_grad()"
+    with torch.no_grad():
+        error = rel_l2(output_of(call(injected)), output_of(call(stock)))
+    assert error <= REL_L2_TOLERANCE[torch.float32]
+    injected.requires_grad_(False)
+    with OpCounter() as counter:
+        call(injected)
+    assert counter.counts == no_grad_counts
 
 
 def test_lora_added_after_injection():
@@ -121,7 +154,7 @@ def test_full_size_ltx_bf16_gradients_gpu(lora):
                    for k, v in inputs.items()}
     _train_step(reference_model, lambda m: m(**inputs))
     _train_step(stock, lambda m: m(**bf16_inputs))
-    assert _counted_train_step(injected, lambda m: m(**bf16_inputs))
+    _train_step(injected, lambda m: m(**bf16_inputs))
     exact = dict(reference_model.named_parameters())
     ours = dict(injected.named_parameters())
     worst = 0.0

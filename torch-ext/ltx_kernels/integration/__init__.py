@@ -32,6 +32,12 @@ from .._op_names import OPS
 
 #: The fused ops inject_optimized_kernels can use, by op name (each can be disabled alone): all.
 FUSIONS = OPS
+#: Ops whose backward is a fused kernel, as fast as autograd of the diffusers code: a fused step
+#: uses them while autograd records through it (training). The other ops' backward is for now the
+#: composite fp32 reference (correct, but 1.3x-6x slower than eager autograd; benchmark_ops.py
+#: --backward), so a training step runs the diffusers code in their place: stock gradients at stock
+#: speed. Forward passes without gradients (inference, validation sampling) use every enabled op.
+FUSED_BACKWARD: frozenset[str] = frozenset()
 DISABLE_ENV = "LTX_KERNELS_DISABLE"
 
 # Attribute names stored on patched modules.
@@ -198,9 +204,12 @@ def register_inductor_fallbacks() -> None:
     from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
     from torch._library.utils import get_layout_constraint_tag
 
+    from .._op_namespace import ops as library  # torch.ops.ltx_kernels, or a Hub build's namespace
+
     for name in OPS:
-        for overload_name in getattr(torch.ops.ltx_kernels, name).overloads():
-            op = getattr(getattr(torch.ops.ltx_kernels, name), overload_name)
+        packet = getattr(library, name)
+        for overload_name in packet.overloads():
+            op = getattr(packet, overload_name)
             if op not in lowerings:
                 tag = get_layout_constraint_tag(op, with_default=True)
                 make_fallback(op, layout_constraint=tag_to_layout_constraint(tag))

@@ -2,7 +2,10 @@
 diffusers modules it replaces; it runs our op when the op is enabled and the operands are in a form
 the op reproduces exactly (dtypes, no hook on the modules whose weights it reads, a module of the
 expected kind), and otherwise runs the diffusers code for that step. Rounding matches the eager
-code: model-dtype steps round every operation (upcast=False), Wan's fp32 steps round once."""
+code: model-dtype steps round every operation (upcast=False), Wan's fp32 steps round once.
+
+While autograd records through a step (training), the step uses only ops in FUSED_BACKWARD and
+runs the diffusers code for the others, so training gets stock gradients at stock speed."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +14,30 @@ import torch.nn.functional as F
 from .. import (add_layernorm_modulate, add_rmsnorm_modulate, gated_residual, geglu, gelu,
                 layernorm_modulate, linear_gelu, qk_rmsnorm_rope, rmsnorm, rmsnorm_modulate,
                 rope)
-from . import has_forward_hook
+from . import FUSED_BACKWARD, has_forward_hook
+
+
+def ops_for_step(ops, *operands):
+    """The ops a step may use: the enabled ones, or, while autograd records through the step (grad
+    mode on and an operand requires grad: a tensor, a (cos, sin) pair, or a module's weight or
+    bias), those in FUSED_BACKWARD."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(operands)):
+        return ops & FUSED_BACKWARD
+    return ops
+
+
+def _tensors(operands) -> list:
+    """The tensors among `operands`, the members of tuples among them, and the weight and bias of
+    the modules among them."""
+    tensors = []
+    for operand in operands:
+        if isinstance(operand, (tuple, list)):
+            tensors += _tensors(operand)
+        elif isinstance(operand, torch.nn.Module):
+            tensors += _tensors((getattr(operand, "weight", None), getattr(operand, "bias", None)))
+        elif isinstance(operand, torch.Tensor):
+            tensors.append(operand)
+    return tensors
 
 
 def _plain(*modules) -> bool:
@@ -46,6 +72,7 @@ def _modulation_ok(x, norm, scale, shift, gate=None, upcast=False) -> bool:
 def diffusers_rmsnorm(ops, norm, x):
     """diffusers RMSNorm (any weight dtype; its double rounding with a 16-bit weight) in one
     launch, e.g. the per-head q/k norm of SD3.5 and HunyuanVideo."""
+    ops = ops_for_step(ops, x, norm)
     if "rmsnorm" in ops and _plain(norm) and is_diffusers_rmsnorm(norm):
         return rmsnorm(x, norm.weight, norm.eps)
     return norm(x)
@@ -56,6 +83,7 @@ def diffusers_rmsnorm(ops, norm, x):
 # ------------------------------------------------------------------------------------------------
 def norm_modulate(ops, norm, x, scale, shift):
     """diffusers RMSNorm or nn.LayerNorm of x, modulated, in x's dtype."""
+    ops = ops_for_step(ops, x, norm, scale, shift)
     if _plain(norm) and _modulation_ok(x, norm, scale, shift):
         if "rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
             return rmsnorm_modulate(x, scale, shift, norm.weight, norm.eps)
@@ -75,6 +103,7 @@ def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
 def norm_modulate_fp32(ops, norm, x, scale=None, shift=None):
     """Wan: `(norm(x.float()) * (1 + scale) + shift).type_as(x)` with an fp32 LayerNorm, or
     `norm(x.float()).type_as(x)` without modulation (Wan's norm2)."""
+    ops = ops_for_step(ops, x, norm, scale, shift)
     if "layernorm_modulate" in ops and _fp32_norm_fusable(norm, x, scale, shift):
         return layernorm_modulate(x, scale, shift, norm.weight, norm.bias, norm.eps, upcast=True)
     n = norm(x.float())  # nn.Identity for Wan's norm2 without cross_attn_norm
@@ -86,6 +115,7 @@ def norm_modulate_fp32(ops, norm, x, scale=None, shift=None):
 def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None):
     """The upcast twin of add_norm_modulate (Wan), each output rounded once. Returns (h, n):
     h = (x.float() + y * gate).type_as(x), or x + y without gate; n = norm_modulate_fp32(h)."""
+    ops = ops_for_step(ops, x, y, norm, scale, shift, gate)
     if ("add_layernorm_modulate" in ops and _same_dtype(x, y)
             and _fp32_norm_fusable(norm, x, scale, shift, gate)):
         return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps,
@@ -96,6 +126,7 @@ def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None):
 
 def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None):
     """h = x + y * gate (x + y without gate); n = norm(h) * (1 + scale) + shift. Returns (h, n)."""
+    ops = ops_for_step(ops, x, y, norm, scale, shift, gate)
     if _plain(norm) and _modulation_ok(x, norm, scale, shift, gate) and _same_dtype(x, y):
         if "add_rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
             return add_rmsnorm_modulate(x, y, scale, shift, gate, norm.weight, norm.eps)
@@ -111,6 +142,7 @@ def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None):
 # ------------------------------------------------------------------------------------------------
 def residual(ops, x, y, gate=None):
     """x + y * gate (x + y without gate), every step in x's dtype."""
+    ops = ops_for_step(ops, x, y, gate)
     if "gated_residual" in ops and _same_dtype(x, y, gate):
         return gated_residual(x, y, gate)
     return x + y * gate if gate is not None else x + y
@@ -118,6 +150,7 @@ def residual(ops, x, y, gate=None):
 
 def residual_fp32(ops, x, y, gate):
     """Wan: `(x.float() + y * gate).type_as(x)` with an fp32 gate, rounded once."""
+    ops = ops_for_step(ops, x, y, gate)
     if "gated_residual" in ops and _same_dtype(x, y) and gate.dtype in (x.dtype, torch.float32):
         return gated_residual(x, y, gate, upcast=True)
     return (x.float() + y * gate).type_as(x)
@@ -144,6 +177,7 @@ def qk_norm_rope(ops, norm_q, norm_k, q, k, cos_sin, diffusers_rope, *, across_h
     """q, k = norm_q(q), norm_k(k) (torch.nn.RMSNorm; None: no norm), then RoPE with
     cos_sin = (cos, sin) or None. diffusers_rope(t, cos_sin) is the model's own rotation, used when
     the rope op is disabled or cannot take the tables."""
+    ops = ops_for_step(ops, q, k, norm_q, norm_k, cos_sin)
     rotate = cos_sin is not None and "rope" in ops and _same_rope_tables(q, cos_sin)
     fused_norm = fuses_qk_norm(ops, norm_q, norm_k, q, k)
     if fused_norm:
@@ -182,6 +216,7 @@ def feed_forward(ops, ff, x):
     act = net[0]
     kind = type(act).__name__
     proj = getattr(act, "proj", None)
+    ops = ops_for_step(ops, x, proj)
     h = None
     if _plain(act, proj) and isinstance(proj, torch.nn.Linear) and _same_dtype(x, proj.weight, proj.bias):
         if kind == "GELU" and act.approximate == "tanh" and "linear_gelu" in ops:
@@ -206,6 +241,7 @@ def feed_forward_fusable(ff) -> str | None:
 def linear_act(ops, proj, act, x):
     """act(proj(x)) for a Linear followed by a bare nn.GELU (FLUX's and HunyuanVideo's single-block
     MLP): GELU-tanh as one GEMM with a GELU epilogue, other GELUs as our gelu op."""
+    ops = ops_for_step(ops, x, proj)
     if linear_act_fusable(act) is None and _plain(act):
         if ("linear_gelu" in ops and act.approximate == "tanh" and _plain(proj)
                 and isinstance(proj, torch.nn.Linear) and _same_dtype(x, proj.weight, proj.bias)):

@@ -67,8 +67,9 @@ def _heads(attn, t):
 def qk_norm_rope(ops, attn, query, key, rotary_emb):
     """WanAttnProcessor's q/k path: torch.nn.RMSNorm over the token, split into heads
     [B, S, H, Dh], RoPE per head (none without rotary_emb). Returns (query, key) split."""
-    ops, tables = _rope_operands(ops, rotary_emb)
     norm_q, norm_k = attn.norm_q, attn.norm_k
+    ops = steps.ops_for_step(ops, query, key, norm_q, norm_k, rotary_emb)
+    ops, tables = _rope_operands(ops, rotary_emb)
     if not steps.fuses_qk_norm(ops, norm_q, norm_k, query, key):
         # The shared step would norm the head-split tensors; these norms span the whole token.
         query, key, norm_q, norm_k = norm_q(query), norm_k(key), None, None
