@@ -10,7 +10,9 @@ on random latents x_0, noise n, text embeddings and sigma s. Every column starts
 adapter weights and inputs.
 
 Columns per configuration: median ms per step (zero_grad + forward + backward + optimizer step,
-CUDA events, after warm-up; the first step, which compiles, is reported apart), speedup vs eager
+CUDA events, after warm-up; the first step, which compiles, is reported apart; the spread between
+repetitions of one configuration on the same machine can reach 10-30%, so compare columns of one
+run and repeat the run), speedup vs eager
 and vs compile_repeated_blocks alone, peak GPU memory over the timed steps, and the relative L2
 distance of the adapters' gradients (first step, all adapters concatenated) from eager's.
 
@@ -103,7 +105,8 @@ def run_column(column, model, initial, inputs, target, steps, checkpointing):
             step()  # the first step compiles; its gradients are the comparison's
             torch.cuda.synchronize()
             first_s = time.perf_counter() - start
-            grads = torch.cat([p.grad.float().flatten() for p in params])
+            # kept on the host, so that it is not counted in the next columns' peak memory
+            grads = torch.cat([p.grad.float().flatten() for p in params]).cpu()
             optimizer.step()
             for _ in range(2):
                 step()
