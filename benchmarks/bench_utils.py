@@ -97,6 +97,16 @@ def environment() -> dict:
     return info
 
 
+def parse_columns(parser, text: str, allowed) -> list:
+    """The comma-separated column names of a --columns argument, each one of `allowed` (else the
+    parser's usage error)."""
+    columns = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = set(columns) - set(allowed)
+    if unknown:
+        parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(allowed)}")
+    return columns
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))

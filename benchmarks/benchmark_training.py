@@ -10,7 +10,7 @@ on random latents x_0, noise n, text embeddings and sigma s. Every column starts
 adapter weights and inputs.
 
 Columns per configuration: median ms per step (zero_grad + forward + backward + optimizer step,
-CUDA events, after warm-up; the first step, which compiles, is reported apart; the spread between
+CUDA events, after 3 warm-up steps; the first step, which compiles, is reported apart; the spread between
 repetitions of one configuration on the same machine can reach 10-30%, so compare columns of one
 run and repeat the run), speedup vs eager
 and vs compile_repeated_blocks alone, peak GPU memory over the timed steps, and the relative L2
@@ -19,7 +19,6 @@ distance of the adapters' gradients (first step, all adapters concatenated) from
   python benchmarks/benchmark_training.py [--steps 10] [--tokens 2688] [--out results/]
 """
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -95,35 +94,27 @@ def run_column(column, model, initial, inputs, target, steps, checkpointing):
             params = adapter_parameters(model)
             optimizer = torch.optim.AdamW(params, lr=1e-4)
 
-            def step():
+            def gradients():
                 optimizer.zero_grad(set_to_none=True)
                 prediction = target_model(**inputs)[0]
                 F.mse_loss(prediction.float(), target).backward()
 
+            def step():
+                gradients()
+                optimizer.step()
+
             torch.cuda.synchronize()
             start = time.perf_counter()
-            step()  # the first step compiles; its gradients are the comparison's
+            gradients()  # the first step compiles; its gradients are the comparison's
             torch.cuda.synchronize()
             first_s = time.perf_counter() - start
             # kept on the host, so that it is not counted in the next columns' peak memory
             grads = torch.cat([p.grad.float().flatten() for p in params]).cpu()
             optimizer.step()
-            for _ in range(2):
-                step()
-                optimizer.step()
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(steps):
-                begin.record()
-                step()
-                optimizer.step()
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end))
+            ms = bench_utils.events_time_us(step, reps=steps) / 1000  # after 3 warm-up steps
             peak_gib = torch.cuda.max_memory_allocated() / 2**30
-            return first_s, statistics.median(times), peak_gib, grads
+            return first_s, ms, peak_gib, grads
     finally:
         if checkpointing:
             model.disable_gradient_checkpointing()
@@ -143,10 +134,7 @@ def main():
     parser.add_argument("--columns", default=",".join(COLUMNS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    columns = [c.strip() for c in args.columns.split(",") if c.strip()]
-    unknown = set(columns) - set(COLUMNS)
-    if unknown:
-        parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(COLUMNS)}")
+    columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
     if not torch.cuda.is_available():
         sys.exit("benchmark_training.py needs a CUDA GPU")
     env = bench_utils.environment()

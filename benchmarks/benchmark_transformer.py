@@ -167,10 +167,7 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    columns = [c.strip() for c in args.columns.split(",") if c.strip()]
-    unknown = set(columns) - set(COLUMNS)
-    if unknown:
-        parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(COLUMNS)}")
+    columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
     tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [4096])
     env = bench_utils.environment()
     print(f"# {args.model}: {env['device']}, torch {env['torch']}, bf16, "
