@@ -1,12 +1,14 @@
-// Device helpers shared by every CUDA kernel of ltx_kernels, written once:
-// fp16/bf16 <-> fp32 conversion, 16-byte vector loads/stores, warp and block reductions,
-// row addressing of ltx_rows_t, dtype dispatch and argument checks for the launchers.
+// Device helpers shared by every CUDA kernel of ltx_kernels, written once: fp16/bf16 <-> fp32
+// conversion and native 16-bit pairs, 16-byte vector loads/stores, weight staging, reductions,
+// the row-cached kernels' skeleton (row teams, launch shapes, streaming fallback), the row-chunked
+// kernels' skeleton, row addressing of ltx_rows_t, compile-time flags and dtype dispatch.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -15,6 +17,11 @@
 #include "ltx_kernels.h"
 
 namespace ltx {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Scalar conversions. Explicit intrinsics: PyTorch builds with -D__CUDA_NO_HALF_OPERATORS__.
@@ -38,6 +45,38 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {
   return to_float(from_float<T>(v));
+}
+
+// Native pairs of 16-bit values (one 32-bit word of a Pack: element 2j in the low half). A
+// product or sum of two fp16/bf16 values rounded once by the pair instructions equals PyTorch's
+// fp32 operation followed by a rounding (the fp32 result is exact, or too far from a tie to
+// round differently), so model-dtype steps can run two elements per instruction. Use the _rn
+// forms (__hmul2_rn, __hadd2_rn): they keep the compiler from contracting a product and a sum
+// into one fma (which would drop a rounding).
+template <typename T> struct PairOf;
+template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct PairOf<__half> { using type = __half2; };
+template <typename T> using pair_t = typename PairOf<T>::type;
+
+template <typename T>
+__device__ __forceinline__ pair_t<T> word_to_pair(uint32_t word) {
+  pair_t<T> pair;
+  memcpy(&pair, &word, sizeof word);
+  return pair;
+}
+template <typename P>
+__device__ __forceinline__ uint32_t pair_to_word(P pair) {
+  uint32_t word;
+  memcpy(&word, &pair, sizeof word);
+  return word;
+}
+// (round_T(lo), round_T(hi)) with one paired conversion.
+template <typename T> __device__ __forceinline__ pair_t<T> round_pair(float lo, float hi);
+template <> __device__ __forceinline__ __nv_bfloat162 round_pair<__nv_bfloat16>(float lo, float hi) {
+  return __floats2bfloat162_rn(lo, hi);
+}
+template <> __device__ __forceinline__ __half2 round_pair<__half>(float lo, float hi) {
+  return __floats2half2_rn(lo, hi);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -122,6 +161,16 @@ struct Pack {
       w[i / 2] = (i & 1) ? (w[i / 2] & 0xffffu) | (bits << 16) : (w[i / 2] & 0xffff0000u) | bits;
     }
   }
+  // Elements i and i + 1 (i even) set to round_T(lo), round_T(hi): 16-bit types convert both
+  // with one paired instruction instead of a conversion and a merge per element.
+  __device__ __forceinline__ void set_pair(int i, float lo, float hi) {
+    if constexpr (sizeof(T) == 4) {
+      set(i, lo);
+      set(i + 1, hi);
+    } else {
+      w[i / 2] = pair_to_word(round_pair<T>(lo, hi));
+    }
+  }
 };
 
 // Bytes a Pack<T, N> needs its address aligned to on the host side.
@@ -140,11 +189,59 @@ __device__ __forceinline__ float load_as_float(const void* base, ltx_dtype_t dty
   }
 }
 
-// Block-wide copy of n elements of a vector of run-time dtype into shared memory as fp32. The
-// caller synchronizes (__syncthreads) before reading dst.
+// ---------------------------------------------------------------------------------------------
+// Weight staging: block-wide copies of a per-channel vector (norm weight, bias) into shared
+// memory, issued while the row loads are in flight. The caller synchronizes (__syncthreads)
+// before reading dst.
+// ---------------------------------------------------------------------------------------------
+// n_packs packs of N elements from global src to shared dst, converted to Tdst; each thread has
+// kUnroll packs in flight (all loads first, so their latencies overlap).
+template <int kUnroll, int N, typename Tdst, typename Tsrc>
+__device__ __forceinline__ void stage_packs(Tdst* dst, const Tsrc* src, int n_packs) {
+  for (int first = threadIdx.x; first < n_packs; first += kUnroll * blockDim.x) {
+    Pack<Tsrc, N> w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = first + u * blockDim.x;
+      if (p < n_packs) w[u].load(src + p * N);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = first + u * blockDim.x;
+      if (p >= n_packs) continue;
+      if constexpr (std::is_same_v<Tdst, Tsrc>) {
+        w[u].store(dst + p * N);
+      } else {
+        Pack<Tdst, N> converted;
+#pragma unroll
+        for (int i = 0; i < N; ++i) converted.set(i, w[u].get(i));
+        converted.store(dst + p * N);
+      }
+    }
+  }
+}
+
+// n elements of run-time dtype as fp32. `packed` (src 16-byte aligned): 16-byte packs, two per
+// thread in flight, then the tail; otherwise element by element.
 __device__ __forceinline__ void stage_as_float(float* dst, const void* src, ltx_dtype_t dtype,
-                                               int n) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = load_as_float(src, dtype, i);
+                                               int n, bool packed = false) {
+  if (!packed) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = load_as_float(src, dtype, i);
+    return;
+  }
+  auto stage = [&](auto type_tag) {
+    using Tw = typename decltype(type_tag)::type;
+    constexpr int kPerPack = 16 / sizeof(Tw);
+    const int n_packs = n / kPerPack;
+    stage_packs<2, kPerPack>(dst, static_cast<const Tw*>(src), n_packs);
+    for (int i = n_packs * kPerPack + threadIdx.x; i < n; i += blockDim.x)
+      dst[i] = to_float(__ldg(static_cast<const Tw*>(src) + i));
+  };
+  switch (dtype) {
+    case LTX_FLOAT16: stage(TypeTag<__half>{}); break;
+    case LTX_BFLOAT16: stage(TypeTag<__nv_bfloat16>{}); break;
+    default: stage(TypeTag<float>{}); break;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -175,21 +272,116 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-// Sum over the `tpr` consecutive threads that share a row (tpr a power of two <= blockDim.x);
-// every thread gets its row's total. Rows wider than a warp go through `partials` (shared memory,
-// >= blockDim.x / 32 floats). Every thread of the block must call it; it may be called repeatedly.
-__device__ __forceinline__ float row_sum(float v, int tpr, float* partials) {
-  v = group_sum(v, tpr < 32 ? tpr : 32);
-  if (tpr > 32) {  // the same branch for the whole block
-    const int warp = threadIdx.x >> 5, warps_per_row = tpr >> 5;
-    __syncthreads();  // earlier readers of partials are done
+// ---------------------------------------------------------------------------------------------
+// Row-cached kernels (rmsnorm, norm_modulate, qk_norm_rope): each row is owned by a team of tpr
+// consecutive threads of a block, and thread `lane` of the team caches the row's packs lane,
+// lane + tpr, ... (slot s: pack s * tpr + lane) in registers, so the row is read once: load the
+// row, reduce its statistics across the team (row_sum), then the epilogue from registers. Rows
+// too long to cache go to a streaming kernel (one block per row, block_sum).
+// ---------------------------------------------------------------------------------------------
+// Division by a run-time constant d >= 1 of numerators n < 2^31 with a multiply-high, an add and
+// a shift (Granlund-Montgomery, as PyTorch's IntDivider); the magic number is found on the host.
+struct FastDivider {
+  uint32_t divisor, magic, shift;
+
+  static FastDivider of(uint32_t d) {
+    uint32_t shift = 0;
+    while (shift < 32 && (uint64_t{1} << shift) < d) ++shift;
+    const uint64_t magic = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1;
+    return FastDivider{d, static_cast<uint32_t>(magic), shift};
+  }
+  __device__ __forceinline__ int div(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+    return static_cast<int>((__umulhi(u, magic) + u) >> shift);
+  }
+};
+
+// This thread's place in a row-cached kernel.
+struct RowTeam {
+  int tpr;      // threads per row: a power of two up to 32, else whole warps
+  int lane;     // this thread's index in its row's team
+  int64_t row;  // this thread's row
+  bool active;  // row < rows; inactive threads still join the block's reductions and barriers
+
+  // Power-of-two teams (tpr = 2^log2_tpr); block b holds rows b * blockDim.x / tpr on.
+  __device__ __forceinline__ static RowTeam pow2(int log2_tpr, int64_t rows) {
+    RowTeam t;
+    t.tpr = 1 << log2_tpr;
+    t.lane = threadIdx.x & (t.tpr - 1);
+    t.row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> log2_tpr) + (threadIdx.x >> log2_tpr);
+    t.active = t.row < rows;
+    return t;
+  }
+  // Teams of any size (a power of two up to 32, else whole warps); the block holds rows
+  // first_row on.
+  __device__ __forceinline__ static RowTeam of(const FastDivider& tpr, int64_t first_row,
+                                               int64_t rows) {
+    RowTeam t;
+    t.tpr = static_cast<int>(tpr.divisor);
+    const int row_in_block = tpr.div(threadIdx.x);
+    t.lane = threadIdx.x - row_in_block * t.tpr;
+    t.row = first_row + row_in_block;
+    t.active = t.row < rows;
+    return t;
+  }
+  // The pack of the row that slot s holds (when below the row's pack count).
+  __device__ __forceinline__ int pack(int s) const { return s * tpr + lane; }
+  // Calls fn(s, pack(s)) for each slot s of this thread that holds a pack of a row of n_packs
+  // packs (none when inactive). (Long epilogues are plain loops: nvcc schedules them better than
+  // a lambda body.)
+  template <int kSlots, typename Fn>
+  __device__ __forceinline__ void for_each_pack(int n_packs, const Fn& fn) const {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int p = pack(s);
+      if (active && p < n_packs) fn(s, p);
+    }
+  }
+};
+
+// Loads this thread's packs of a row (`row` points at its first element).
+template <int kSlots, typename T, int N>
+__device__ __forceinline__ void load_packs(Pack<T, N> (&packs)[kSlots], const T* row,
+                                           const RowTeam& team, int n_packs) {
+  team.for_each_pack<kSlots>(
+      n_packs, [&](int s, int p) { packs[s].load(row + static_cast<int64_t>(p) * N); });
+}
+
+// sum += the square of each element of a pack, in order (the order of the fp32 rounding steps).
+template <typename T, int N>
+__device__ __forceinline__ void add_squares(float& sum, const Pack<T, N>& pack) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) sum += pack.get(i) * pack.get(i);
+}
+
+// Sum over the threads of the team; every thread gets its row's total. Rows wider than a warp go
+// through `partials` (shared memory, >= blockDim.x / 32 floats). Every thread of the block must
+// call it. kBarrierFirst waits until every thread is done reading partials from an earlier call.
+template <bool kBarrierFirst>
+__device__ __forceinline__ float row_sum(float v, const RowTeam& team, float* partials) {
+  v = group_sum(v, team.tpr < 32 ? team.tpr : 32);
+  if (team.tpr > 32) {  // the same branch for the whole block
+    const int warp = threadIdx.x >> 5, warps_per_row = team.tpr >> 5;
+    if constexpr (kBarrierFirst) __syncthreads();
     if ((threadIdx.x & 31) == 0) partials[warp] = v;
     __syncthreads();
-    const int first = warp - warp % warps_per_row;
+    const int first = warp - warp % warps_per_row;  // the row's first warp
     v = 0.f;
     for (int w = 0; w < warps_per_row; ++w) v += partials[first + w];
   }
   return v;
+}
+
+// Streaming kernels: rsqrt(mean(row^2) + eps) of a row of n elements, read by the whole block.
+template <typename T>
+__device__ __forceinline__ float block_rstd(const T* row, int n, float inv_n, float eps,
+                                            float* scratch) {
+  float sumsq = 0.f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = to_float(row[i]);
+    sumsq += v * v;
+  }
+  return rsqrtf(block_sum(sumsq, scratch) * inv_n + eps);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -225,6 +417,25 @@ struct RowIndex {
   }
 };
 
+// A row operand as the kernels see it: its data and row addressing; data is null for an absent
+// optional operand.
+template <typename T>
+struct RowPtr {
+  T* data;
+  RowIndex index;
+
+  static RowPtr of(const ltx_rows_t& r) { return RowPtr{static_cast<T*>(r.data), RowIndex::of(r)}; }
+  __device__ __forceinline__ T* row(int64_t r) const { return data + index.offset(r); }
+  // Row r of a present operand, null for an absent one.
+  __device__ __forceinline__ T* row_or_null(int64_t r) const {
+    return data ? data + index.offset(r) : nullptr;
+  }
+  // Row r where `valid`, else the first element (for inactive threads, which never access it).
+  __device__ __forceinline__ T* row_if(bool valid, int64_t r) const {
+    return data + (valid ? index.offset(r) : 0);
+  }
+};
+
 inline int64_t num_rows(const ltx_rows_t& r) { return r.size[0] * r.size[1] * r.size[2]; }
 
 // True when every row start of `r` is aligned to `alignment` bytes.
@@ -242,16 +453,29 @@ inline bool valid_rows(const ltx_rows_t& r) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dtype dispatch: calls fn(TypeTag<T>{}) with the C++ type of an ltx_dtype_t.
+// Compile-time flags and dtype dispatch. Optional operands are null pointers in a kernel's
+// arguments; where a kernel's code depends on one, with_flags turns its presence (and any other
+// uniform flag) into a compile-time constant: host side to pick a kernel instance, device side to
+// pick a copy of a loop, so that no inner loop branches on it.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-struct NoWeight {};  // tag of an absent optional tensor
-template <typename T>
-inline constexpr bool has_weight_v = !std::is_same_v<T, NoWeight>;
+template <int I, int N, typename Fn, typename... Known>
+__host__ __device__ __forceinline__ decltype(auto) with_flags_from(const bool (&flags)[N], Fn& fn,
+                                                                   Known... known) {
+  if constexpr (I == N) {
+    return fn(known...);
+  } else {
+    if (flags[I]) return with_flags_from<I + 1>(flags, fn, known..., std::true_type{});
+    return with_flags_from<I + 1>(flags, fn, known..., std::false_type{});
+  }
+}
 
+// fn(std::bool_constant<flags[0]>{}, std::bool_constant<flags[1]>{}, ...).
+template <int N, typename Fn>
+__host__ __device__ __forceinline__ decltype(auto) with_flags(const bool (&flags)[N], Fn&& fn) {
+  return with_flags_from<0>(flags, fn);
+}
+
+// Calls fn(TypeTag<T>{}) with the C++ type of an ltx_dtype_t.
 template <typename Fn>
 int dispatch_float(ltx_dtype_t dtype, Fn&& fn) {
   switch (dtype) {
@@ -260,13 +484,6 @@ int dispatch_float(ltx_dtype_t dtype, Fn&& fn) {
     case LTX_BFLOAT16: return fn(TypeTag<__nv_bfloat16>{});
   }
   return LTX_ERR_UNSUPPORTED_DTYPE;
-}
-
-// As dispatch_float, with TypeTag<NoWeight> when `present` is false.
-template <typename Fn>
-int dispatch_optional_float(bool present, ltx_dtype_t dtype, Fn&& fn) {
-  if (!present) return fn(TypeTag<NoWeight>{});
-  return dispatch_float(dtype, fn);
 }
 
 // Multiprocessor count of the current device (cached per device; a host-side query, no sync).
@@ -282,32 +499,104 @@ inline int sm_count() {
   return cache[device];
 }
 
-// Launch shape of the row-chunked elementwise kernels (gelu, gated_residual): rows of `packs`
-// packs, each owned by tpr = 2^log2_tpr consecutive threads that take `slots` packs apiece per
-// column chunk (blockIdx.y strides over chunks). tpr is the fewest threads (a power of two, at most
-// max_threads) that cover a row in one chunk; blocks hold several rows, fewer (down to
-// min_threads) when there are few rows, so that every SM gets work.
-struct RowChunkGrid {
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Launch shapes. Threads per row, as log2, of a kernel with power-of-two row teams: the fewest
+// threads, at most max_tpr, that hold a row of `packs` packs at `slots` packs per thread.
+inline int log2_threads_per_row(int64_t packs, int slots, int max_tpr) {
+  int log2_tpr = 0;
+  while ((1 << log2_tpr) < max_tpr && (int64_t{slots} << log2_tpr) < packs) ++log2_tpr;
+  return log2_tpr;
+}
+
+// Rows per block of a kernel whose rows take tpr threads each: block_threads' worth (at least
+// one row), halved down to min_threads' worth while the grid, blocks_for(rows_per_block) blocks,
+// would give the SMs fewer than two blocks each (few rows: smaller blocks, so that every SM gets
+// work).
+template <typename BlocksFor>
+int rows_per_block(int tpr, int block_threads, int min_threads, const BlocksFor& blocks_for) {
+  int rows = std::max(1, block_threads / tpr);
+  const int min_rows = std::max(1, min_threads / tpr);
+  while (rows > min_rows && blocks_for(rows) < 2 * sm_count()) rows /= 2;
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row-chunked elementwise kernels (gelu, gated_residual): rows of `packs` packs, each owned by a
+// power-of-two team of tpr threads that take `slots` packs apiece per column chunk; blockIdx.x
+// strides over groups of rows (a block holds blockDim.x / tpr rows), blockIdx.y over column
+// chunks of tpr * slots packs. Thread t of a row handles packs t, t + tpr, ... of a chunk.
+// ---------------------------------------------------------------------------------------------
+struct RowChunks {
+  int64_t rows;
+  int64_t packs;   // packs per row
+  int64_t chunks;  // column chunks per row
   int log2_tpr;
-  int64_t chunks;
+};
+
+// tpr is the fewest threads (at most max_threads) that cover a row in one chunk; blocks hold
+// max_threads / tpr rows, fewer (down to min_threads' worth) when there are few rows.
+struct RowChunkGrid {
+  RowChunks shape;
   dim3 grid, block;
 };
 
 inline RowChunkGrid row_chunk_grid(int64_t rows, int64_t packs, int slots, int max_threads,
                                    int min_threads) {
   RowChunkGrid g{};
-  while ((1 << g.log2_tpr) < max_threads && (int64_t{slots} << g.log2_tpr) < packs) ++g.log2_tpr;
-  const int tpr = 1 << g.log2_tpr;
-  g.chunks = (packs + int64_t{tpr} * slots - 1) / (int64_t{tpr} * slots);
-  int threads = std::max(tpr, max_threads);
-  min_threads = std::max(tpr, min_threads);
-  auto row_blocks = [&](int t) { return (rows + t / tpr - 1) / (t / tpr); };
-  while (threads > min_threads && row_blocks(threads) * g.chunks < 2 * sm_count()) threads /= 2;
-  g.grid = dim3(static_cast<unsigned>(std::min<int64_t>(row_blocks(threads), INT32_MAX)),
-                static_cast<unsigned>(std::min<int64_t>(g.chunks, 65535)));
-  g.block = dim3(threads);
+  g.shape.rows = rows;
+  g.shape.packs = packs;
+  g.shape.log2_tpr = log2_threads_per_row(packs, slots, max_threads);
+  const int tpr = 1 << g.shape.log2_tpr;
+  g.shape.chunks = ceil_div(packs, int64_t{tpr} * slots);
+  const int rows_in_block = rows_per_block(tpr, max_threads, min_threads, [&](int r) {
+    return ceil_div(rows, r) * g.shape.chunks;
+  });
+  g.grid = dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, rows_in_block), INT32_MAX)),
+                static_cast<unsigned>(std::min<int64_t>(g.shape.chunks, 65535)));
+  g.block = dim3(rows_in_block * tpr);
   return g;
 }
+
+// This thread's slots in one column chunk of a row: slot s is pack chunk_start + s * tpr + lane.
+template <int kVec>
+struct ChunkSlots {
+  int64_t packs_left;  // packs of the row from the chunk start on
+  int64_t col0;        // first element of slot 0
+  int tpr, lane;
+
+  __device__ __forceinline__ bool holds(int s) const { return s * tpr + lane < packs_left; }
+  __device__ __forceinline__ int64_t col(int s) const {
+    return col0 + static_cast<int64_t>(s) * tpr * kVec;
+  }
+};
+
+// This thread's rows and chunks, visited as
+//   for (int64_t row = team.first_row(); row < shape.rows; row += team.row_step)
+//     for (int64_t chunk = blockIdx.y; chunk < shape.chunks; chunk += gridDim.y)
+//       ... team.slots(chunk) ...
+template <int kSlots, int kVec>
+struct RowChunkTeam {
+  int log2_tpr, tpr, lane, rows_in_block;
+  int64_t row_step, chunk_packs, packs;
+
+  __device__ __forceinline__ explicit RowChunkTeam(const RowChunks& shape)
+      : log2_tpr(shape.log2_tpr),
+        tpr(1 << shape.log2_tpr),
+        lane(threadIdx.x & (tpr - 1)),
+        rows_in_block(blockDim.x >> shape.log2_tpr),
+        row_step(static_cast<int64_t>(gridDim.x) * rows_in_block),
+        chunk_packs(static_cast<int64_t>(tpr) * kSlots),
+        packs(shape.packs) {}
+  __device__ __forceinline__ int64_t first_row() const {
+    return static_cast<int64_t>(blockIdx.x) * rows_in_block + (threadIdx.x >> log2_tpr);
+  }
+  __device__ __forceinline__ ChunkSlots<kVec> slots(int64_t chunk) const {
+    const int64_t first = chunk * chunk_packs;  // first pack of the chunk
+    return ChunkSlots<kVec>{packs - first, first * kVec + static_cast<int64_t>(lane) * kVec, tpr,
+                            lane};
+  }
+};
 
 // The status a launcher returns after its kernel launch.
 inline int launch_status() {
@@ -353,6 +642,15 @@ int launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_byt
   config.numAttrs = 1;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   return err == cudaSuccess ? launch_status() : static_cast<int>(err);
+}
+
+// A streaming kernel for `rows` rows: one block of `threads` per row (grid-stride beyond 2^20).
+template <typename... KernelArgs, typename... Args>
+int launch_streaming(void (*kernel)(KernelArgs...), int64_t rows, int threads, cudaStream_t stream,
+                     Args&&... args) {
+  const int64_t blocks = std::min<int64_t>(rows, int64_t{1} << 20);
+  return launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream,
+                std::forward<Args>(args)...);
 }
 
 }  // namespace ltx

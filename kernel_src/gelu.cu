@@ -1,6 +1,4 @@
 // GELU and GEGLU (CUDA), computed in fp32 and rounded once (see ltx_gelu_cuda in ltx_kernels.h).
-#include <algorithm>
-
 #include "device_utils.cuh"
 
 namespace ltx {
@@ -9,7 +7,6 @@ namespace {
 constexpr int kSlots = 4;           // packs a thread has in flight per column chunk
 constexpr int kBlockThreads = 256;  // most threads of a block (and of a row)
 constexpr int kMinBlockThreads = 64;
-
 
 // GELU, tanh form: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3),
 // which has no cancellation for x < 0 (unlike 1 + tanh(u)); with e = e^(-|2u|) <= 1 nothing
@@ -49,96 +46,74 @@ __device__ __forceinline__ float gelu(float x) {
 
 template <typename T>
 struct GeluArgs {
-  T* out;
-  RowIndex out_rows;
-  const T* x;
-  RowIndex x_rows;
-  int64_t rows;
+  RowPtr<T> out;
+  RowPtr<const T> x;
   int64_t hidden;  // output row length; x rows hold 2 * hidden elements when gated
-  int64_t packs;   // packs of kVec elements per output row
-  int64_t chunks;  // column chunks per row, of tpr * kSlots packs each
-  int log2_tpr;    // a row is owned by tpr = 2^log2_tpr consecutive threads
+  RowChunks shape;
   bool gated;      // GEGLU: out = round_T(x[:hidden] * round_T(gelu(x[hidden:])))
 };
 
-// Rows of `hidden` output elements, each owned by tpr = 2^log2_tpr consecutive threads of a block
-// (a block holds blockDim.x / tpr rows; blockIdx.x strides over groups of rows, blockIdx.y over
-// column chunks of tpr * kSlots packs). Thread t of a row handles packs t, t + tpr, ... of a chunk
-// (kVec elements each; kVec = 1 is the scalar path for unaligned rows): it issues all its loads
-// first (the gelu input and, gated, the matching packs of the row's first half), then computes
-// and stores. Row offsets are computed once per row.
+// Row-chunked GELU (RowChunkTeam) over rows of `hidden` output elements: thread t of a row's team
+// handles packs t, t + tpr, ... of each column chunk (kVec elements each; kVec = 1 is the scalar
+// path for unaligned rows): it issues all its loads first (the gelu input and, gated, the matching
+// packs of the row's first half), then computes and stores. Row offsets are computed once per row.
 template <typename T, int kVec, ltx_gelu_approximate_t kApproximate>
 __global__ void __launch_bounds__(kBlockThreads) gelu_kernel(const GeluArgs<T> a) {
-  const int tpr = 1 << a.log2_tpr;
-  const int lane_in_row = threadIdx.x & (tpr - 1);
-  const int rows_per_block = blockDim.x >> a.log2_tpr;
-  const int64_t row_step = static_cast<int64_t>(gridDim.x) * rows_per_block;
-  const int64_t chunk_packs = static_cast<int64_t>(tpr) * kSlots;
+  const RowChunkTeam<kSlots, kVec> team(a.shape);
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + (threadIdx.x >> a.log2_tpr);
-       row < a.rows; row += row_step) {
-    const T* x_row = a.x + a.x_rows.offset(row);       // first half of a gated row
+  for (int64_t row = team.first_row(); row < a.shape.rows; row += team.row_step) {
+    const T* x_row = a.x.row(row);                          // first half of a gated row
     const T* gelu_in = a.gated ? x_row + a.hidden : x_row;  // input of gelu
-    T* out_row = a.out + a.out_rows.offset(row);
-    for (int64_t chunk = blockIdx.y; chunk < a.chunks; chunk += gridDim.y) {
-      const int64_t first = chunk * chunk_packs;  // first pack of the chunk
-      const int64_t packs_left = a.packs - first;
-      const int64_t col0 = first * kVec + static_cast<int64_t>(lane_in_row) * kVec;
+    T* out_row = a.out.row(row);
+    for (int64_t chunk = blockIdx.y; chunk < a.shape.chunks; chunk += gridDim.y) {
+      const ChunkSlots<kVec> c = team.slots(chunk);
       Pack<T, kVec> gs[kSlots], hs[kSlots];
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
-        if (s * tpr + lane_in_row < packs_left) {
-          const int64_t col = col0 + static_cast<int64_t>(s) * tpr * kVec;
-          gs[s].load(gelu_in + col);
-          if (a.gated) hs[s].load(x_row + col);
+        if (c.holds(s)) {
+          gs[s].load(gelu_in + c.col(s));
+          if (a.gated) hs[s].load(x_row + c.col(s));
         }
       }
       // One copy of the arithmetic per value of the uniform flag.
-      auto compute_and_store = [&](auto gated_tag) {
-        constexpr bool kGated = decltype(gated_tag)::value;
+      with_flags({a.gated}, [&](auto gated) {
 #pragma unroll
         for (int s = 0; s < kSlots; ++s) {
-          if (s * tpr + lane_in_row < packs_left) {
+          if (c.holds(s)) {
             Pack<T, kVec> o;
 #pragma unroll
             for (int i = 0; i < kVec; ++i) {
               float v = gelu<kApproximate, T>(gs[s].get(i));
-              if constexpr (kGated) v = hs[s].get(i) * round_to<T>(v);
+              if constexpr (decltype(gated)::value) v = hs[s].get(i) * round_to<T>(v);
               o.set(i, v);  // set() rounds to T
             }
-            o.store_global(out_row + col0 + static_cast<int64_t>(s) * tpr * kVec);
+            o.store_global(out_row + c.col(s));
           }
         }
-      };
-      if (a.gated)
-        compute_and_store(std::true_type{});
-      else
-        compute_and_store(std::false_type{});
+      });
     }
   }
 }
 
 template <typename T, int kVec, ltx_gelu_approximate_t kApproximate>
-int launch_gelu(GeluArgs<T> a, cudaStream_t stream) {
-  a.packs = a.hidden / kVec;
-  const RowChunkGrid g = row_chunk_grid(a.rows, a.packs, kSlots, kBlockThreads, kMinBlockThreads);
-  a.log2_tpr = g.log2_tpr;
-  a.chunks = g.chunks;
+int launch_gelu(GeluArgs<T> a, int64_t rows, cudaStream_t stream) {
+  const RowChunkGrid g = row_chunk_grid(rows, a.hidden / kVec, kSlots, kBlockThreads,
+                                        kMinBlockThreads);
+  a.shape = g.shape;
   return launch(gelu_kernel<T, kVec, kApproximate>, g.grid, g.block, 0, stream, a);
 }
 
 template <typename T, ltx_gelu_approximate_t kApproximate>
 int gelu_typed(const ltx_rows_t& out, const ltx_rows_t& x, int64_t hidden, bool gated,
                cudaStream_t stream) {
-  const GeluArgs<T> a{static_cast<T*>(out.data), RowIndex::of(out), static_cast<const T*>(x.data),
-                      RowIndex::of(x), num_rows(x), hidden, 0, 0, 0, gated};
+  const GeluArgs<T> a{RowPtr<T>::of(out), RowPtr<const T>::of(x), hidden, {}, gated};
   constexpr int kVec = 16 / sizeof(T);
   // hidden % kVec == 0 also aligns the second half of a gated row.
   if (hidden % kVec == 0 && rows_aligned(out, sizeof(T), 16) && rows_aligned(x, sizeof(T), 16))
-    return launch_gelu<T, kVec, kApproximate>(a, stream);
-  return launch_gelu<T, 1, kApproximate>(a, stream);
+    return launch_gelu<T, kVec, kApproximate>(a, num_rows(x), stream);
+  return launch_gelu<T, 1, kApproximate>(a, num_rows(x), stream);
 }
 
 }  // namespace

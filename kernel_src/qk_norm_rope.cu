@@ -1,8 +1,6 @@
 // RMSNorm and/or rotary embedding of up to two tensors (q and k) in one launch (CUDA), with the
 // rounding points of torch.nn.RMSNorm and diffusers' apply_rotary_emb (see ltx_qk_norm_rope_cuda
 // in ltx_kernels.h).
-#include <string.h>
-
 #include <algorithm>
 
 #include "device_utils.cuh"
@@ -26,35 +24,14 @@ constexpr int slots_per_thread() {
   return kPackAccess ? 4 : 8;
 }
 
-// Division by a run-time constant d >= 1 of numerators n < 2^31 with a multiply-high, an add and
-// a shift (Granlund-Montgomery, as PyTorch's IntDivider); the magic number is found on the host.
-struct FastDivider {
-  uint32_t divisor, magic, shift;
-
-  static FastDivider of(uint32_t d) {
-    uint32_t shift = 0;
-    while (shift < 32 && (uint64_t{1} << shift) < d) ++shift;
-    const uint64_t magic = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1;
-    return FastDivider{d, static_cast<uint32_t>(magic), shift};
-  }
-  __device__ __forceinline__ int div(int n) const {
-    const uint32_t u = static_cast<uint32_t>(n);
-    return static_cast<int>((__umulhi(u, magic) + u) >> shift);
-  }
-};
-
 // One tensor (q or k) as the kernels see it. Row r of x, out, cos and sin starts at the
 // RowIndex offset of r; head h of a row uses cos/sin elements from h * head_stride on.
 template <typename T, typename Tc>
 struct RopeTensor {
-  T* out;
-  RowIndex out_rows;
-  const T* x;
-  RowIndex x_rows;
-  const Tc* cos;  // nullptr: no rotation
-  RowIndex cos_rows;
-  const Tc* sin;
-  RowIndex sin_rows;
+  RowPtr<T> out;
+  RowPtr<const T> x;
+  RowPtr<const Tc> cos;  // null: no rotation
+  RowPtr<const Tc> sin;
   int64_t cos_head_stride, sin_head_stride;
   const void* weight;  // norm weight [row_len] of dtype weight_dtype; nullptr: none (or no norm)
   ltx_dtype_t weight_dtype;
@@ -106,26 +83,6 @@ __device__ __forceinline__ void store_elements(const Pack<T, N>& p, T* dst) {
   }
 }
 
-// Sets elements i and i + 1 (i even) of a pack to round_T(lo), round_T(hi); 2-byte types convert
-// both with one paired instruction instead of a conversion and a merge per element.
-template <typename T, int N>
-__device__ __forceinline__ void set_pair(Pack<T, N>& p, int i, float lo, float hi) {
-  if constexpr (sizeof(T) == 4) {
-    p.set(i, lo);
-    p.set(i + 1, hi);
-  } else {
-    uint32_t bits;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-      memcpy(&bits, &v, sizeof(bits));
-    } else {
-      const __half2 v = __floats2half2_rn(lo, hi);
-      memcpy(&bits, &v, sizeof(bits));
-    }
-    p.w[i / 2] = bits;
-  }
-}
-
 // One rotary pair in fp32: (v0, v1) <- (v0*c0 - v1*s0, v1*c1 + v0*s1), each product and the sum
 // rounded to fp32 as PyTorch's `v * cos + rotated * sin` does (no FMA contraction).
 __device__ __forceinline__ void rotate_pair(float& v0, float& v1, float c0, float s0, float c1,
@@ -147,8 +104,8 @@ __device__ __forceinline__ void rotate_halves(Pack<T, N>& first, Pack<T, N>& sec
     float a0 = first.get(i), b0 = second.get(i), a1 = first.get(i + 1), b1 = second.get(i + 1);
     rotate_pair(a0, b0, cos0.get(i), sin0.get(i), cos1.get(i), sin1.get(i));
     rotate_pair(a1, b1, cos0.get(i + 1), sin0.get(i + 1), cos1.get(i + 1), sin1.get(i + 1));
-    set_pair(first, i, a0, a1);
-    set_pair(second, i, b0, b1);
+    first.set_pair(i, a0, a1);
+    second.set_pair(i, b0, b1);
   }
 }
 
@@ -160,50 +117,7 @@ __device__ __forceinline__ void rotate_pack(Pack<T, N>& v, const Pack<Tc, N>& c,
   for (int i = 0; i < N; i += 2) {
     float v0 = v.get(i), v1 = v.get(i + 1);
     rotate_pair(v0, v1, c.get(i), s.get(i), c.get(i + 1), s.get(i + 1));
-    set_pair(v, i, v0, v1);
-  }
-}
-
-// Copies a norm weight of n elements of type Tw (16-byte aligned) into shared memory as fp32,
-// two 16-byte packs per thread in flight. The caller synchronizes before reading dst.
-template <typename Tw>
-__device__ __forceinline__ void stage_weight_packs(float* dst, const Tw* src, int n) {
-  constexpr int kPerPack = 16 / sizeof(Tw);
-  constexpr int kUnroll = 2;
-  const int n_packs = n / kPerPack;
-  for (int first = threadIdx.x; first < n_packs; first += kUnroll * blockDim.x) {
-    Pack<Tw, kPerPack> w[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int p = first + u * blockDim.x;
-      if (p < n_packs) w[u].load(src + p * kPerPack);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int p = first + u * blockDim.x;
-      if (p < n_packs) {
-        Pack<float, kPerPack> f;
-#pragma unroll
-        for (int i = 0; i < kPerPack; ++i) f.set(i, w[u].get(i));
-        f.store(dst + p * kPerPack);
-      }
-    }
-  }
-  for (int i = n_packs * kPerPack + threadIdx.x; i < n; i += blockDim.x)
-    dst[i] = to_float(__ldg(src + i));
-}
-
-// Block-wide copy of a norm weight of run-time dtype into shared memory as fp32.
-__device__ __forceinline__ void stage_weight(float* dst, const void* src, ltx_dtype_t dtype, int n,
-                                             bool vectorized) {
-  if (!vectorized) {
-    stage_as_float(dst, src, dtype, n);
-    return;
-  }
-  switch (dtype) {
-    case LTX_FLOAT16: stage_weight_packs(dst, static_cast<const __half*>(src), n); break;
-    case LTX_BFLOAT16: stage_weight_packs(dst, static_cast<const __nv_bfloat16*>(src), n); break;
-    default: stage_weight_packs(dst, static_cast<const float*>(src), n); break;
+    v.set_pair(i, v0, v1);
   }
 }
 
@@ -233,25 +147,111 @@ constexpr int table_batch() {
   return words_per_slot * kSlots <= 32 ? kSlots : 2;
 }
 
-// Row-cached norm + rotation. Each row is owned by tpr consecutive threads of a block (a power of
-// two up to 32, else a multiple of 32, so 5120-wide rows take 160 threads with every slot used;
-// rows_per_block rows per block; a block holds rows of one tensor only). A thread holds kSlots
-// packs of kVec elements of its row in registers, so x is read from memory once:
+// Where the slots of a thread of the cached kernel sit in its row. Items are packs (pack layout)
+// or pack pairs (pair layout: slots 2m and 2m + 1); item m of the thread is item j = m * tpr +
+// lane of the row, in head j / items_per_head (heads are only needed to rotate, where head_dim,
+// resp. half_dim, is a multiple of kVec).
+template <int kVec>
+struct SlotMap {
+  int tpr, lane;
+  int item_shift;  // 1 in the pair layout, 0 in the pack layout
+  FastDivider items_per_head;
+  int half_dim, head_dim;
+  unsigned valid_mask;  // bit s: slot s holds a pack of an active row
+
+  __device__ __forceinline__ int item(int s) const { return (s >> item_shift) * tpr + lane; }
+  __device__ __forceinline__ int head(int j) const { return items_per_head.div(j); }
+  // Column of slot s's first element in its head (second half of a pair: + half_dim).
+  __device__ __forceinline__ int col(int s, int j, int head) const {
+    return (j - head * static_cast<int>(items_per_head.divisor)) * kVec +
+           ((s & item_shift) ? half_dim : 0);
+  }
+  // First element of slot s's pack in the row.
+  __device__ __forceinline__ int elem(int s) const {
+    const int j = item(s);
+    if (!item_shift) return j * kVec;  // (head_dim need not divide into packs without rotation)
+    const int h = head(j);
+    return h * head_dim + col(s, j, h);
+  }
+  __device__ __forceinline__ bool valid(int s) const { return ((valid_mask >> s) & 1u) != 0; }
+};
+
+// Where the norm weight of slot s's kVec elements is read: none (ones), the fp32 copy staged in
+// shared memory, 16-byte packs of Tw, or element by element.
+struct NoNormWeight {
+  template <int kVec>
+  __device__ __forceinline__ void operator()(const SlotMap<kVec>&, int, float (&w)[kVec]) const {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) w[i] = 1.f;
+  }
+};
+struct StagedNormWeight {
+  const float* staged;
+  template <int kVec>
+  __device__ __forceinline__ void operator()(const SlotMap<kVec>& slots, int s,
+                                             float (&w)[kVec]) const {
+    Pack<float, kVec> wp;
+    wp.load_plain(staged + slots.elem(s));
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
+  }
+};
+template <typename Tw>
+struct PackedNormWeight {
+  const Tw* weight;
+  template <int kVec>
+  __device__ __forceinline__ void operator()(const SlotMap<kVec>& slots, int s,
+                                             float (&w)[kVec]) const {
+    Pack<Tw, kVec> wp;
+    wp.load(weight + slots.elem(s));
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
+  }
+};
+struct ScalarNormWeight {
+  const void* weight;
+  ltx_dtype_t dtype;
+  template <int kVec>
+  __device__ __forceinline__ void operator()(const SlotMap<kVec>& slots, int s,
+                                             float (&w)[kVec]) const {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) w[i] = load_as_float(weight, dtype, slots.elem(s) + i);
+  }
+};
+
+// v = round_T(x * rstd * weight) for each valid slot, in place.
+template <int kSlots, typename T, int kVec, typename WeightOf>
+__device__ __forceinline__ void normalize_slots(Pack<T, kVec> (&xs)[kSlots],
+                                                const SlotMap<kVec>& slots, float rstd,
+                                                const WeightOf& weight_of) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    if (!slots.valid(s)) continue;
+    float w[kVec];
+    weight_of(slots, s, w);
+#pragma unroll
+    for (int i = 0; i < kVec; i += 2)
+      xs[s].set_pair(i, xs[s].get(i) * rstd * w[i], xs[s].get(i + 1) * rstd * w[i + 1]);
+  }
+}
+
+// Row-cached norm + rotation of q and k rows. Each row is held by a RowTeam of tpr threads (a
+// power of two up to 32, else whole warps, so 5120-wide rows take 160 threads with every slot
+// used; a block holds rows of one tensor only), kSlots packs of kVec elements per thread, so x is
+// read once:
 // - pack layout (interleaved rotation, or no rotation): slot s holds pack s * tpr + lane of the
 //   row; rotary pairs (2i, 2i+1) lie inside a pack (kVec even, head_dim % kVec == 0).
 // - pair layout (rotate-halves): slots 2m and 2m+1 hold the packs at offsets d and d + half of
 //   one head, pack pair j = m * tpr + lane of the row (half % kVec == 0); element i of the
 //   first pack pairs with element i of the second.
-// All x loads are issued first, then the cos/sin packs (type Tc) of the first batch of slots
-// (table_batch), then, when normalizing with a weight and the block holds several rows, the block
-// stages the weight in shared memory as fp32 (otherwise each thread reads its weight packs after
-// the reduction, mostly L1 hits). The sum of squares is reduced across the row's threads
-// (shuffles, then shared memory when the row spans several warps; every thread of the block joins,
-// active or not); the cached packs are normalized (rounded to T), then rotated in fp32 (rounded to
-// T) and stored batch by batch, the cos/sin packs of each later batch loaded when it comes. When
-// every slot of a thread has the same cos/sin columns (shared_table_col: tables shared by all
-// heads, Wan), they are loaded once. kPackAccess = false moves elements one at a time (any
-// alignment; kVec = 2).
+// Load the row, then the cos/sin packs (type Tc) of the first batch of slots (table_batch), then,
+// when normalizing with a weight and the block holds several rows, stage the weight in shared
+// memory as fp32 (otherwise each thread reads its weight packs after the reduction, mostly L1
+// hits). Reduce the sum of squares (row_sum); normalize the cached packs (rounded to T), rotate
+// them in fp32 (rounded to T) and store them batch by batch, loading the cos/sin packs of each
+// later batch when it comes. When every slot of a thread has the same cos/sin columns
+// (shared_table_col: tables shared by all heads, Wan), they are loaded once. kPackAccess = false
+// moves elements one at a time (any alignment; kVec = 2).
 template <typename T, typename Tc, int kVec, bool kPackAccess>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     qk_norm_rope_cached_kernel(const __grid_constant__ QkNormRopeParams<T, Tc> a) {
@@ -260,65 +260,45 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   static_assert(kVec % 2 == 0 && kBatch % 2 == 0 && kSlots % kBatch == 0,
                 "pairs inside packs, pack pairs inside batches");
   extern __shared__ __align__(16) float staged_weight[];
-  __shared__ float warp_partials[kMaxThreadsPerRow / 32];
+  __shared__ float partials[kMaxThreadsPerRow / 32];
 
   int tensor;
   int64_t row_block;
   block_work(a, tensor, row_block);
   const RopeTensor<T, Tc>& t = a.t[tensor];
-  const int tpr = static_cast<int>(a.tpr.divisor);
-  const int row_in_block = a.tpr.div(threadIdx.x);
-  const int lane_in_row = threadIdx.x - row_in_block * tpr;
-  const int64_t row = row_block * a.rows_per_block + row_in_block;
-  const bool active = row < t.rows;  // inactive threads still join the reductions and barriers
-  const bool rotate = t.cos != nullptr;
+  const RowTeam team = RowTeam::of(a.tpr, row_block * a.rows_per_block, t.rows);
+  const bool rotate = t.cos.data != nullptr;
   const bool pair_layout = rotate && !a.interleaved;
   const bool has_weight = a.normalize && t.weight != nullptr;
   const bool staged = has_weight && a.stage_weight;  // same for the whole block
   const bool shared_col = rotate && !pair_layout && a.shared_table_col;
 
-  // Items are packs (pack layout) or pack pairs (pair layout, slots 2m and 2m + 1); item m of the
-  // thread is item j = m * tpr + lane of the row, in head j / items_per_head (heads are only
-  // needed to rotate, where head_dim, resp. half_dim, is a multiple of kVec).
-  const int item_shift = pair_layout ? 1 : 0;
-  const FastDivider items_per_head = pair_layout ? a.pairs_per_head : a.packs_per_head;
-  const int n_items = a.n_packs >> item_shift;
-  const int second_table_col = a.rot_half ? 0 : a.half_dim;
-  auto item_of = [&](int s) { return (s >> item_shift) * tpr + lane_in_row; };
-  auto head_of = [&](int j) { return items_per_head.div(j); };
-  // Column of slot s's first element in its head (second half of a pair: + half_dim).
-  auto col_of = [&](int s, int j, int head) {
-    return (j - head * static_cast<int>(items_per_head.divisor)) * kVec +
-           ((s & item_shift) ? a.half_dim : 0);
-  };
-  auto elem_of = [&](int s) {  // first element of slot s's pack in the row
-    const int j = item_of(s);
-    if (!pair_layout) return j * kVec;  // (head_dim need not divide into packs without rotation)
-    const int head = head_of(j);
-    return head * a.head_dim + col_of(s, j, head);
-  };
-  unsigned valid_mask = 0;
+  SlotMap<kVec> slots{team.tpr,  team.lane,  pair_layout ? 1 : 0,
+                      pair_layout ? a.pairs_per_head : a.packs_per_head,
+                      a.half_dim, a.head_dim, 0u};
+  const int n_items = a.n_packs >> slots.item_shift;
 #pragma unroll
   for (int s = 0; s < kSlots; ++s)
-    if (active && item_of(s) < n_items) valid_mask |= 1u << s;
-  auto valid = [&](int s) { return ((valid_mask >> s) & 1u) != 0; };
+    if (team.active && slots.item(s) < n_items) slots.valid_mask |= 1u << s;
 
-  const T* x_row = t.x + (active ? t.x_rows.offset(row) : 0);
-  const Tc* cos_row = rotate && active ? t.cos + t.cos_rows.offset(row) : nullptr;
-  const Tc* sin_row = rotate && active ? t.sin + t.sin_rows.offset(row) : nullptr;
+  const T* x_row = t.x.row_if(team.active, team.row);
+  const Tc* cos_row = rotate && team.active ? t.cos.row(team.row) : nullptr;
+  const Tc* sin_row = rotate && team.active ? t.sin.row(team.row) : nullptr;
 
   // cos/sin packs of slots first .. first + kBatch - 1 (at rot_dim == head_dim / 2 the second
   // half of a pair reuses the first half's values and loads nothing; with shared columns slot 0's
   // packs serve every slot).
+  const int second_table_col = a.rot_half ? 0 : a.half_dim;
   Pack<Tc, kVec> cs[kBatch], ss[kBatch];
   auto load_tables = [&](int first) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int s = first + b;
-      if (valid(s) && !(pair_layout && a.rot_half && (b & 1)) && !(shared_col && b > 0)) {
-        const int j = item_of(s);
-        const int head = head_of(j);
-        const int col = col_of(s, j, head) - ((s & item_shift) ? a.half_dim - second_table_col : 0);
+      if (slots.valid(s) && !(pair_layout && a.rot_half && (b & 1)) && !(shared_col && b > 0)) {
+        const int j = slots.item(s);
+        const int head = slots.head(j);
+        const int col =
+            slots.col(s, j, head) - ((s & slots.item_shift) ? a.half_dim - second_table_col : 0);
         load_elements<kPackAccess>(cs[b], cos_row + static_cast<int64_t>(head) * t.cos_head_stride + col);
         load_elements<kPackAccess>(ss[b], sin_row + static_cast<int64_t>(head) * t.sin_head_stride + col);
       }
@@ -330,94 +310,34 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   Pack<T, kVec> xs[kSlots];
 #pragma unroll
   for (int s = 0; s < kSlots; ++s)
-    if (valid(s)) load_elements<kPackAccess>(xs[s], x_row + elem_of(s));
+    if (slots.valid(s)) load_elements<kPackAccess>(xs[s], x_row + slots.elem(s));
   if (rotate) load_tables(0);
-  if (staged) stage_weight(staged_weight, t.weight, t.weight_dtype, a.row_len, t.weight_vectorized);
+  if (staged) stage_as_float(staged_weight, t.weight, t.weight_dtype, a.row_len, t.weight_vectorized);
 
   float rstd = 1.f;
   if (a.normalize) {  // same branch for the whole grid
     float sumsq = 0.f;
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      if (valid(s)) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) sumsq += xs[s].get(i) * xs[s].get(i);
-      }
-    }
-    if (tpr <= 32) {
-      sumsq = group_sum(sumsq, tpr);
-    } else {  // same branch for the whole block: rows of whole warps
-      sumsq = warp_sum(sumsq);
-      const int warp = threadIdx.x >> 5, warps_per_row = tpr >> 5;
-      if ((threadIdx.x & 31) == 0) warp_partials[warp] = sumsq;
-      __syncthreads();
-      const float* partials = warp_partials + row_in_block * warps_per_row;
-      sumsq = 0.f;
-      for (int w = 0; w < warps_per_row; ++w) sumsq += partials[w];
-    }
-    rstd = rsqrtf(sumsq * a.inv_row_len + a.eps);
+    for (int s = 0; s < kSlots; ++s)
+      if (slots.valid(s)) add_squares(sumsq, xs[s]);
+    rstd = rsqrtf(row_sum<false>(sumsq, team, partials) * a.inv_row_len + a.eps);
   }
   if (staged) __syncthreads();  // the staged weight is complete
-  if (!active) return;
-  T* out_row = t.out + t.out_rows.offset(row);
+  if (!team.active) return;
+  T* out_row = t.out.row(team.row);
 
   // v = round_T(x * rstd * weight), in place; one loop per weight source.
   if (a.normalize) {
-    auto scale = [&](int s, const float* w) {
-#pragma unroll
-      for (int i = 0; i < kVec; i += 2)
-        set_pair(xs[s], i, xs[s].get(i) * rstd * w[i], xs[s].get(i + 1) * rstd * w[i + 1]);
-    };
-    if (!has_weight) {
-      float ones[kVec];
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) ones[i] = 1.f;
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s)
-        if (valid(s)) scale(s, ones);
-    } else if (staged) {
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s) {
-        if (!valid(s)) continue;
-        Pack<float, kVec> wp;
-        wp.load_plain(staged_weight + elem_of(s));
-        float w[kVec];
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
-        scale(s, w);
-      }
-    } else if (t.weight_vectorized && t.weight_dtype != LTX_FLOAT32) {  // weight dtype T
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s) {
-        if (!valid(s)) continue;
-        Pack<T, kVec> wp;
-        wp.load(static_cast<const T*>(t.weight) + elem_of(s));
-        float w[kVec];
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
-        scale(s, w);
-      }
-    } else if (t.weight_vectorized) {  // fp32 weight
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s) {
-        if (!valid(s)) continue;
-        Pack<float, kVec> wp;
-        wp.load(static_cast<const float*>(t.weight) + elem_of(s));
-        float w[kVec];
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
-        scale(s, w);
-      }
-    } else {  // unaligned weight
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s) {
-        if (!valid(s)) continue;
-        float w[kVec];
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) w[i] = load_as_float(t.weight, t.weight_dtype, elem_of(s) + i);
-        scale(s, w);
-      }
-    }
+    if (!has_weight)
+      normalize_slots(xs, slots, rstd, NoNormWeight{});
+    else if (staged)
+      normalize_slots(xs, slots, rstd, StagedNormWeight{staged_weight});
+    else if (t.weight_vectorized && t.weight_dtype != LTX_FLOAT32)  // weight dtype T
+      normalize_slots(xs, slots, rstd, PackedNormWeight<T>{static_cast<const T*>(t.weight)});
+    else if (t.weight_vectorized)
+      normalize_slots(xs, slots, rstd, PackedNormWeight<float>{static_cast<const float*>(t.weight)});
+    else
+      normalize_slots(xs, slots, rstd, ScalarNormWeight{t.weight, t.weight_dtype});
   }
 
   // out = round_T(rotated v), batch by batch.
@@ -426,13 +346,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     if (shared_col) {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
-        if (valid(first + b)) rotate_pack(xs[first + b], cs[0], ss[0]);
+        if (slots.valid(first + b)) rotate_pack(xs[first + b], cs[0], ss[0]);
     } else if (rotate) {
       if (first > 0) load_tables(first);
       if (pair_layout) {
 #pragma unroll
         for (int b = 0; b < kBatch; b += 2) {
-          if (!valid(first + b)) continue;
+          if (!slots.valid(first + b)) continue;
           if (a.rot_half)  // second-half cos/sin: the first half's at rot_dim == head_dim / 2
             rotate_halves(xs[first + b], xs[first + b + 1], cs[b], ss[b], cs[b], ss[b]);
           else
@@ -441,12 +361,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
       } else {
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
-          if (valid(first + b)) rotate_pack(xs[first + b], cs[b], ss[b]);
+          if (slots.valid(first + b)) rotate_pack(xs[first + b], cs[b], ss[b]);
       }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
-      if (valid(first + b)) store_elements<kPackAccess>(xs[first + b], out_row + elem_of(first + b));
+      if (slots.valid(first + b))
+        store_elements<kPackAccess>(xs[first + b], out_row + slots.elem(first + b));
   }
 }
 
@@ -466,19 +387,11 @@ __global__ void __launch_bounds__(kStreamingThreads)
     const int tensor = r < rows0 ? 0 : 1;
     const int64_t row = tensor == 0 ? r : r - rows0;
     const RopeTensor<T, Tc>& t = a.t[tensor];
-    const T* x_row = t.x + t.x_rows.offset(row);
-    T* out_row = t.out + t.out_rows.offset(row);
+    const T* x_row = t.x.row(row);
+    T* out_row = t.out.row(row);
     const bool has_weight = a.normalize && t.weight != nullptr;
     float rstd = 1.f;
-    if (a.normalize) {
-      float sumsq = 0.f;
-      for (int i = threadIdx.x; i < a.row_len; i += blockDim.x) {
-        const float v = to_float(x_row[i]);
-        sumsq += v * v;
-      }
-      sumsq = block_sum(sumsq, scratch);
-      rstd = rsqrtf(sumsq * a.inv_row_len + a.eps);
-    }
+    if (a.normalize) rstd = block_rstd(x_row, a.row_len, a.inv_row_len, a.eps, scratch);
     // v of element e: x, or round_T(x * rstd * weight).
     auto value = [&](int e) {
       const float v = to_float(x_row[e]);
@@ -486,13 +399,13 @@ __global__ void __launch_bounds__(kStreamingThreads)
       const float w = has_weight ? load_as_float(t.weight, t.weight_dtype, e) : 1.f;
       return round_to<T>(v * rstd * w);
     };
-    if (t.cos == nullptr) {
+    if (t.cos.data == nullptr) {
       for (int e = threadIdx.x; e < a.row_len; e += blockDim.x)
         out_row[e] = from_float<T>(value(e));
       continue;
     }
-    const Tc* cos_row = t.cos + t.cos_rows.offset(row);
-    const Tc* sin_row = t.sin + t.sin_rows.offset(row);
+    const Tc* cos_row = t.cos.row(row);
+    const Tc* sin_row = t.sin.row(row);
     const int n_pairs = a.row_len / 2;
     for (int pair = threadIdx.x; pair < n_pairs; pair += blockDim.x) {
       int e0, e1, col0, col1, head;
@@ -532,45 +445,32 @@ int launch_cached(QkNormRopeParams<T, Tc> a, cudaStream_t stream) {
   while (tpr < needed && tpr < 32) tpr *= 2;
   if (needed > 32) tpr = (needed + 31) / 32 * 32;
   const int64_t rows1 = a.num_tensors > 1 ? a.t[1].rows : 0;
-  auto blocks_of = [](int64_t rows, int rows_per_block) {
-    return (rows + rows_per_block - 1) / rows_per_block;
-  };
   // Several rows per block; fewer when there are few rows, so that every SM gets work.
-  int rows_per_block = std::max(1, kRowBlockThreads / tpr);
-  const int min_rows_per_block = std::max(1, 64 / tpr);
-  while (rows_per_block > min_rows_per_block &&
-         blocks_of(a.t[0].rows, rows_per_block) + blocks_of(rows1, rows_per_block) < 2 * sm_count())
-    rows_per_block /= 2;
+  const int rows_in_block = rows_per_block(tpr, kRowBlockThreads, 64, [&](int r) {
+    return ceil_div(a.t[0].rows, r) + ceil_div(rows1, r);
+  });
   a.tpr = FastDivider::of(tpr);
-  a.rows_per_block = rows_per_block;
+  a.rows_per_block = rows_in_block;
   a.n_packs = n_packs;
   a.packs_per_head = FastDivider::of(std::max(1, a.head_dim / kVec));
   a.pairs_per_head = FastDivider::of(std::max(1, a.half_dim / kVec));
-  a.t[0].blocks = blocks_of(a.t[0].rows, rows_per_block);
-  a.t[1].blocks = a.num_tensors > 1 ? blocks_of(rows1, rows_per_block) : 0;
+  a.t[0].blocks = ceil_div(a.t[0].rows, rows_in_block);
+  a.t[1].blocks = a.num_tensors > 1 ? ceil_div(rows1, rows_in_block) : 0;
   const int64_t blocks = a.t[0].blocks + a.t[1].blocks;
   if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   const bool any_weight =
       a.normalize && (a.t[0].weight != nullptr || (a.num_tensors > 1 && a.t[1].weight != nullptr));
   const size_t weight_bytes = static_cast<size_t>(a.row_len) * sizeof(float);
   a.stage_weight = any_weight && weight_bytes <= kMaxStagedWeightBytes &&
-                   rows_per_block >= kMinRowsToStageWeight;
+                   rows_in_block >= kMinRowsToStageWeight;
   bool shared_col = a.interleaved && (tpr * kVec) % a.head_dim == 0;
   for (int i = 0; i < a.num_tensors; ++i)
-    shared_col = shared_col && (a.t[i].cos == nullptr ||
+    shared_col = shared_col && (a.t[i].cos.data == nullptr ||
                                 (a.t[i].cos_head_stride == 0 && a.t[i].sin_head_stride == 0));
   a.shared_table_col = shared_col;
   return launch(qk_norm_rope_cached_kernel<T, Tc, kVec, kPackAccess>,
-                dim3(static_cast<unsigned>(blocks)), dim3(rows_per_block * tpr),
+                dim3(static_cast<unsigned>(blocks)), dim3(rows_in_block * tpr),
                 a.stage_weight ? weight_bytes : 0, stream, a);
-}
-
-template <typename T, typename Tc>
-int launch_streaming(const QkNormRopeParams<T, Tc>& a, cudaStream_t stream) {
-  const int64_t rows = a.t[0].rows + (a.num_tensors > 1 ? a.t[1].rows : 0);
-  const int64_t blocks = std::min<int64_t>(rows, int64_t{1} << 20);
-  return launch(qk_norm_rope_streaming_kernel<T, Tc>, dim3(static_cast<unsigned>(blocks)),
-                dim3(kStreamingThreads), 0, stream, a);
 }
 
 // True when every row start and every head's table start of `r` is aligned to `alignment` bytes.
@@ -601,18 +501,14 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
   for (int i = 0; i < args.num_tensors; ++i) {
     const ltx_rope_tensor_t& src = args.tensors[i];
     RopeTensor<T, Tc>& dst = a.t[i];
-    dst.out = static_cast<T*>(src.out.data);
-    dst.out_rows = RowIndex::of(src.out);
-    dst.x = static_cast<const T*>(src.x.data);
-    dst.x_rows = RowIndex::of(src.x);
+    dst.out = RowPtr<T>::of(src.out);
+    dst.x = RowPtr<const T>::of(src.x);
     dst.rows = num_rows(src.x);
     vector_ok = vector_ok && rows_aligned(src.x, sizeof(T), 16) &&
                 rows_aligned(src.out, sizeof(T), 16);
     if (src.cos.data != nullptr) {
-      dst.cos = static_cast<const Tc*>(src.cos.data);
-      dst.cos_rows = RowIndex::of(src.cos);
-      dst.sin = static_cast<const Tc*>(src.sin.data);
-      dst.sin_rows = RowIndex::of(src.sin);
+      dst.cos = RowPtr<const Tc>::of(src.cos);
+      dst.sin = RowPtr<const Tc>::of(src.sin);
       dst.cos_head_stride = src.cos_head_stride;
       dst.sin_head_stride = src.sin_head_stride;
       constexpr int kTableAlign = pack_alignment<Tc, kVec>();
@@ -636,7 +532,9 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
     return launch_cached<T, Tc, kVec, true>(a, stream);
   if (scalar_ok && a.row_len / 2 <= slots_per_thread<false>() * kMaxThreadsPerRow)
     return launch_cached<T, Tc, 2, false>(a, stream);
-  return launch_streaming<T, Tc>(a, stream);
+  return launch_streaming(qk_norm_rope_streaming_kernel<T, Tc>,
+                          a.t[0].rows + (a.num_tensors > 1 ? a.t[1].rows : 0), kStreamingThreads,
+                          stream, a);
 }
 
 bool is_float_dtype(ltx_dtype_t d) {
