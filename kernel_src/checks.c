@@ -8,16 +8,12 @@
 #include "rows.h"
 
 static ltx_check_t ok(void) {
-  const ltx_check_t c = {LTX_OK, LTX_RULE_NONE, NULL, NULL, LTX_FLOAT32, LTX_FLOAT32, 0.0, 0};
+  const ltx_check_t c = {.status = LTX_OK};
   return c;
 }
 
 static ltx_check_t fail(int status, ltx_rule_t rule, const char* arg, const char* ref) {
-  ltx_check_t c = ok();
-  c.status = status;
-  c.rule = rule;
-  c.arg = arg;
-  c.ref = ref;
+  const ltx_check_t c = {.status = status, .rule = rule, .arg = arg, .ref = ref};
   return c;
 }
 
@@ -27,9 +23,8 @@ static ltx_check_t malformed(const char* arg) {
 
 static ltx_check_t dtype_fail(int status, ltx_rule_t rule, const char* arg, ltx_dtype_t arg_dtype,
                               const char* ref, ltx_dtype_t ref_dtype) {
-  ltx_check_t c = fail(status, rule, arg, ref);
-  c.arg_dtype = arg_dtype;
-  c.ref_dtype = ref_dtype;
+  const ltx_check_t c = {.status = status, .rule = rule, .arg = arg, .ref = ref,
+                         .arg_dtype = arg_dtype, .ref_dtype = ref_dtype};
   return c;
 }
 
@@ -69,11 +64,9 @@ static ltx_check_t optional_rows_like(const char* arg, const ltx_rows_t* r, cons
 }
 
 static ltx_check_t eps_rule(float eps) {
-  ltx_check_t c = ok();
-  if (eps >= 0.f && eps < INFINITY) return c; /* (NaN fails both) */
-  c = fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_EPS, "eps", NULL);
-  c.value = eps;
-  return c;
+  const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EPS, .arg = "eps",
+                         .value = eps};
+  return eps >= 0.f && eps < INFINITY ? ok() : c; /* (NaN fails both) */
 }
 
 /* Returns the check's result from the calling check when it failed. */
@@ -235,21 +228,18 @@ ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
     LTX_RETURN_IF_FAILED(optional_rows_like(kTensorCos[k], &r->cos, kTensorX[k], rows));
     LTX_RETURN_IF_FAILED(optional_rows_like(kTensorSin[k], &r->sin, kTensorX[k], rows));
   }
-  if (table_tensor) {
-    const int halves = !a->interleaved;
-    ltx_check_t c;
-    if (a->head_dim % 2 != 0) {
-      c = fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_EVEN_HEAD_DIM, "head_dim", NULL);
-      c.value = (double)a->head_dim;
-      return c;
-    }
-    if (a->rot_dim != a->head_dim && !(halves && 2 * a->rot_dim == a->head_dim)) {
-      c = fail(LTX_ERR_INVALID_ARGUMENT, halves ? LTX_RULE_ROT_DIM_OR_HALF : LTX_RULE_ROT_DIM,
-               "rot_dim", "head_dim");
-      c.value = (double)a->rot_dim;
-      c.expected = a->head_dim;
-      return c;
-    }
+  if (table_tensor && a->head_dim % 2 != 0) {
+    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EVEN_HEAD_DIM,
+                           .arg = "head_dim", .value = (double)a->head_dim};
+    return c;
+  }
+  if (table_tensor && a->rot_dim != a->head_dim &&
+      !(!a->interleaved && 2 * a->rot_dim == a->head_dim)) {
+    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
+                           .rule = a->interleaved ? LTX_RULE_ROT_DIM : LTX_RULE_ROT_DIM_OR_HALF,
+                           .arg = "rot_dim", .ref = "head_dim", .value = (double)a->rot_dim,
+                           .expected = a->head_dim};
+    return c;
   }
   return ok();
 }

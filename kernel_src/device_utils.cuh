@@ -442,7 +442,8 @@ struct RowPtr {
 // Compile-time flags and dtype dispatch. Optional operands are null pointers in a kernel's
 // arguments; where a kernel's code depends on one, with_flags turns its presence (and any other
 // uniform flag) into a compile-time constant: host side to pick a kernel instance, device side to
-// pick a copy of a loop, so that no inner loop branches on it.
+// pick a copy of a loop, so that no inner loop branches on it. (norm_modulate's epilogue keeps three
+// run-time flags, for its register count; see there.)
 // ---------------------------------------------------------------------------------------------
 template <int I, int N, typename Fn, typename... Known>
 __host__ __device__ __forceinline__ decltype(auto) with_flags_from(const bool (&flags)[N], Fn& fn,
