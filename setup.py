@@ -74,6 +74,7 @@ arch_flags = gencode_flags(cuda_archs)
     f"GENCODE_FLAGS = {arch_flags!r}\n"
 )
 
+binding_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "torch-ext").glob("*.cpp"))
 kernel_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").glob("*.cu"))
 cpu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").glob("*.c"))
 
@@ -82,7 +83,7 @@ common_defines = ["-DCUDA_KERNEL", "-DLTX_OPS_NAMESPACE=ltx_kernels"]
 # torch 2.11, C++20 from 2.12 on), for g++ and nvcc alike. The kernels compile under either.
 extension = CUDAExtension(
     name="ltx_kernels._C",
-    sources=["torch-ext/torch_binding.cpp", *kernel_sources],
+    sources=[*binding_sources, *kernel_sources],
     include_dirs=[str(ROOT / "kernel_src")],
     extra_compile_args={
         "cxx": ["-O3", *common_defines],

@@ -1,7 +1,8 @@
 /*
  * Portable C helpers shared by the CPU implementations of ltx_kernels, written once:
  * bit-exact fp16/bf16 <-> fp32 conversion (round to nearest even, as CUDA's __float2*_rn),
- * element load/store by dtype and row addressing of ltx_rows_t.
+ * element load/store by dtype and row addressing of ltx_rows_t (the row helpers and argument checks
+ * they share with the CUDA launchers are rows.h and checks.h).
  */
 #ifndef LTX_CPU_UTILS_H_
 #define LTX_CPU_UTILS_H_
@@ -10,7 +11,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "checks.h"
 #include "ltx_kernels.h"
+#include "rows.h"
 
 static inline float ltx_bits_to_float(uint32_t bits) {
   float f;
@@ -58,8 +61,6 @@ static inline uint16_t ltx_float_to_half(float f) {
   return sign | (uint16_t)((magnitude - 0x38000000u) >> 13); /* rebias; may round up to inf */
 }
 
-static inline int ltx_dtype_size(ltx_dtype_t dtype) { return dtype == LTX_FLOAT32 ? 4 : 2; }
-
 /* Element i of an array of `dtype`, as float. */
 static inline float ltx_load(const void* base, ltx_dtype_t dtype, int64_t i) {
   switch (dtype) {
@@ -87,22 +88,12 @@ static inline float ltx_round_to(ltx_dtype_t dtype, float v) {
   }
 }
 
-static inline int ltx_valid_dtype(ltx_dtype_t dtype) {
-  return dtype == LTX_FLOAT32 || dtype == LTX_FLOAT16 || dtype == LTX_BFLOAT16;
-}
-
-static inline int64_t ltx_num_rows(const ltx_rows_t* r) { return r->size[0] * r->size[1] * r->size[2]; }
-
-static inline int ltx_valid_rows(const ltx_rows_t* r) {
-  int d;
-  for (d = 0; d < LTX_MAX_ROW_DIMS; ++d)
-    if (r->size[d] < 0) return 0;
-  return ltx_valid_dtype(r->dtype) && (r->data != NULL || ltx_num_rows(r) == 0);
-}
-
-/* True when an optional row operand is absent (data NULL) or describes `rows` valid rows. */
-static inline int ltx_valid_optional_rows(const ltx_rows_t* r, int64_t rows) {
-  return r->data == NULL || (ltx_valid_rows(r) && ltx_num_rows(r) == rows);
+/* Status of the checks a C implementation starts with: its op's argument rules, then the row
+ * range [row_begin, row_end) of its call. */
+static inline int ltx_cpu_status(ltx_check_t check, int64_t row_begin, int64_t row_end,
+                                 int64_t rows) {
+  if (check.status != LTX_OK) return check.status;
+  return row_begin < 0 || row_end > rows ? LTX_ERR_INVALID_ARGUMENT : LTX_OK;
 }
 
 /* Address of the first element of row `row` (see ltx_rows_t). */

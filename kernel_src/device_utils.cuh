@@ -14,7 +14,9 @@
 #include <type_traits>
 #include <utility>
 
+#include "checks.h"
 #include "ltx_kernels.h"
+#include "rows.h"
 
 namespace ltx {
 
@@ -436,27 +438,12 @@ struct RowPtr {
   }
 };
 
-inline int64_t num_rows(const ltx_rows_t& r) { return r.size[0] * r.size[1] * r.size[2]; }
-
-// True when every row start of `r` is aligned to `alignment` bytes.
-inline bool rows_aligned(const ltx_rows_t& r, int elem_bytes, int alignment) {
-  if (reinterpret_cast<uintptr_t>(r.data) % alignment != 0) return false;
-  for (int d = 0; d < LTX_MAX_ROW_DIMS; ++d)
-    if (r.size[d] > 1 && (r.stride[d] * elem_bytes) % alignment != 0) return false;
-  return true;
-}
-
-inline bool valid_rows(const ltx_rows_t& r) {
-  for (int d = 0; d < LTX_MAX_ROW_DIMS; ++d)
-    if (r.size[d] < 0) return false;
-  return r.data != nullptr || num_rows(r) == 0;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Compile-time flags and dtype dispatch. Optional operands are null pointers in a kernel's
 // arguments; where a kernel's code depends on one, with_flags turns its presence (and any other
 // uniform flag) into a compile-time constant: host side to pick a kernel instance, device side to
-// pick a copy of a loop, so that no inner loop branches on it.
+// pick a copy of a loop, so that no inner loop branches on it. (norm_modulate's epilogue keeps three
+// run-time flags, for its register count; see there.)
 // ---------------------------------------------------------------------------------------------
 template <int I, int N, typename Fn, typename... Known>
 __host__ __device__ __forceinline__ decltype(auto) with_flags_from(const bool (&flags)[N], Fn& fn,
@@ -597,6 +584,13 @@ struct RowChunkTeam {
                             lane};
   }
 };
+
+// The status a CUDA launcher starts with: its op's argument check (checks.h), then this
+// implementation's limit: rows and the sizes within them index with 32-bit ints (longest_size).
+inline int launcher_status(const ltx_check_t& check, int64_t longest_size) {
+  if (check.status != LTX_OK) return check.status;
+  return longest_size > INT32_MAX ? LTX_ERR_INVALID_ARGUMENT : LTX_OK;
+}
 
 // The status a launcher returns after its kernel launch.
 inline int launch_status() {

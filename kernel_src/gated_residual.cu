@@ -107,15 +107,11 @@ int gated_residual_typed(const ltx_rows_t& out, const ltx_rows_t& x, const ltx_r
   a.gate = RowPtr<const Tg>::of(gate);
   a.upcast = upcast;
   constexpr int kVec = 16 / sizeof(T);
-  const bool vectorizable = hidden % kVec == 0 && rows_aligned(out, sizeof(T), 16) &&
-                            rows_aligned(x, sizeof(T), 16) && rows_aligned(y, sizeof(T), 16) &&
-                            (!has_gate || rows_aligned(gate, sizeof(Tg), pack_alignment<Tg, kVec>()));
-  if (vectorizable) return launch_gated_residual<T, Tg, kVec>(a, num_rows(x), hidden, stream);
-  return launch_gated_residual<T, Tg, 1>(a, num_rows(x), hidden, stream);
-}
-
-bool is_float_dtype(ltx_dtype_t dtype) {
-  return dtype == LTX_FLOAT32 || dtype == LTX_FLOAT16 || dtype == LTX_BFLOAT16;
+  const bool vectorizable = hidden % kVec == 0 && ltx_rows_aligned(&out, sizeof(T), 16) &&
+                            ltx_rows_aligned(&x, sizeof(T), 16) && ltx_rows_aligned(&y, sizeof(T), 16) &&
+                            (!has_gate || ltx_rows_aligned(&gate, sizeof(Tg), pack_alignment<Tg, kVec>()));
+  if (vectorizable) return launch_gated_residual<T, Tg, kVec>(a, ltx_num_rows(&x), hidden, stream);
+  return launch_gated_residual<T, Tg, 1>(a, ltx_num_rows(&x), hidden, stream);
 }
 
 }  // namespace
@@ -125,20 +121,11 @@ extern "C" int ltx_gated_residual_cuda(ltx_rows_t out, ltx_rows_t x, ltx_rows_t 
                                        ltx_rows_t gate, int64_t hidden, int upcast,
                                        ltx_stream_t stream) {
   using namespace ltx;
-  const bool has_gate = gate.data != nullptr;
-  if (!valid_rows(out) || !valid_rows(x) || !valid_rows(y) || num_rows(out) != num_rows(x) ||
-      num_rows(y) != num_rows(x) || hidden < 0 || hidden > INT32_MAX ||
-      (upcast != 0 && upcast != 1))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (has_gate && (!valid_rows(gate) || num_rows(gate) != num_rows(x)))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (!is_float_dtype(x.dtype) || (has_gate && !is_float_dtype(gate.dtype)))
-    return LTX_ERR_UNSUPPORTED_DTYPE;
-  if (out.dtype != x.dtype || y.dtype != x.dtype) return LTX_ERR_INVALID_ARGUMENT;
+  const int status =
+      launcher_status(ltx_check_gated_residual(&out, &x, &y, &gate, hidden, upcast), hidden);
+  if (status != LTX_OK || ltx_num_rows(&x) == 0 || hidden == 0) return status;
   // The gate is T, or fp32 when the product is kept in fp32 (upcast).
-  const bool gate_fp32 = has_gate && gate.dtype != x.dtype;
-  if (gate_fp32 && (!upcast || gate.dtype != LTX_FLOAT32)) return LTX_ERR_INVALID_ARGUMENT;
-  if (num_rows(x) == 0 || hidden == 0) return LTX_OK;
+  const bool gate_fp32 = gate.data != nullptr && gate.dtype != x.dtype;
   const auto stream_ = reinterpret_cast<cudaStream_t>(stream);
   return dispatch_float(x.dtype, [&](auto x_tag) {
     using T = typename decltype(x_tag)::type;

@@ -7,19 +7,11 @@ int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_
                            int64_t hidden, int upcast, int64_t row_begin, int64_t row_end) {
   const ltx_dtype_t act = x.dtype; /* T */
   const int has_gate = gate.data != NULL;
-  int64_t rows, row, i;
-  if (!ltx_valid_dtype(act) || (has_gate && !ltx_valid_dtype(gate.dtype)))
-    return LTX_ERR_UNSUPPORTED_DTYPE;
-  /* x, y, out: T; the gate is T, or fp32 when the product is kept in fp32 (upcast). */
-  if (out.dtype != act || y.dtype != act || (upcast != 0 && upcast != 1) ||
-      (has_gate && gate.dtype != act && !(upcast && gate.dtype == LTX_FLOAT32)))
-    return LTX_ERR_INVALID_ARGUMENT;
-  rows = ltx_num_rows(&x);
-  if (!ltx_valid_rows(&x) || !ltx_valid_rows(&out) || !ltx_valid_rows(&y) ||
-      ltx_num_rows(&out) != rows || ltx_num_rows(&y) != rows ||
-      !ltx_valid_optional_rows(&gate, rows) || hidden < 0 || row_begin < 0 || row_end > rows)
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (hidden == 0) return LTX_OK;
+  const int status =
+      ltx_cpu_status(ltx_check_gated_residual(&out, &x, &y, &gate, hidden, upcast), row_begin,
+                     row_end, ltx_num_rows(&x));
+  int64_t row, i;
+  if (status != LTX_OK || hidden == 0) return status;
 
   for (row = row_begin; row < row_end; ++row) {
     const void* x_row = ltx_row_ptr(&x, row);

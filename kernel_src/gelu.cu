@@ -111,9 +111,9 @@ int gelu_typed(const ltx_rows_t& out, const ltx_rows_t& x, int64_t hidden, bool 
   const GeluArgs<T> a{RowPtr<T>::of(out), RowPtr<const T>::of(x), hidden, {}, gated};
   constexpr int kVec = 16 / sizeof(T);
   // hidden % kVec == 0 also aligns the second half of a gated row.
-  if (hidden % kVec == 0 && rows_aligned(out, sizeof(T), 16) && rows_aligned(x, sizeof(T), 16))
-    return launch_gelu<T, kVec, kApproximate>(a, num_rows(x), stream);
-  return launch_gelu<T, 1, kApproximate>(a, num_rows(x), stream);
+  if (hidden % kVec == 0 && ltx_rows_aligned(&out, sizeof(T), 16) && ltx_rows_aligned(&x, sizeof(T), 16))
+    return launch_gelu<T, kVec, kApproximate>(a, ltx_num_rows(&x), stream);
+  return launch_gelu<T, 1, kApproximate>(a, ltx_num_rows(&x), stream);
 }
 
 }  // namespace
@@ -122,14 +122,8 @@ int gelu_typed(const ltx_rows_t& out, const ltx_rows_t& x, int64_t hidden, bool 
 extern "C" int ltx_gelu_cuda(ltx_rows_t out, ltx_rows_t x, int64_t hidden,
                              ltx_gelu_approximate_t approximate, int gated, ltx_stream_t stream) {
   using namespace ltx;
-  if (!valid_rows(out) || !valid_rows(x) || num_rows(out) != num_rows(x) || hidden < 0 ||
-      hidden > INT32_MAX || (gated != 0 && gated != 1) ||
-      (approximate != LTX_GELU_NONE && approximate != LTX_GELU_TANH))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (x.dtype != LTX_FLOAT32 && x.dtype != LTX_FLOAT16 && x.dtype != LTX_BFLOAT16)
-    return LTX_ERR_UNSUPPORTED_DTYPE;
-  if (out.dtype != x.dtype) return LTX_ERR_INVALID_ARGUMENT;
-  if (num_rows(x) == 0 || hidden == 0) return LTX_OK;
+  const int status = launcher_status(ltx_check_gelu(&out, &x, hidden, approximate, gated), hidden);
+  if (status != LTX_OK || ltx_num_rows(&x) == 0 || hidden == 0) return status;
   const auto stream_ = reinterpret_cast<cudaStream_t>(stream);
   return dispatch_float(x.dtype, [&](auto x_tag) {
     using T = typename decltype(x_tag)::type;

@@ -18,14 +18,10 @@ static float gelu_value(float x, ltx_gelu_approximate_t approximate) {
 int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
                  int gated, int64_t row_begin, int64_t row_end) {
   const ltx_dtype_t act = x.dtype; /* T */
+  const int status = ltx_cpu_status(ltx_check_gelu(&out, &x, hidden, approximate, gated),
+                                    row_begin, row_end, ltx_num_rows(&x));
   int64_t row, i;
-  if (!ltx_valid_dtype(act)) return LTX_ERR_UNSUPPORTED_DTYPE;
-  if (out.dtype != act || !ltx_valid_rows(&out) || !ltx_valid_rows(&x) ||
-      ltx_num_rows(&out) != ltx_num_rows(&x) || hidden < 0 || hidden > INT64_MAX / 2 ||
-      (approximate != LTX_GELU_NONE && approximate != LTX_GELU_TANH) ||
-      (gated != 0 && gated != 1) || row_begin < 0 || row_end > ltx_num_rows(&x))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (hidden == 0) return LTX_OK;
+  if (status != LTX_OK || hidden == 0) return status;
 
   for (row = row_begin; row < row_end; ++row) {
     const void* x_row = ltx_row_ptr(&x, row);

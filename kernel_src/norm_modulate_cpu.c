@@ -5,11 +5,6 @@
  * in every pass (nothing is allocated), and outputs are written in the last pass only. */
 #include "cpu_utils.h"
 
-/* True when `dtype` is allowed for a modulation tensor, weight or bias: T, or fp32 with upcast. */
-static int valid_parameter_dtype(ltx_dtype_t dtype, ltx_dtype_t act, int upcast) {
-  return dtype == act || (upcast && dtype == LTX_FLOAT32);
-}
-
 /* The rows of one call's operands: row pointers of the present row operands (NULL when absent). */
 typedef struct norm_modulate_row {
   const void *x, *y, *gate, *scale, *shift;
@@ -33,45 +28,21 @@ static float residual_element(const ltx_norm_modulate_args_t* a, const norm_modu
 int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin,
                           int64_t row_end) {
   const ltx_norm_modulate_args_t* a = args;
+  const int status = ltx_cpu_status(ltx_check_norm_modulate(a), row_begin, row_end,
+                                    a ? ltx_num_rows(&a->x) : 0);
   ltx_dtype_t act, modulation_dtype;
   int has_y, upcast;
-  int64_t rows, row, i, hidden;
-  if (!a) return LTX_ERR_INVALID_ARGUMENT;
+  int64_t row, i, hidden;
+  if (status != LTX_OK || a->hidden == 0) return status;
   act = a->x.dtype; /* T */
   has_y = a->y.data != NULL;
   upcast = a->upcast != 0;
   hidden = a->hidden;
-
-  /* Dtypes: activations must be T; gate, scale, shift share one dtype (T, or fp32 with upcast);
-   * weight and bias each T, or fp32 with upcast. */
-  if (!ltx_valid_dtype(act)) return LTX_ERR_UNSUPPORTED_DTYPE;
+  /* gate, scale and shift share one dtype (checked) */
   modulation_dtype = a->gate.data ? a->gate.dtype
                      : a->scale.data ? a->scale.dtype
                      : a->shift.data ? a->shift.dtype
                      : act;
-  if (a->out.dtype != act || (has_y && a->y.dtype != act) ||
-      (a->residual_out.data && a->residual_out.dtype != act) ||
-      (a->gate.data && a->gate.dtype != modulation_dtype) ||
-      (a->scale.data && a->scale.dtype != modulation_dtype) ||
-      (a->shift.data && a->shift.dtype != modulation_dtype))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (!valid_parameter_dtype(modulation_dtype, act, upcast) ||
-      (a->weight.data && !valid_parameter_dtype(a->weight.dtype, act, upcast)) ||
-      (a->bias.data && !valid_parameter_dtype(a->bias.dtype, act, upcast)))
-    return LTX_ERR_UNSUPPORTED_DTYPE;
-
-  /* Shapes: every present row operand has x's row count; gate and residual_out need y; bias
-   * only for LayerNorm. */
-  rows = ltx_num_rows(&a->x);
-  if ((a->norm != LTX_NORM_RMS && a->norm != LTX_NORM_LAYER) ||
-      (a->norm == LTX_NORM_RMS && a->bias.data) || hidden < 0 || !(a->eps >= 0.f) ||
-      !ltx_valid_rows(&a->x) || !ltx_valid_rows(&a->out) || ltx_num_rows(&a->out) != rows ||
-      !ltx_valid_optional_rows(&a->y, rows) || ((a->gate.data || a->residual_out.data) && !has_y) ||
-      !ltx_valid_optional_rows(&a->gate, rows) || !ltx_valid_optional_rows(&a->scale, rows) ||
-      !ltx_valid_optional_rows(&a->shift, rows) ||
-      !ltx_valid_optional_rows(&a->residual_out, rows) || row_begin < 0 || row_end > rows)
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (hidden == 0) return LTX_OK;
 
   for (row = row_begin; row < row_end; ++row) {
     norm_modulate_row_t r;

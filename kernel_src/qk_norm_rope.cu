@@ -176,8 +176,8 @@ struct SlotMap {
   __device__ __forceinline__ bool valid(int s) const { return ((valid_mask >> s) & 1u) != 0; }
 };
 
-// Where the norm weight of slot s's kVec elements is read: none (ones), the fp32 copy staged in
-// shared memory, 16-byte packs of Tw, or element by element.
+// Where the norm weight of slot s's kVec elements is read: none (ones), packs of Tw (the fp32 copy
+// staged in shared memory, or the weight in global memory), or element by element.
 struct NoNormWeight {
   template <int kVec>
   __device__ __forceinline__ void operator()(const SlotMap<kVec>&, int, float (&w)[kVec]) const {
@@ -185,25 +185,18 @@ struct NoNormWeight {
     for (int i = 0; i < kVec; ++i) w[i] = 1.f;
   }
 };
-struct StagedNormWeight {
-  const float* staged;
-  template <int kVec>
-  __device__ __forceinline__ void operator()(const SlotMap<kVec>& slots, int s,
-                                             float (&w)[kVec]) const {
-    Pack<float, kVec> wp;
-    wp.load_plain(staged + slots.elem(s));
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
-  }
-};
-template <typename Tw>
+// (kShared: the fp32 copy in shared memory, read with plain loads; else read-only global loads.)
+template <typename Tw, bool kShared = false>
 struct PackedNormWeight {
   const Tw* weight;
   template <int kVec>
   __device__ __forceinline__ void operator()(const SlotMap<kVec>& slots, int s,
                                              float (&w)[kVec]) const {
     Pack<Tw, kVec> wp;
-    wp.load(weight + slots.elem(s));
+    if constexpr (kShared)
+      wp.load_plain(weight + slots.elem(s));
+    else
+      wp.load(weight + slots.elem(s));
 #pragma unroll
     for (int i = 0; i < kVec; ++i) w[i] = wp.get(i);
   }
@@ -331,7 +324,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     if (!has_weight)
       normalize_slots(xs, slots, rstd, NoNormWeight{});
     else if (staged)
-      normalize_slots(xs, slots, rstd, StagedNormWeight{staged_weight});
+      normalize_slots(xs, slots, rstd, PackedNormWeight<float, true>{staged_weight});
     else if (t.weight_vectorized && t.weight_dtype != LTX_FLOAT32)  // weight dtype T
       normalize_slots(xs, slots, rstd, PackedNormWeight<T>{static_cast<const T*>(t.weight)});
     else if (t.weight_vectorized)
@@ -476,7 +469,7 @@ int launch_cached(QkNormRopeParams<T, Tc> a, cudaStream_t stream) {
 // True when every row start and every head's table start of `r` is aligned to `alignment` bytes.
 inline bool table_rows_aligned(const ltx_rows_t& r, int64_t head_stride, int heads, int elem_bytes,
                                int alignment) {
-  return rows_aligned(r, elem_bytes, alignment) &&
+  return ltx_rows_aligned(&r, elem_bytes, alignment) &&
          (heads <= 1 || (head_stride * elem_bytes) % alignment == 0);
 }
 
@@ -503,9 +496,9 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
     RopeTensor<T, Tc>& dst = a.t[i];
     dst.out = RowPtr<T>::of(src.out);
     dst.x = RowPtr<const T>::of(src.x);
-    dst.rows = num_rows(src.x);
-    vector_ok = vector_ok && rows_aligned(src.x, sizeof(T), 16) &&
-                rows_aligned(src.out, sizeof(T), 16);
+    dst.rows = ltx_num_rows(&src.x);
+    vector_ok = vector_ok && ltx_rows_aligned(&src.x, sizeof(T), 16) &&
+                ltx_rows_aligned(&src.out, sizeof(T), 16);
     if (src.cos.data != nullptr) {
       dst.cos = RowPtr<const Tc>::of(src.cos);
       dst.sin = RowPtr<const Tc>::of(src.sin);
@@ -537,61 +530,28 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
                           stream, a);
 }
 
-bool is_float_dtype(ltx_dtype_t d) {
-  return d == LTX_FLOAT32 || d == LTX_FLOAT16 || d == LTX_BFLOAT16;
-}
-
 }  // namespace
 }  // namespace ltx
 
 extern "C" int ltx_qk_norm_rope_cuda(const ltx_qk_norm_rope_args_t* args, ltx_stream_t stream) {
   using namespace ltx;
-  if (args == nullptr || (args->num_tensors != 1 && args->num_tensors != 2)) return LTX_ERR_INVALID_ARGUMENT;
-  const int64_t heads = args->heads, head_dim = args->head_dim;
-  if (heads < 0 || head_dim < 0 || heads > INT32_MAX || head_dim > INT32_MAX ||
-      (heads > 0 && head_dim > INT32_MAX / heads))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (args->normalize && !(args->eps >= 0.f)) return LTX_ERR_INVALID_ARGUMENT;
-  const ltx_dtype_t x_dtype = args->tensors[0].x.dtype;
-  bool any_rotation = false, any_rows = false;
-  bool has_table_dtype = false;
-  ltx_dtype_t table_dtype = x_dtype;
-  for (int i = 0; i < args->num_tensors; ++i) {
-    const ltx_rope_tensor_t& t = args->tensors[i];
-    if (!valid_rows(t.x) || !valid_rows(t.out) || num_rows(t.out) != num_rows(t.x) ||
-        t.out.dtype != t.x.dtype)
-      return LTX_ERR_INVALID_ARGUMENT;
-    if (t.x.dtype != x_dtype) return LTX_ERR_UNSUPPORTED_DTYPE;  // q and k share T
-    any_rows = any_rows || num_rows(t.x) > 0;
-    if ((t.cos.data == nullptr) != (t.sin.data == nullptr)) return LTX_ERR_INVALID_ARGUMENT;
-    if (t.cos.data != nullptr) {
-      if (!valid_rows(t.cos) || !valid_rows(t.sin) || num_rows(t.cos) != num_rows(t.x) ||
-          num_rows(t.sin) != num_rows(t.x))
-        return LTX_ERR_INVALID_ARGUMENT;
-      if (t.sin.dtype != t.cos.dtype || (t.cos.dtype != x_dtype && t.cos.dtype != LTX_FLOAT32) ||
-          (has_table_dtype && t.cos.dtype != table_dtype))
-        return LTX_ERR_UNSUPPORTED_DTYPE;
-      has_table_dtype = true;
-      table_dtype = t.cos.dtype;
-      any_rotation = true;
-    }
-    if (args->normalize && t.weight.data != nullptr &&
-        t.weight.dtype != x_dtype && t.weight.dtype != LTX_FLOAT32)
-      return LTX_ERR_UNSUPPORTED_DTYPE;
+  const ltx_check_t check = ltx_check_qk_norm_rope(args);
+  const int64_t longest = check.status == LTX_OK ? std::max({args->heads, args->head_dim,
+                                                             args->heads * args->head_dim})
+                                                 : 0;
+  const int status = launcher_status(check, longest);
+  if (status != LTX_OK) return status;
+  const ltx_qk_norm_rope_args_t& a = *args;
+  bool any_rows = false, fp32_tables = false;
+  for (int i = 0; i < a.num_tensors; ++i) {
+    any_rows = any_rows || ltx_num_rows(&a.tensors[i].x) > 0;
+    fp32_tables = fp32_tables || (a.tensors[i].cos.data && a.tensors[i].cos.dtype == LTX_FLOAT32);
   }
-  if (any_rotation) {
-    if (head_dim % 2 != 0) return LTX_ERR_INVALID_ARGUMENT;
-    const bool rot_ok = args->interleaved
-                            ? args->rot_dim == head_dim
-                            : (args->rot_dim == head_dim || 2 * args->rot_dim == head_dim);
-    if (!rot_ok) return LTX_ERR_INVALID_ARGUMENT;
-  }
-  if (!is_float_dtype(x_dtype)) return LTX_ERR_UNSUPPORTED_DTYPE;
-  if (!any_rows || heads == 0 || head_dim == 0) return LTX_OK;
+  if (!any_rows || a.heads == 0 || a.head_dim == 0) return LTX_OK;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  return dispatch_float(x_dtype, [&](auto x_tag) {
+  return dispatch_float(a.tensors[0].x.dtype, [&](auto x_tag) {
     using T = typename decltype(x_tag)::type;
-    if (table_dtype == LTX_FLOAT32) return qk_norm_rope_typed<T, float>(*args, cuda_stream);
-    return qk_norm_rope_typed<T, T>(*args, cuda_stream);
+    if (fp32_tables) return qk_norm_rope_typed<T, float>(a, cuda_stream);
+    return qk_norm_rope_typed<T, T>(a, cuda_stream);
   });
 }

@@ -5,32 +5,6 @@
  * to T. Each rotation pair is read before it is written, so out may alias x. */
 #include "cpu_utils.h"
 
-/* Status of the checks of one tensor's operands against the shared arguments (see the header:
- * x, out: T of both tensors; cos and sin: both present or both absent, one dtype `table` (T or
- * fp32) for both tensors; weight T or fp32). */
-static int check_tensor(const ltx_qk_norm_rope_args_t* a, const ltx_rope_tensor_t* t,
-                        ltx_dtype_t act, ltx_dtype_t table) {
-  const int rotate = t->cos.data != NULL;
-  const int64_t rows = ltx_num_rows(&t->x);
-  if (t->out.dtype != t->x.dtype || (t->sin.data != NULL) != rotate)
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (t->x.dtype != act ||
-      (rotate && (t->cos.dtype != table || t->sin.dtype != table ||
-                  (table != act && table != LTX_FLOAT32))) ||
-      (a->normalize && t->weight.data && t->weight.dtype != act &&
-       t->weight.dtype != LTX_FLOAT32))
-    return LTX_ERR_UNSUPPORTED_DTYPE;
-  if (!ltx_valid_rows(&t->x) || !ltx_valid_rows(&t->out) || ltx_num_rows(&t->out) != rows ||
-      !ltx_valid_optional_rows(&t->cos, rows) || !ltx_valid_optional_rows(&t->sin, rows))
-    return LTX_ERR_INVALID_ARGUMENT;
-  /* Rotation: even head_dim; interleaved pairs span the head; halves span it or half of it. */
-  if (rotate && (a->head_dim % 2 != 0 ||
-                 !(a->rot_dim == a->head_dim ||
-                   (!a->interleaved && a->rot_dim * 2 == a->head_dim))))
-    return LTX_ERR_INVALID_ARGUMENT;
-  return LTX_OK;
-}
-
 /* Element i of the row before its rounding to T: x * rstd * w (torch.nn.RMSNorm, weight
  * optional) when normalizing, x otherwise. */
 static float normalized_element(const void* x_row, ltx_dtype_t act, const ltx_vector_t* weight,
@@ -45,23 +19,19 @@ static float normalized_element(const void* x_row, ltx_dtype_t act, const ltx_ve
 int ltx_qk_norm_rope_cpu(const ltx_qk_norm_rope_args_t* args, int tensor, int64_t row_begin,
                          int64_t row_end) {
   const ltx_qk_norm_rope_args_t* a = args;
+  const ltx_check_t check = ltx_check_qk_norm_rope(a);
   const ltx_rope_tensor_t* t;
   ltx_dtype_t act, table; /* T, cos/sin dtype */
   int64_t row_length, half, row, head, i;
-  int k, status, rotate;
-  if (!a || a->num_tensors < 1 || a->num_tensors > 2 || tensor < 0 || tensor >= a->num_tensors ||
-      a->heads < 0 || a->head_dim < 0 || (a->normalize && !(a->eps >= 0.f)) ||
-      (a->head_dim > 0 && a->heads > INT64_MAX / a->head_dim))
-    return LTX_ERR_INVALID_ARGUMENT;
-  act = a->tensors[0].x.dtype; /* T, shared by both tensors */
-  if (!ltx_valid_dtype(act)) return LTX_ERR_UNSUPPORTED_DTYPE;
-  table = a->tensors[a->tensors[0].cos.data ? 0 : a->num_tensors - 1].cos.dtype;
-  for (k = 0; k < a->num_tensors; ++k)
-    if ((status = check_tensor(a, &a->tensors[k], act, table)) != LTX_OK) return status;
+  int status, rotate;
+  if (check.status != LTX_OK) return check.status;
+  if (tensor < 0 || tensor >= a->num_tensors) return LTX_ERR_INVALID_ARGUMENT;
   t = &a->tensors[tensor];
-  if (row_begin < 0 || row_end > ltx_num_rows(&t->x)) return LTX_ERR_INVALID_ARGUMENT;
+  status = ltx_cpu_status(check, row_begin, row_end, ltx_num_rows(&t->x));
   row_length = a->heads * a->head_dim;
-  if (row_length == 0) return LTX_OK;
+  if (status != LTX_OK || row_length == 0) return status;
+  act = a->tensors[0].x.dtype; /* T, shared by both tensors */
+  table = t->cos.dtype;
   rotate = t->cos.data != NULL;
   half = a->head_dim / 2;
 

@@ -174,14 +174,14 @@ int rmsnorm_typed(const ltx_rows_t& out, const ltx_rows_t& x, const void* weight
   const RmsNormArgs<Tx, Tw, To> a{RowPtr<To>::of(out),
                                   RowPtr<const Tx>::of(x),
                                   static_cast<const Tw*>(weight),
-                                  num_rows(x),
+                                  ltx_num_rows(&x),
                                   hidden,
                                   1.f / static_cast<float>(hidden),
                                   eps};
   constexpr int kVec = 16 / sizeof(Tx);
   const bool vectorizable =
-      hidden % kVec == 0 && rows_aligned(x, sizeof(Tx), 16) &&
-      rows_aligned(out, sizeof(To), pack_alignment<To, kVec>()) &&
+      hidden % kVec == 0 && ltx_rows_aligned(&x, sizeof(Tx), 16) &&
+      ltx_rows_aligned(&out, sizeof(To), pack_alignment<To, kVec>()) &&
       (!kHasWeight || reinterpret_cast<uintptr_t>(weight) % pack_alignment<Tw, kVec>() == 0);
   if (vectorizable && hidden / kVec <= kSlots * kMaxThreadsPerRow)
     return launch_cached<Tx, Tw, To, kHasWeight, kVec>(a, stream);
@@ -198,12 +198,9 @@ extern "C" int ltx_rmsnorm_cuda(ltx_rows_t out, ltx_rows_t x, const void* weight
                                 ltx_dtype_t weight_dtype, int64_t hidden, float eps,
                                 ltx_stream_t stream) {
   using namespace ltx;
-  if (!valid_rows(out) || !valid_rows(x) || num_rows(out) != num_rows(x) || hidden < 0 ||
-      hidden > INT32_MAX || !(eps >= 0.f))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (out.dtype != (weight ? weight_dtype : x.dtype)) return LTX_ERR_INVALID_ARGUMENT;
-  if (num_rows(x) == 0 || hidden == 0) return LTX_OK;
-  if (!x.data || !out.data) return LTX_ERR_INVALID_ARGUMENT;
+  const int status =
+      launcher_status(ltx_check_rmsnorm(&out, &x, weight, weight_dtype, hidden, eps), hidden);
+  if (status != LTX_OK || ltx_num_rows(&x) == 0 || hidden == 0) return status;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   return dispatch_float(x.dtype, [&](auto x_tag) {
     using Tx = typename decltype(x_tag)::type;

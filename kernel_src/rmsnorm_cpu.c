@@ -4,13 +4,11 @@
 
 int ltx_rmsnorm_cpu(ltx_rows_t out, ltx_rows_t x, const void* weight, ltx_dtype_t weight_dtype,
                     int64_t hidden, float eps, int64_t row_begin, int64_t row_end) {
+  const int status =
+      ltx_cpu_status(ltx_check_rmsnorm(&out, &x, weight, weight_dtype, hidden, eps), row_begin,
+                     row_end, ltx_num_rows(&x));
   int64_t row, i;
-  if (!ltx_valid_rows(&out) || !ltx_valid_rows(&x) || ltx_num_rows(&out) != ltx_num_rows(&x) ||
-      hidden < 0 || !(eps >= 0.f) || row_begin < 0 || row_end > ltx_num_rows(&x))
-    return LTX_ERR_INVALID_ARGUMENT;
-  if (weight && !ltx_valid_dtype(weight_dtype)) return LTX_ERR_UNSUPPORTED_DTYPE;
-  if (out.dtype != (weight ? weight_dtype : x.dtype)) return LTX_ERR_INVALID_ARGUMENT;
-  if (hidden == 0) return LTX_OK;
+  if (status != LTX_OK || hidden == 0) return status;
 
   for (row = row_begin; row < row_end; ++row) {
     const void* x_row = ltx_row_ptr(&x, row);

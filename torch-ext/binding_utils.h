@@ -1,16 +1,28 @@
-// Helpers shared by every op binding: argument checks whose messages name the op and the argument,
-// dtype mapping, ltx_rows_t views of tensors, and launcher status handling.
+// Helpers shared by every op binding: the checks of what is torch's (devices, dtypes, shapes and
+// strides of tensors), with messages that name the op and the argument, ltx_rows_t views of
+// tensors, and the one path every op runs: the launcher's argument check (kernel_src/checks.h),
+// turned into a message naming the argument, then the CUDA launcher or its C twin.
 #pragma once
 
-#include <cmath>
+#include <atomic>
 #include <cstdio>
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#if defined(CUDA_KERNEL)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
+#include "../kernel_src/checks.h"
 #include "../kernel_src/ltx_kernels.h"
 
 namespace ltx_binding {
@@ -61,6 +73,14 @@ inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
   return LTX_FLOAT32;  // unreachable
 }
 
+inline at::ScalarType to_scalar_type(ltx_dtype_t dtype) {
+  switch (dtype) {
+    case LTX_FLOAT16: return at::kHalf;
+    case LTX_BFLOAT16: return at::kBFloat16;
+    default: return at::kFloat;
+  }
+}
+
 inline bool is_supported_float(at::ScalarType type) {
   return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
 }
@@ -94,14 +114,26 @@ inline void check_channel_vector(const char* op, const char* name, const at::Ten
               " must be contiguous, got stride ", t.stride(0));
 }
 
-inline void check_eps(const char* op, double eps) {
-  LTX_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+// The address of a present operand for the launchers: t's data, and not NULL (which means absent)
+// even when t is empty.
+inline void* present_data(const at::Tensor& t) {
+  static char empty_tensor;
+  return t.data_ptr() ? const_cast<void*>(t.data_ptr()) : &empty_tensor;
 }
 
 // The rows of t (all dims but the last) as at most LTX_MAX_ROW_DIMS (size, stride) levels:
 // size-1 dims are dropped and dims that step evenly into each other are merged, so any view whose
-// rows are evenly spaced, and [B, S, D]-style views with arbitrary strides, need no copy.
+// rows are evenly spaced, and [B, S, D]-style views with arbitrary strides, need no copy. An empty
+// tensor is zero rows at a non-NULL address (present, but nothing is read or written).
 inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t) {
+  if (t.numel() == 0) {
+    ltx_rows_t rows{};
+    rows.data = present_data(t);
+    rows.dtype = to_ltx_dtype(t.scalar_type());
+    rows.size[0] = 0;
+    rows.size[1] = rows.size[2] = 1;
+    return rows;
+  }
   std::vector<std::pair<int64_t, int64_t>> levels;  // (size, stride), outermost first
   for (int64_t d = 0; d + 1 < t.dim(); ++d) {
     const int64_t size = t.size(d), stride = t.stride(d);
@@ -133,31 +165,13 @@ inline ltx_rows_t no_rows() {
   return rows;
 }
 
-// Operand dtype under the rounding rules of the fused ops (ltx_kernels.h): x's dtype, or with
-// upcast also float32.
-inline void check_operand_dtype(const char* op, const char* name, const at::Tensor& t,
-                                const at::Tensor& x, bool upcast) {
-  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
-            " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  if (upcast) {
-    LTX_CHECK(t.scalar_type() == x.scalar_type() || t.scalar_type() == at::kFloat, op, ": ", name,
-              " must be ", x.scalar_type(), " or float32, got ", t.scalar_type());
-  } else {
-    LTX_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype ",
-              x.scalar_type(), " (pass upcast=True to compute in float32 with a float32 ", name,
-              "), got ", t.scalar_type());
-  }
-}
-
-// A second activation of exactly x's shape and dtype (y of a residual).
+// A second activation of exactly x's shape (y of a residual; its dtype is a launcher rule).
 inline void check_like_x(const char* op, const char* name, const at::Tensor& t,
                          const at::Tensor& x) {
   check_same_device(op, name, t, "x", x);
   check_activation(op, name, t);
   LTX_CHECK(t.sizes() == x.sizes(), op, ": ", name, " must have x's shape ", x.sizes(), ", got ",
             t.sizes());
-  LTX_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype ",
-            x.scalar_type(), ", got ", t.scalar_type());
 }
 
 // A per-row operand that broadcasts to `shape` (x's shape, or x's leading dims + [last]): a
@@ -182,15 +196,79 @@ inline at::Tensor broadcast_operand(const char* op, const char* name, const at::
   return t.expand(shape);
 }
 
-inline const void* optional_data(const std::optional<at::Tensor>& t) {
-  return t ? t->data_ptr() : nullptr;
+// An optional per-channel vector of `length` elements (data NULL when absent); its dtype rules are
+// the launcher's.
+inline ltx_vector_t optional_vector(const char* op, const char* name,
+                                    const std::optional<at::Tensor>& t, const at::Tensor& x,
+                                    int64_t length) {
+  if (!t) return ltx_vector_t{nullptr, LTX_FLOAT32};
+  check_channel_vector(op, name, *t, length, x);
+  return ltx_vector_t{present_data(*t), to_ltx_dtype(t->scalar_type())};
 }
 
-inline ltx_dtype_t optional_dtype(const std::optional<at::Tensor>& t) {
-  return t ? to_ltx_dtype(t->scalar_type()) : LTX_FLOAT32;
+// ------------------------------------------------------------------------------------------------
+// The one path of every op: argument check, then the CUDA launcher or its C twin.
+// ------------------------------------------------------------------------------------------------
+// Launcher argument names (ltx_kernels.h) -> the op's argument names, where they differ.
+using ArgNames = std::initializer_list<std::pair<std::string_view, const char*>>;
+
+inline std::string op_arg_name(const char* launcher_name, ArgNames names) {
+  if (!launcher_name) return "argument";
+  for (const auto& [from, to] : names)
+    if (from == launcher_name) return to;
+  return launcher_name;
 }
 
-std::string launcher_error(int status);  // defined in torch_binding.cpp
+// The error message of a failed launcher argument check, naming the op's argument and the rule.
+inline std::string check_message(const char* op, const ltx_check_t& c, ArgNames names) {
+  const std::string arg = op_arg_name(c.arg, names), ref = op_arg_name(c.ref, names);
+  const at::ScalarType dtype = to_scalar_type(c.arg_dtype), ref_dtype = to_scalar_type(c.ref_dtype);
+  switch (c.rule) {
+    case LTX_RULE_ROW_COUNT:
+      return cat(op, ": ", arg, " must have as many rows as ", ref);
+    case LTX_RULE_REQUIRES:
+      return cat(op, ": ", arg, " is only allowed with ", ref);
+    case LTX_RULE_FLOAT_DTYPE:
+      return cat(op, ": ", arg, " must be float32, float16 or bfloat16");
+    case LTX_RULE_DTYPE_OF:
+      return cat(op, ": ", arg, " must have ", ref, "'s dtype ", ref_dtype, ", got ", dtype);
+    case LTX_RULE_MODEL_DTYPE:
+      return cat(op, ": ", arg, " must have ", ref, "'s dtype ", ref_dtype,
+                 " (pass upcast=True to compute in float32 with a float32 ", arg, "), got ", dtype);
+    case LTX_RULE_DTYPE_OF_OR_FLOAT32:
+      return cat(op, ": ", arg, " must be ", ref_dtype, " or float32, got ", dtype);
+    case LTX_RULE_SAME_DTYPE_AS:
+      return cat(op, ": ", arg, " must have the dtype of ", ref, " (", ref_dtype, "), got ", dtype);
+    case LTX_RULE_EPS:
+      return cat(op, ": eps must be finite and >= 0, got ", c.value);
+    case LTX_RULE_EVEN_HEAD_DIM:
+      return cat(op, ": rotation needs an even last dimension, got ", c.value);
+    case LTX_RULE_ROT_DIM:
+      return cat(op, ": ", arg, " must have last dimension ", c.expected, ", got ", c.value);
+    case LTX_RULE_ROT_DIM_OR_HALF:
+      return cat(op, ": ", arg, " must have last dimension ", c.expected, " or ", c.expected / 2,
+                 " (both halves share it), got ", c.value);
+    default:
+      return cat(op, ": invalid launcher argument ", arg);
+  }
+}
+
+// Raises the error of a launcher argument check that failed.
+inline void check_launcher_args(const char* op, const ltx_check_t& check, ArgNames names = {}) {
+  LTX_CHECK(check.status == LTX_OK, check_message(op, check, names));
+}
+
+// The message of a launcher status other than LTX_OK.
+inline std::string launcher_error(int status) {
+  switch (status) {
+    case LTX_ERR_INVALID_ARGUMENT: return "invalid argument (LTX_ERR_INVALID_ARGUMENT)";
+    case LTX_ERR_UNSUPPORTED_DTYPE: return "unsupported dtype (LTX_ERR_UNSUPPORTED_DTYPE)";
+  }
+#if defined(CUDA_KERNEL)
+  if (status > 0) return cudaGetErrorString(static_cast<cudaError_t>(status));
+#endif
+  return "status " + std::to_string(status);
+}
 
 inline void check_status(const char* op, int status) {
   LTX_CHECK(status == LTX_OK, op, ": kernel failed: ", launcher_error(status));
@@ -199,6 +277,33 @@ inline void check_status(const char* op, int status) {
 // Split [0, rows) into chunks of at least `min_elements` elements for at::parallel_for.
 inline int64_t cpu_grain(int64_t hidden, int64_t min_elements = 1 << 15) {
   return std::max<int64_t>(1, min_elements / std::max<int64_t>(hidden, 1));
+}
+
+// Runs one op on both backends. `check` is the launcher's argument check (ltx_check_*): a failure
+// raises an error naming the argument (launcher names mapped to the op's by `names`). Then, unless
+// the `rows` rows of `hidden` elements are empty, runs cuda(stream) on the current stream of x's
+// device under a device guard, or cpu(row_begin, row_end), the C twin, over the rows on the
+// intra-op thread pool.
+template <typename Cuda, typename Cpu>
+void run_launcher(const char* op, const ltx_check_t& check, const at::Tensor& x, int64_t rows,
+                  int64_t hidden, const Cuda& cuda, const Cpu& cpu, ArgNames names = {}) {
+  check_launcher_args(op, check, names);
+  if (rows == 0 || hidden == 0) return;
+  if (x.is_cuda()) {
+#if defined(CUDA_KERNEL)
+    const c10::cuda::OptionalCUDAGuard device_guard(x.device());
+    check_status(op, cuda(at::cuda::getCurrentCUDAStream().stream()));
+    return;
+#else
+    LTX_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+  }
+  std::atomic<int> status{LTX_OK};
+  at::parallel_for(0, rows, cpu_grain(hidden), [&](int64_t begin, int64_t end) {
+    const int s = cpu(begin, end);
+    if (s != LTX_OK) status.store(s);
+  });
+  check_status(op, status.load());
 }
 
 }  // namespace ltx_binding

@@ -1,15 +1,13 @@
-// Entry points of the ltx_kernels ops (torch side): argument checks, device guard, current
-// stream, then the C launchers of kernel_src/ltx_kernels.h.
+// Entry points of the ltx_kernels ops (torch side), one impl per op for both backends (CPU and
+// CUDA): torch's checks, output allocation, then the C launchers of kernel_src/ltx_kernels.h.
 #pragma once
 
 #include <optional>
 
 #include <torch/library.h>
 
-at::Tensor rmsnorm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps);
-at::Tensor rmsnorm_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps);
-
-// Fused ops: one impl per op for both backends (CPU and CUDA).
+// norm_ops.cpp
+at::Tensor rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps);
 at::Tensor rmsnorm_modulate(const at::Tensor& x, const std::optional<at::Tensor>& scale,
                             const std::optional<at::Tensor>& shift,
                             const std::optional<at::Tensor>& weight, double eps, bool upcast);
@@ -26,14 +24,16 @@ std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(
     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
     bool upcast);
-at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
-                          const std::optional<at::Tensor>& gate, bool upcast);
+// rope_ops.cpp
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                 bool interleaved);
 std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(
     const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& q_weight,
     const std::optional<at::Tensor>& k_weight, const std::optional<at::Tensor>& cos,
     const std::optional<at::Tensor>& sin, double eps, bool across_heads, bool interleaved);
+// elementwise_ops.cpp
+at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
+                          const std::optional<at::Tensor>& gate, bool upcast);
 at::Tensor gelu(const at::Tensor& x, c10::string_view approximate);
 at::Tensor geglu(const at::Tensor& x, c10::string_view approximate);
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,

@@ -1,0 +1,257 @@
+/* The argument rules of every launcher (see checks.h and the op comments in ltx_kernels.h). The
+ * checks run in a fixed order, so that the first rule broken is the one reported: dtypes of the
+ * operands in argument order, then rows, then sizes and scalars. */
+#include "checks.h"
+
+#include <math.h>
+
+#include "rows.h"
+
+static ltx_check_t ok(void) {
+  const ltx_check_t c = {.status = LTX_OK};
+  return c;
+}
+
+static ltx_check_t fail(int status, ltx_rule_t rule, const char* arg, const char* ref) {
+  const ltx_check_t c = {.status = status, .rule = rule, .arg = arg, .ref = ref};
+  return c;
+}
+
+static ltx_check_t malformed(const char* arg) {
+  return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_MALFORMED, arg, NULL);
+}
+
+static ltx_check_t dtype_fail(int status, ltx_rule_t rule, const char* arg, ltx_dtype_t arg_dtype,
+                              const char* ref, ltx_dtype_t ref_dtype) {
+  const ltx_check_t c = {.status = status, .rule = rule, .arg = arg, .ref = ref,
+                         .arg_dtype = arg_dtype, .ref_dtype = ref_dtype};
+  return c;
+}
+
+/* arg is float32, float16 or bfloat16. */
+static ltx_check_t float_dtype(const char* arg, ltx_dtype_t dtype) {
+  if (ltx_valid_dtype(dtype)) return ok();
+  return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_FLOAT_DTYPE, arg, dtype, NULL, dtype);
+}
+
+/* arg has ref's dtype. */
+static ltx_check_t dtype_of(int status, const char* arg, ltx_dtype_t dtype, const char* ref,
+                            ltx_dtype_t ref_dtype) {
+  if (dtype == ref_dtype) return ok();
+  return dtype_fail(status, LTX_RULE_DTYPE_OF, arg, dtype, ref, ref_dtype);
+}
+
+/* An operand of the fused ops' rounding rules (ltx_kernels.h): x's dtype T, or with upcast also
+ * float32. */
+static ltx_check_t operand_dtype(int status, const char* arg, ltx_dtype_t dtype, ltx_dtype_t t,
+                                 int upcast) {
+  if (dtype == t || (upcast && dtype == LTX_FLOAT32)) return ok();
+  return dtype_fail(status, upcast ? LTX_RULE_DTYPE_OF_OR_FLOAT32 : LTX_RULE_MODEL_DTYPE, arg,
+                    dtype, "x", t);
+}
+
+/* arg describes `rows` valid rows (the rows of ref). */
+static ltx_check_t rows_like(const char* arg, const ltx_rows_t* r, const char* ref, int64_t rows) {
+  if (!ltx_valid_rows(r)) return malformed(arg);
+  if (ltx_num_rows(r) != rows) return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_ROW_COUNT, arg, ref);
+  return ok();
+}
+
+/* As rows_like, for an optional operand (data NULL: absent). */
+static ltx_check_t optional_rows_like(const char* arg, const ltx_rows_t* r, const char* ref,
+                                      int64_t rows) {
+  return r->data ? rows_like(arg, r, ref, rows) : ok();
+}
+
+static ltx_check_t eps_rule(float eps) {
+  const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EPS, .arg = "eps",
+                         .value = eps};
+  return eps >= 0.f && eps < INFINITY ? ok() : c; /* (NaN fails both) */
+}
+
+/* Returns the check's result from the calling check when it failed. */
+#define LTX_RETURN_IF_FAILED(check)                 \
+  do {                                              \
+    const ltx_check_t failed_ = (check);            \
+    if (failed_.status != LTX_OK) return failed_;   \
+  } while (0)
+
+ltx_check_t ltx_check_rmsnorm(const ltx_rows_t* out, const ltx_rows_t* x, const void* weight,
+                              ltx_dtype_t weight_dtype, int64_t hidden, float eps) {
+  LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
+  if (weight) LTX_RETURN_IF_FAILED(float_dtype("weight", weight_dtype));
+  /* The output has the weight's dtype, x's without a weight (diffusers' RMSNorm). */
+  if (weight)
+    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "weight", weight_dtype));
+  else
+    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "x", x->dtype));
+  if (!ltx_valid_rows(x)) return malformed("x");
+  LTX_RETURN_IF_FAILED(rows_like("out", out, "x", ltx_num_rows(x)));
+  if (hidden < 0) return malformed("hidden");
+  return eps_rule(eps);
+}
+
+ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
+  const char* const modulation_names[3] = {"scale", "shift", "gate"};
+  const ltx_rows_t* modulation[3];
+  const ltx_rows_t* first_modulation = NULL;
+  const char* first_modulation_name = NULL;
+  ltx_dtype_t t;
+  int64_t rows;
+  int i;
+  if (!a) return malformed("args");
+  t = a->x.dtype;
+  LTX_RETURN_IF_FAILED(float_dtype("x", t));
+  /* Modulation tensors: T (fp32 too with upcast), all of one dtype. */
+  modulation[0] = &a->scale;
+  modulation[1] = &a->shift;
+  modulation[2] = &a->gate;
+  for (i = 0; i < 3; ++i)
+    if (modulation[i]->data)
+      LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, modulation_names[i],
+                                         modulation[i]->dtype, t, a->upcast));
+  for (i = 0; i < 3; ++i) {
+    if (!modulation[i]->data) continue;
+    if (first_modulation && modulation[i]->dtype != first_modulation->dtype)
+      return dtype_fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SAME_DTYPE_AS, modulation_names[i],
+                        modulation[i]->dtype, first_modulation_name, first_modulation->dtype);
+    if (!first_modulation) {
+      first_modulation = modulation[i];
+      first_modulation_name = modulation_names[i];
+    }
+  }
+  /* Activations: T. */
+  if (a->y.data) LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "y", a->y.dtype, "x", t));
+  if (a->residual_out.data)
+    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "residual_out", a->residual_out.dtype,
+                                  "x", t));
+  LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", a->out.dtype, "x", t));
+  /* Weight and bias: T (fp32 too with upcast). */
+  if (a->weight.data)
+    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "weight", a->weight.dtype, t,
+                                       a->upcast));
+  if (a->bias.data)
+    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "bias", a->bias.dtype, t,
+                                       a->upcast));
+  /* Rows: every present row operand has x's row count; gate and residual_out need y. */
+  if (!ltx_valid_rows(&a->x)) return malformed("x");
+  rows = ltx_num_rows(&a->x);
+  LTX_RETURN_IF_FAILED(rows_like("out", &a->out, "x", rows));
+  LTX_RETURN_IF_FAILED(optional_rows_like("y", &a->y, "x", rows));
+  for (i = 0; i < 3; ++i)
+    LTX_RETURN_IF_FAILED(optional_rows_like(modulation_names[i], modulation[i], "x", rows));
+  LTX_RETURN_IF_FAILED(optional_rows_like("residual_out", &a->residual_out, "x", rows));
+  if (a->gate.data && !a->y.data) return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "gate", "y");
+  if (a->residual_out.data && !a->y.data)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "residual_out", "y");
+  /* The norm; a bias only with LayerNorm. */
+  if (a->norm != LTX_NORM_RMS && a->norm != LTX_NORM_LAYER) return malformed("norm");
+  if (a->bias.data && a->norm != LTX_NORM_LAYER)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "bias", "norm");
+  if (a->hidden < 0) return malformed("hidden");
+  return eps_rule(a->eps);
+}
+
+ltx_check_t ltx_check_gated_residual(const ltx_rows_t* out, const ltx_rows_t* x,
+                                     const ltx_rows_t* y, const ltx_rows_t* gate, int64_t hidden,
+                                     int upcast) {
+  const int64_t rows = ltx_num_rows(x);
+  LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
+  if (gate->data) LTX_RETURN_IF_FAILED(float_dtype("gate", gate->dtype));
+  LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "y", y->dtype, "x", x->dtype));
+  LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "x", x->dtype));
+  if (upcast != 0 && upcast != 1) return malformed("upcast");
+  /* The gate is T, or fp32 when the product is kept in fp32 (upcast). */
+  if (gate->data)
+    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_INVALID_ARGUMENT, "gate", gate->dtype, x->dtype,
+                                       upcast));
+  if (!ltx_valid_rows(x)) return malformed("x");
+  LTX_RETURN_IF_FAILED(rows_like("y", y, "x", rows));
+  LTX_RETURN_IF_FAILED(optional_rows_like("gate", gate, "x", rows));
+  LTX_RETURN_IF_FAILED(rows_like("out", out, "x", rows));
+  if (hidden < 0) return malformed("hidden");
+  return ok();
+}
+
+/* The launcher names of the fields of tensors[0] and tensors[1]. */
+static const char* const kTensorX[2] = {"tensors[0].x", "tensors[1].x"};
+static const char* const kTensorOut[2] = {"tensors[0].out", "tensors[1].out"};
+static const char* const kTensorCos[2] = {"tensors[0].cos", "tensors[1].cos"};
+static const char* const kTensorSin[2] = {"tensors[0].sin", "tensors[1].sin"};
+static const char* const kTensorWeight[2] = {"tensors[0].weight", "tensors[1].weight"};
+
+ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
+  ltx_dtype_t t;
+  const ltx_rope_tensor_t* table_tensor = NULL; /* the first tensor with cos/sin */
+  int k;
+  if (!a) return malformed("args");
+  if (a->num_tensors != 1 && a->num_tensors != 2) return malformed("num_tensors");
+  if (a->heads < 0) return malformed("heads");
+  if (a->head_dim < 0 || (a->head_dim > 0 && a->heads > INT64_MAX / a->head_dim))
+    return malformed("head_dim");
+  if (a->normalize) LTX_RETURN_IF_FAILED(eps_rule(a->eps));
+  /* Dtypes: x and out of both tensors T; cos and sin one dtype for both tensors, T or fp32;
+   * weights T or fp32. */
+  t = a->tensors[0].x.dtype;
+  LTX_RETURN_IF_FAILED(float_dtype(kTensorX[0], t));
+  for (k = 0; k < a->num_tensors; ++k) {
+    const ltx_rope_tensor_t* r = &a->tensors[k];
+    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_UNSUPPORTED_DTYPE, kTensorX[k], r->x.dtype, kTensorX[0], t));
+    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, kTensorOut[k], r->out.dtype, kTensorX[k],
+                                  r->x.dtype));
+    if ((r->cos.data == NULL) != (r->sin.data == NULL))
+      return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES,
+                  r->cos.data ? kTensorCos[k] : kTensorSin[k], r->cos.data ? kTensorSin[k] : kTensorCos[k]);
+    if (r->cos.data) {
+      if (r->sin.dtype != r->cos.dtype)
+        return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_SAME_DTYPE_AS, kTensorSin[k],
+                          r->sin.dtype, kTensorCos[k], r->cos.dtype);
+      if (r->cos.dtype != t && r->cos.dtype != LTX_FLOAT32)
+        return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_DTYPE_OF_OR_FLOAT32, kTensorCos[k],
+                          r->cos.dtype, kTensorX[0], t);
+      if (table_tensor && r->cos.dtype != table_tensor->cos.dtype)
+        return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_SAME_DTYPE_AS, kTensorCos[k],
+                          r->cos.dtype, kTensorCos[0], table_tensor->cos.dtype);
+      if (!table_tensor) table_tensor = r;
+    }
+    if (a->normalize && r->weight.data && r->weight.dtype != t && r->weight.dtype != LTX_FLOAT32)
+      return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_DTYPE_OF_OR_FLOAT32, kTensorWeight[k],
+                        r->weight.dtype, kTensorX[0], t);
+  }
+  /* Rows: out, cos and sin have x's rows. Rotation: an even head_dim; interleaved pairs span the
+   * head, halves span it or half of it. */
+  for (k = 0; k < a->num_tensors; ++k) {
+    const ltx_rope_tensor_t* r = &a->tensors[k];
+    const int64_t rows = ltx_num_rows(&r->x);
+    if (!ltx_valid_rows(&r->x)) return malformed(kTensorX[k]);
+    LTX_RETURN_IF_FAILED(rows_like(kTensorOut[k], &r->out, kTensorX[k], rows));
+    LTX_RETURN_IF_FAILED(optional_rows_like(kTensorCos[k], &r->cos, kTensorX[k], rows));
+    LTX_RETURN_IF_FAILED(optional_rows_like(kTensorSin[k], &r->sin, kTensorX[k], rows));
+  }
+  if (table_tensor && a->head_dim % 2 != 0) {
+    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EVEN_HEAD_DIM,
+                           .arg = "head_dim", .value = (double)a->head_dim};
+    return c;
+  }
+  if (table_tensor && a->rot_dim != a->head_dim &&
+      !(!a->interleaved && 2 * a->rot_dim == a->head_dim)) {
+    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
+                           .rule = a->interleaved ? LTX_RULE_ROT_DIM : LTX_RULE_ROT_DIM_OR_HALF,
+                           .arg = "rot_dim", .ref = "head_dim", .value = (double)a->rot_dim,
+                           .expected = a->head_dim};
+    return c;
+  }
+  return ok();
+}
+
+ltx_check_t ltx_check_gelu(const ltx_rows_t* out, const ltx_rows_t* x, int64_t hidden,
+                           ltx_gelu_approximate_t approximate, int gated) {
+  LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
+  LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "x", x->dtype));
+  if (!ltx_valid_rows(x)) return malformed("x");
+  LTX_RETURN_IF_FAILED(rows_like("out", out, "x", ltx_num_rows(x)));
+  if (hidden < 0 || hidden > INT64_MAX / 2) return malformed("hidden"); /* gated rows: 2 * hidden */
+  if (approximate != LTX_GELU_NONE && approximate != LTX_GELU_TANH) return malformed("approximate");
+  if (gated != 0 && gated != 1) return malformed("gated");
+  return ok();
+}

@@ -1,0 +1,121 @@
+// Bindings of the elementwise ops: gated_residual (ltx_gated_residual_*), gelu and geglu
+// (ltx_gelu_*), and linear_gelu (a cuBLASLt GEMM epilogue; no launcher of ours).
+#include "binding_utils.h"
+#include "torch_binding.h"
+
+using namespace ltx_binding;
+
+at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
+                          const std::optional<at::Tensor>& gate, bool upcast) {
+  const char* op = "ltx_kernels.gated_residual";
+  check_activation(op, "x", x);
+  check_like_x(op, "y", y, x);
+  const ltx_rows_t x_rows = rows_of(op, "x", x), y_rows = rows_of(op, "y", y);
+  const ltx_rows_t gate_rows =
+      gate ? rows_of(op, "gate", broadcast_operand(op, "gate", *gate, x, x.sizes())) : no_rows();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const ltx_rows_t out_rows = rows_of(op, "out", out);
+  const int64_t hidden = x.size(-1);
+  run_launcher(
+      op, ltx_check_gated_residual(&out_rows, &x_rows, &y_rows, &gate_rows, hidden, upcast), x,
+      out.numel() / std::max<int64_t>(hidden, 1), hidden,
+      [&](ltx_stream_t stream) {
+        return ltx_gated_residual_cuda(out_rows, x_rows, y_rows, gate_rows, hidden, upcast,
+                                       stream);
+      },
+      [&](int64_t b, int64_t e) {
+        return ltx_gated_residual_cpu(out_rows, x_rows, y_rows, gate_rows, hidden, upcast, b, e);
+      });
+  return out;
+}
+
+static ltx_gelu_approximate_t gelu_approximate(const char* op, c10::string_view approximate) {
+  if (approximate == "none") return LTX_GELU_NONE;
+  if (approximate == "tanh") return LTX_GELU_TANH;
+  LTX_CHECK(false, op, ": approximate must be 'none' or 'tanh', got '", std::string(approximate),
+            "'");
+  return LTX_GELU_NONE;
+}
+
+// gelu and geglu: one launcher. Gated (GEGLU), x's rows hold the hidden and gate halves.
+static at::Tensor gelu_impl(const char* op, const at::Tensor& x, c10::string_view approximate,
+                            bool gated) {
+  check_activation(op, "x", x);
+  const ltx_gelu_approximate_t kind = gelu_approximate(op, approximate);
+  int64_t hidden = x.size(-1);
+  if (gated) {
+    LTX_CHECK(hidden % 2 == 0, op, ": x must have an even last dimension (hidden and gate halves), got ",
+              x.sizes());
+    hidden /= 2;
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = hidden;
+  at::Tensor out = at::empty(shape, x.options());
+  const ltx_rows_t out_rows = rows_of(op, "out", out), x_rows = rows_of(op, "x", x);
+  run_launcher(
+      op, ltx_check_gelu(&out_rows, &x_rows, hidden, kind, gated ? 1 : 0), x,
+      out.numel() / std::max<int64_t>(hidden, 1), hidden,
+      [&](ltx_stream_t stream) {
+        return ltx_gelu_cuda(out_rows, x_rows, hidden, kind, gated ? 1 : 0, stream);
+      },
+      [&](int64_t b, int64_t e) {
+        return ltx_gelu_cpu(out_rows, x_rows, hidden, kind, gated ? 1 : 0, b, e);
+      });
+  return out;
+}
+
+at::Tensor gelu(const at::Tensor& x, c10::string_view approximate) {
+  return gelu_impl("ltx_kernels.gelu", x, approximate, false);
+}
+
+at::Tensor geglu(const at::Tensor& x, c10::string_view approximate) {
+  return gelu_impl("ltx_kernels.geglu", x, approximate, true);
+}
+
+// linear_gelu: one cuBLASLt GEMM with its GELU(-tanh) + bias epilogue, reached through
+// at::_addmm_activation.
+at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  const char* op = "ltx_kernels.linear_gelu";
+  check_activation(op, "x", x);
+  check_same_device(op, "weight", weight, "x", x);
+  const int64_t in_features = x.size(-1);
+  LTX_CHECK(weight.dim() == 2 && weight.size(1) == in_features, op,
+            ": weight must have shape [N, K] with K = x.shape[-1] = ", in_features, ", got ",
+            weight.sizes());
+  LTX_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight must have x's dtype ",
+            x.scalar_type(), ", got ", weight.scalar_type());
+  const int64_t out_features = weight.size(0);
+  if (bias) {
+    check_same_device(op, "bias", *bias, "x", x);
+    LTX_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op,
+              ": bias must have shape [N] = [", out_features, "], got ", bias->sizes());
+    LTX_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ",
+              x.scalar_type(), ", got ", bias->scalar_type());
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  const at::Tensor x2 = x.reshape({-1, in_features});
+  // The fused path only where cuBLASLt takes it: contiguous, 16-byte aligned operands with
+  // 16-byte multiples as leading dimensions and more than one row. Elsewhere torch's fallback
+  // for _addmm_activation missed the tanh-GELU tolerance in our device tests, so those shapes,
+  // and the CPU (whose _addmm_activation uses the erf GELU), take addmm followed by the GELU.
+  auto aligned = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  const int64_t elems_per_16_bytes = 16 / x.element_size();
+  const bool fused = x.is_cuda() && x2.is_contiguous() && weight.is_contiguous() &&
+                     aligned(x2) && aligned(weight) && (!bias || aligned(*bias)) &&
+                     in_features % elems_per_16_bytes == 0 &&
+                     out_features % elems_per_16_bytes == 0 && x2.size(0) > 1;
+  at::Tensor out;
+  if (fused) {
+    // cuBLASLt's epilogue needs a bias vector; without one a zero bias is used.
+    const at::Tensor b = bias ? *bias : at::zeros({out_features}, x.options());
+    out = at::_addmm_activation(b, x2, weight.t(), 1, 1, /*use_gelu=*/true);
+  } else {
+    out = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
+    out = at::gelu(out, "tanh");
+  }
+  return out.view(shape);
+}
