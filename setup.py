@@ -6,6 +6,7 @@ CPU implementations, bound to the installed torch.
 Environment: MAX_JOBS (parallel compile jobs), CUDA_HOME (toolkit to use), LTX_KERNELS_CUDA_ARCHS
 (';'-separated capabilities to compile machine code for, default "9.0a").
 """
+
 import os
 import re
 import subprocess
@@ -27,15 +28,21 @@ try:
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 except ImportError:
-    fail("torch is not installed in this environment. Install a CUDA build of torch first, "
-         "then build with `pip install -e . --no-build-isolation`.")
+    fail(
+        "torch is not installed in this environment. Install a CUDA build of torch first, "
+        "then build with `pip install -e . --no-build-isolation`."
+    )
 
 if torch.version.cuda is None:
-    fail(f"the installed torch {torch.__version__} is a CPU-only build; install a CUDA build of "
-         "torch whose CUDA major version matches your nvcc.")
+    fail(
+        f"the installed torch {torch.__version__} is a CPU-only build; install a CUDA build of "
+        "torch whose CUDA major version matches your nvcc."
+    )
 if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-    fail("no CUDA toolkit found (nvcc). Install the CUDA toolkit matching torch's CUDA "
-         f"{torch.version.cuda} and set CUDA_HOME (or put nvcc on PATH).")
+    fail(
+        "no CUDA toolkit found (nvcc). Install the CUDA toolkit matching torch's CUDA "
+        f"{torch.version.cuda} and set CUDA_HOME (or put nvcc on PATH)."
+    )
 
 nvcc = str(Path(CUDA_HOME) / "bin" / "nvcc")
 nvcc_banner = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
@@ -44,9 +51,11 @@ if match is None:
     fail(f"could not read the CUDA version from `{nvcc} --version`:\n{nvcc_banner}")
 nvcc_version = f"{match.group(1)}.{match.group(2)}"
 if match.group(1) != torch.version.cuda.split(".")[0]:
-    fail(f"nvcc at {nvcc} is CUDA {nvcc_version} but torch {torch.__version__} was built with CUDA "
-         f"{torch.version.cuda}; the major versions must match. Point CUDA_HOME at a matching "
-         "toolkit or install the torch build for your toolkit.")
+    fail(
+        f"nvcc at {nvcc} is CUDA {nvcc_version} but torch {torch.__version__} was built with CUDA "
+        f"{torch.version.cuda}; the major versions must match. Point CUDA_HOME at a matching "
+        "toolkit or install the torch build for your toolkit."
+    )
 
 
 def gencode_flags(archs: str) -> list:
@@ -93,11 +102,14 @@ extension = CUDAExtension(
 
 # The portable C implementations, compiled by the C compiler into a static library that is
 # linked into the extension.
-cpu_library = ("ltx_kernels_cpu", {
-    "sources": cpu_sources,
-    "include_dirs": [str(ROOT / "kernel_src")],
-    "cflags": ["-O3", "-std=c11", "-fPIC", "-Wall", "-Wextra"],
-})
+cpu_library = (
+    "ltx_kernels_cpu",
+    {
+        "sources": cpu_sources,
+        "include_dirs": [str(ROOT / "kernel_src")],
+        "cflags": ["-O3", "-std=c11", "-fPIC", "-Wall", "-Wextra"],
+    },
+)
 
 setup(
     package_dir={"ltx_kernels": "torch-ext/ltx_kernels"},

@@ -6,6 +6,7 @@ output; replays are timed with CUDA events and the median per-call time is repor
 counts bytes read + bytes written, and is compared with a device-to-device copy measured the same
 way in the same process.
 """
+
 import json
 import math
 import statistics
@@ -71,13 +72,17 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> dict:
     """Device-to-device copy bandwidth in TB/s (read + write counted) over 1 GiB buffers, three
     ways: cudaMemcpy (Tensor.copy_) launched eagerly, the same captured in a CUDA graph, and an
     elementwise kernel (torch.neg) in a graph. `best` is the ceiling the benchmarks compare with."""
-    src = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(2)]
+    src = [
+        torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(2)
+    ]
     dst = [torch.empty_like(s) for s in src]
     tbs = lambda us: 2 * nbytes / (us * 1e-6) / 1e12
     result = {
         "memcpy": tbs(events_time_us(lambda: dst[0].copy_(src[0]))),
         "memcpy_graph": tbs(graph_time_us(lambda d, s: d.copy_(s), list(zip(dst, src)))),
-        "elementwise_graph": tbs(graph_time_us(lambda d, s: torch.neg(s, out=d), list(zip(dst, src)))),
+        "elementwise_graph": tbs(
+            graph_time_us(lambda d, s: torch.neg(s, out=d), list(zip(dst, src)))
+        ),
     }
     result["best"] = max(result.values())
     src.clear(), dst.clear()  # free the buffers before emptying the cache
@@ -87,10 +92,16 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> dict:
 
 def environment() -> dict:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    info = {"device": props.name, "sms": props.multi_processor_count, "l2_mb": props.L2_cache_size / 2**20,
-            "torch": torch.__version__, "cuda": torch.version.cuda}
+    info = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "l2_mb": props.L2_cache_size / 2**20,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     try:
         import triton
+
         info["triton"] = triton.__version__
     except ImportError:
         pass
@@ -124,7 +135,9 @@ def bar_chart(path: Path, title: str, shapes, columns, tbs, copy_tbs: float) -> 
     for i, column in enumerate(columns):
         xs = [s + (i - (len(columns) - 1) / 2) * width for s in range(len(shapes))]
         ax.bar(xs, [tbs[shape].get(column, 0.0) for shape in shapes], width, label=column)
-    ax.axhline(copy_tbs, color="black", linestyle="--", linewidth=1, label=f"copy {copy_tbs:.2f} TB/s")
+    ax.axhline(
+        copy_tbs, color="black", linestyle="--", linewidth=1, label=f"copy {copy_tbs:.2f} TB/s"
+    )
     ax.set_xticks(range(len(shapes)), shapes, rotation=15, fontsize=8)
     ax.set_ylabel("TB/s (read + write)")
     ax.set_title(title, fontsize=10)

@@ -23,6 +23,7 @@ Bytes then count what a fused forward + backward saving only its inputs must mov
 (read twice), the outputs, the output gradients and the input gradients. linear_gelu is left out
 there (its backward is cuBLAS GEMMs, as eager's).
 """
+
 import argparse
 import gc
 import math
@@ -51,8 +52,13 @@ TARGET_VS_COMPILE = 1.5  # ours at least this much faster than torch.compile
 BACKWARD_VS_EAGER = 3.0
 BACKWARD_VS_COMPILE = 1.0
 BACKWARD_FRACTION = {"norm": 0.70, "elementwise": 0.80}
-NORM_OPS = ("rmsnorm_modulate", "add_rmsnorm_modulate", "layernorm_modulate",
-            "add_layernorm_modulate", "qk_rmsnorm_rope")
+NORM_OPS = (
+    "rmsnorm_modulate",
+    "add_rmsnorm_modulate",
+    "layernorm_modulate",
+    "add_layernorm_modulate",
+    "qk_rmsnorm_rope",
+)
 AGREE_REL_L2 = 1e-2  # ours vs eager; a few bf16 ulps of disagreement stay far below this
 
 # Model constants, from the diffusers 0.42.1 sources cited at each eager function.
@@ -65,8 +71,18 @@ WAN_FFN_DIM = 13824
 WAN_EPS = 1e-6
 LINEAR_GELU_SHAPE = (2 * 2688, 2048, 4 * 2048)  # M (tokens), K (dim), N (LTX FFN inner dim)
 
-OPS = ("rmsnorm_modulate", "add_rmsnorm_modulate", "layernorm_modulate", "add_layernorm_modulate",
-       "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu", "linear_gelu")
+OPS = (
+    "rmsnorm_modulate",
+    "add_rmsnorm_modulate",
+    "layernorm_modulate",
+    "add_layernorm_modulate",
+    "gated_residual",
+    "rope",
+    "qk_rmsnorm_rope",
+    "gelu",
+    "geglu",
+    "linear_gelu",
+)
 COLUMNS = ("eager", "torch.compile", "ltx_kernels")
 OURS = "ltx_kernels"
 
@@ -101,7 +117,9 @@ def ltx_attn2_residual_norm2_modulate(x, attn_output, scale_mlp, shift_mlp):
     norm_hidden_states = self.norm2(hidden_states) * (1 + scale_mlp) + shift_mlp
     Returns (hidden_states, norm_hidden_states)."""
     hidden_states = x + attn_output
-    return hidden_states, diffusers_rmsnorm(hidden_states, LTX_NORM_EPS) * (1 + scale_mlp) + shift_mlp
+    return hidden_states, diffusers_rmsnorm(hidden_states, LTX_NORM_EPS) * (
+        1 + scale_mlp
+    ) + shift_mlp
 
 
 def ltx_gated_residual(x, attn_output, gate_msa):
@@ -152,8 +170,10 @@ def wan_qk_norm_rope(query, key, q_weight, k_weight, freqs_cos, freqs_sin):
     dim = query.shape[-1]
     query = F.rms_norm(query, (dim,), q_weight, WAN_EPS).unflatten(2, (-1, WAN_HEAD_DIM))
     key = F.rms_norm(key, (dim,), k_weight, WAN_EPS).unflatten(2, (-1, WAN_HEAD_DIM))
-    return (wan_apply_rotary_emb(query, freqs_cos, freqs_sin),
-            wan_apply_rotary_emb(key, freqs_cos, freqs_sin))
+    return (
+        wan_apply_rotary_emb(query, freqs_cos, freqs_sin),
+        wan_apply_rotary_emb(key, freqs_cos, freqs_sin),
+    )
 
 
 def ffn_gelu_tanh(hidden_states):
@@ -230,7 +250,7 @@ def ltx_block_modulation(batch: int, dim: int):
     """LTX block modulation: [B, 1, 6, D] bf16 `scale_shift_table[None, None] + temb.reshape(B, 1,
     6, -1)` unbound along dim 2 into (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
     gate_mlp), each a [B, 1, D] view (row stride 6 D)."""
-    table = randn(6, dim, std=dim ** -0.5)
+    table = randn(6, dim, std=dim**-0.5)
     temb = randn(batch, 1, 6 * dim, std=0.3)
     return (table[None, None] + temb.reshape(batch, 1, 6, -1)).unbind(dim=2)
 
@@ -238,7 +258,7 @@ def ltx_block_modulation(batch: int, dim: int):
 def ltx_output_modulation(batch: int, dim: int):
     """LTX output norm: [B, 1, 2, D] bf16 `scale_shift_table[None, None] + embedded_timestep[:, :,
     None]`; returns (shift, scale) = [:, :, 0], [:, :, 1], [B, 1, D] views."""
-    table = randn(2, dim, std=dim ** -0.5)
+    table = randn(2, dim, std=dim**-0.5)
     embedded_timestep = randn(batch, 1, dim, std=0.3)
     values = table[None, None] + embedded_timestep[:, :, None]
     return values[:, :, 0], values[:, :, 1]
@@ -254,7 +274,7 @@ def wan_block_modulation(batch: int, dim: int):
     """Wan block modulation: fp32 `scale_shift_table [1, 6, D] + temb.float() [B, 6, D]` chunk(6,
     dim=1) into (shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa), each a
     [B, 1, D] fp32 view (row stride 6 D)."""
-    table = randn(1, 6, dim, dtype=torch.float32, std=dim ** -0.5)
+    table = randn(1, 6, dim, dtype=torch.float32, std=dim**-0.5)
     temb = randn(batch, 6, dim, std=0.3)
     return (table + temb.float()).chunk(6, dim=1)
 
@@ -274,6 +294,7 @@ def rope_tables(angle_shape):
 class Case:
     """One benchmark row: `make()` returns one input set (the exact arguments), `eager` the
     diffusers code, `ours` the ltx_kernels call; both take the same arguments."""
+
     op: str
     form: str
     make: Callable[[], tuple]
@@ -291,28 +312,42 @@ def with_backward(case: Case) -> Case:
     probe = case.make()
     with torch.no_grad():
         outputs = as_tuple(case.eager(*probe))
-    forward_bytes = tensor_bytes([a for a in probe if isinstance(a, torch.Tensor)]) + \
-        tensor_bytes(outputs)
+    forward_bytes = tensor_bytes([a for a in probe if isinstance(a, torch.Tensor)]) + tensor_bytes(
+        outputs
+    )
     n_args = len(probe)
     del probe
 
     def make():
-        args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and
-                     a.is_floating_point() and i not in case.constants else a
-                     for i, a in enumerate(case.make()))
+        args = tuple(
+            a.detach().requires_grad_()
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and i not in case.constants
+            else a
+            for i, a in enumerate(case.make())
+        )
         return (*args, *(torch.randn_like(o) for o in outputs))
 
-    return Case(case.op, case.form + " fwd+bwd", make, case.eager, case.ours,
-                extra_bytes=forward_bytes, constants=case.constants, backward_args=n_args)
+    return Case(
+        case.op,
+        case.form + " fwd+bwd",
+        make,
+        case.eager,
+        case.ours,
+        extra_bytes=forward_bytes,
+        constants=case.constants,
+        backward_args=n_args,
+    )
 
 
 def forward_backward(fn, n_args: int):
     """fn's forward + backward: run(*args, *output_grads) returns the gradients of args that
     require grad (torch.autograd.grad), as a training step's backward computes them."""
+
     def run(*args):
         inputs, grads = args[:n_args], args[n_args:]
         wanted = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
         return torch.autograd.grad(as_tuple(fn(*inputs)), wanted, grads)
+
     return run
 
 
@@ -326,102 +361,214 @@ def build_case(op: str, shape) -> Case:
     wan = is_wan(shape)
     x = lambda: randn(batch, seq, dim)  # noqa: E731
     if op == "rmsnorm_modulate":  # Wan has no RMSNorm modulation: LTX form at every shape
+
         def make():
             shift_msa, scale_msa = ltx_block_modulation(batch, dim)[:2]
             return x(), scale_msa, shift_msa
-        return Case(op, "LTX norm1", make, ltx_norm1_modulate,
-                    lambda x, scale, shift: ltx_kernels.rmsnorm_modulate(x, scale, shift, None, LTX_NORM_EPS))
+
+        return Case(
+            op,
+            "LTX norm1",
+            make,
+            ltx_norm1_modulate,
+            lambda x, scale, shift: ltx_kernels.rmsnorm_modulate(
+                x, scale, shift, None, LTX_NORM_EPS
+            ),
+        )
     if op == "add_rmsnorm_modulate":  # LTX form at every shape
+
         def make():
             modulation = ltx_block_modulation(batch, dim)
             return x(), x(), modulation[4], modulation[3]  # scale_mlp, shift_mlp
-        return Case(op, "LTX attn2+norm2", make, ltx_attn2_residual_norm2_modulate,
-                    lambda x, y, scale, shift: ltx_kernels.add_rmsnorm_modulate(
-                        x, y, scale, shift, None, None, LTX_NORM_EPS))
+
+        return Case(
+            op,
+            "LTX attn2+norm2",
+            make,
+            ltx_attn2_residual_norm2_modulate,
+            lambda x, y, scale, shift: ltx_kernels.add_rmsnorm_modulate(
+                x, y, scale, shift, None, None, LTX_NORM_EPS
+            ),
+        )
     if op == "layernorm_modulate":
         if wan:
+
             def make():
                 shift_msa, scale_msa = wan_block_modulation(batch, dim)[:2]
                 return x(), scale_msa, shift_msa
-            return Case(op, "Wan norm1 fp32", make, wan_layernorm_modulate,
-                        lambda x, scale, shift: ltx_kernels.layernorm_modulate(
-                            x, scale, shift, None, None, WAN_EPS, upcast=True))
+
+            return Case(
+                op,
+                "Wan norm1 fp32",
+                make,
+                wan_layernorm_modulate,
+                lambda x, scale, shift: ltx_kernels.layernorm_modulate(
+                    x, scale, shift, None, None, WAN_EPS, upcast=True
+                ),
+            )
 
         def make():
             shift, scale = ltx_output_modulation(batch, dim)
             return x(), scale, shift
-        return Case(op, "LTX/FLUX norm_out", make, adaln_output_norm,
-                    lambda x, scale, shift: ltx_kernels.layernorm_modulate(
-                        x, scale, shift, None, None, ADALN_EPS))
+
+        return Case(
+            op,
+            "LTX/FLUX norm_out",
+            make,
+            adaln_output_norm,
+            lambda x, scale, shift: ltx_kernels.layernorm_modulate(
+                x, scale, shift, None, None, ADALN_EPS
+            ),
+        )
     if op == "add_layernorm_modulate":
         if wan:
+
             def make():
                 modulation = wan_block_modulation(batch, dim)
                 return x(), x(), modulation[4], modulation[3]  # c_scale_msa, c_shift_msa
-            return Case(op, "Wan attn2+norm3 fp32", make, wan_attn2_residual_norm3_modulate,
-                        lambda x, y, scale, shift: ltx_kernels.add_layernorm_modulate(
-                            x, y, scale, shift, None, None, None, WAN_EPS, upcast=True))
+
+            return Case(
+                op,
+                "Wan attn2+norm3 fp32",
+                make,
+                wan_attn2_residual_norm3_modulate,
+                lambda x, y, scale, shift: ltx_kernels.add_layernorm_modulate(
+                    x, y, scale, shift, None, None, None, WAN_EPS, upcast=True
+                ),
+            )
 
         def make():
             modulation = flux_block_modulation(batch, dim)
-            return x(), x(), modulation[2], modulation[4], modulation[3]  # gate_msa, scale_mlp, shift_mlp
-        return Case(op, "FLUX attn+norm2", make, flux_gated_residual_norm2_modulate,
-                    lambda x, y, gate, scale, shift: ltx_kernels.add_layernorm_modulate(
-                        x, y, scale[:, None], shift[:, None], gate[:, None], None, None, ADALN_EPS))
+            return (
+                x(),
+                x(),
+                modulation[2],
+                modulation[4],
+                modulation[3],
+            )  # gate_msa, scale_mlp, shift_mlp
+
+        return Case(
+            op,
+            "FLUX attn+norm2",
+            make,
+            flux_gated_residual_norm2_modulate,
+            lambda x, y, gate, scale, shift: ltx_kernels.add_layernorm_modulate(
+                x, y, scale[:, None], shift[:, None], gate[:, None], None, None, ADALN_EPS
+            ),
+        )
     if op == "gated_residual":
         if wan:
+
             def make():
                 return x(), x(), wan_block_modulation(batch, dim)[2]  # gate_msa, fp32
-            return Case(op, "Wan fp32 gate", make, wan_gated_residual,
-                        lambda x, y, gate: ltx_kernels.gated_residual(x, y, gate, upcast=True))
+
+            return Case(
+                op,
+                "Wan fp32 gate",
+                make,
+                wan_gated_residual,
+                lambda x, y, gate: ltx_kernels.gated_residual(x, y, gate, upcast=True),
+            )
 
         def make():
             return x(), x(), ltx_block_modulation(batch, dim)[2]  # gate_msa
-        return Case(op, "LTX gate_msa", make, ltx_gated_residual,
-                    lambda x, y, gate: ltx_kernels.gated_residual(x, y, gate))
+
+        return Case(
+            op,
+            "LTX gate_msa",
+            make,
+            ltx_gated_residual,
+            lambda x, y, gate: ltx_kernels.gated_residual(x, y, gate),
+        )
     if op == "rope":
         if wan:
+
             def make():
                 cos, sin = rope_tables((1, seq, 1, WAN_HEAD_DIM // 2))
                 return randn(batch, seq, dim // WAN_HEAD_DIM, WAN_HEAD_DIM), cos, sin
-            return Case(op, "Wan per head", make, wan_apply_rotary_emb,
-                        lambda x, cos, sin: ltx_kernels.rope(x, cos, sin, True), constants=(1, 2))
+
+            return Case(
+                op,
+                "Wan per head",
+                make,
+                wan_apply_rotary_emb,
+                lambda x, cos, sin: ltx_kernels.rope(x, cos, sin, True),
+                constants=(1, 2),
+            )
 
         def make():
             cos, sin = rope_tables((batch, seq, dim // 2))
             return x(), cos, sin
-        return Case(op, "LTX full D", make, ltx_apply_rotary_emb,
-                    lambda x, cos, sin: ltx_kernels.rope(x, cos, sin, True), constants=(1, 2))
+
+        return Case(
+            op,
+            "LTX full D",
+            make,
+            ltx_apply_rotary_emb,
+            lambda x, cos, sin: ltx_kernels.rope(x, cos, sin, True),
+            constants=(1, 2),
+        )
     if op == "qk_rmsnorm_rope":
         weight = lambda: (1 + randn(dim, dtype=torch.float32, std=0.1)).to(BF16)  # noqa: E731
         if wan:
+
             def make():
                 cos, sin = rope_tables((1, seq, 1, WAN_HEAD_DIM // 2))
                 return x(), x(), weight(), weight(), cos, sin
 
             def ours(q, k, q_weight, k_weight, cos, sin):
                 return ltx_kernels.qk_rmsnorm_rope(
-                    q.unflatten(2, (-1, WAN_HEAD_DIM)), k.unflatten(2, (-1, WAN_HEAD_DIM)),
-                    q_weight, k_weight, cos, sin, WAN_EPS, True, True)
-            return Case(op, "Wan norm over D + per-head rope", make, wan_qk_norm_rope, ours,
-                        constants=(4, 5))
+                    q.unflatten(2, (-1, WAN_HEAD_DIM)),
+                    k.unflatten(2, (-1, WAN_HEAD_DIM)),
+                    q_weight,
+                    k_weight,
+                    cos,
+                    sin,
+                    WAN_EPS,
+                    True,
+                    True,
+                )
+
+            return Case(
+                op,
+                "Wan norm over D + per-head rope",
+                make,
+                wan_qk_norm_rope,
+                ours,
+                constants=(4, 5),
+            )
 
         def make():
             cos, sin = rope_tables((batch, seq, dim // 2))
             return x(), x(), weight(), weight(), cos, sin
-        return Case(op, "LTX norm_q/k + rope", make, ltx_qk_norm_rope,
-                    lambda q, k, q_weight, k_weight, cos, sin: ltx_kernels.qk_rmsnorm_rope(
-                        q, k, q_weight, k_weight, cos, sin, LTX_QK_EPS, True, True),
-                    constants=(4, 5))
+
+        return Case(
+            op,
+            "LTX norm_q/k + rope",
+            make,
+            ltx_qk_norm_rope,
+            lambda q, k, q_weight, k_weight, cos, sin: ltx_kernels.qk_rmsnorm_rope(
+                q, k, q_weight, k_weight, cos, sin, LTX_QK_EPS, True, True
+            ),
+            constants=(4, 5),
+        )
     ffn_dim = WAN_FFN_DIM if wan else 4 * dim
     if op == "gelu":
-        return Case(op, f"FFN GELU-tanh [{batch},{seq},{ffn_dim}]",
-                    lambda: (randn(batch, seq, ffn_dim),), ffn_gelu_tanh,
-                    lambda h: ltx_kernels.gelu(h, "tanh"))
+        return Case(
+            op,
+            f"FFN GELU-tanh [{batch},{seq},{ffn_dim}]",
+            lambda: (randn(batch, seq, ffn_dim),),
+            ffn_gelu_tanh,
+            lambda h: ltx_kernels.gelu(h, "tanh"),
+        )
     if op == "geglu":
-        return Case(op, f"GEGLU [{batch},{seq},2x{ffn_dim}]",
-                    lambda: (randn(batch, seq, 2 * ffn_dim),), geglu_after_proj,
-                    lambda h: ltx_kernels.geglu(h, "none"))
+        return Case(
+            op,
+            f"GEGLU [{batch},{seq},2x{ffn_dim}]",
+            lambda: (randn(batch, seq, 2 * ffn_dim),),
+            geglu_after_proj,
+            lambda h: ltx_kernels.geglu(h, "none"),
+        )
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -449,7 +596,7 @@ def rel_l2(got, expected, chunk: int = 1 << 26) -> float:
         a, b = a.reshape(-1), b.reshape(-1)
         diff_sq = ref_sq = 0.0
         for start in range(0, a.numel(), chunk):
-            ac, bc = a[start:start + chunk].float(), b[start:start + chunk].float()
+            ac, bc = a[start : start + chunk].float(), b[start : start + chunk].float()
             diff_sq += (ac - bc).pow(2).sum().item()
             ref_sq += bc.pow(2).sum().item()
         worst = max(worst, math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else math.sqrt(diff_sq))
@@ -474,7 +621,9 @@ def parse_shape(text: str):
     except ValueError:
         shape = ()
     if len(shape) != 3 or min(shape) <= 0 or shape[-1] % 2:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: expected BxSxD with even D, e.g. 2x8064x2048")
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r}: expected BxSxD with even D, e.g. 2x8064x2048"
+        )
     return shape
 
 
@@ -497,8 +646,13 @@ def run_columns(columns: dict, sets, replays: int, expected, row_base: dict, err
             traceback.print_exc(limit=3)
             errors.append(message)
             continue
-        rows[name] = {**row_base, "column": name, "us": us, "rel_l2_vs_eager": err,
-                      "first_call_s": first_call_s}
+        rows[name] = {
+            **row_base,
+            "column": name,
+            "us": us,
+            "rel_l2_vs_eager": err,
+            "first_call_s": first_call_s,
+        }
     return rows
 
 
@@ -518,15 +672,23 @@ def bench_memory_op(case: Case, shape, replays: int, copy_tbs: float, errors: li
     set_bytes = tensor_bytes(probe)
     del probe
     sets = bench_utils.input_sets(case.make, set_bytes)
-    columns = {"eager": case.eager,
-               "torch.compile": torch.compile(case.eager, fullgraph=True, dynamic=False),
-               OURS: case.ours}
+    columns = {
+        "eager": case.eager,
+        "torch.compile": torch.compile(case.eager, fullgraph=True, dynamic=False),
+        OURS: case.ours,
+    }
     if case.backward_args:
         columns = {name: forward_backward(fn, case.backward_args) for name, fn in columns.items()}
     expected = columns["eager"](*sets[0])
     nbytes = set_bytes + tensor_bytes(as_tuple(expected)) + case.extra_bytes
-    base = {"op": case.op, "form": case.form, "shape": list(shape), "shape_label": label,
-            "bytes": nbytes, "sets": len(sets)}
+    base = {
+        "op": case.op,
+        "form": case.form,
+        "shape": list(shape),
+        "shape_label": label,
+        "bytes": nbytes,
+        "sets": len(sets),
+    }
     rows = run_columns(columns, sets, replays, expected, base, errors)
     for row in rows.values():
         row["tbs"] = nbytes / (row["us"] * 1e-6) / 1e12
@@ -539,34 +701,54 @@ def bench_memory_op(case: Case, shape, replays: int, copy_tbs: float, errors: li
             if name in rows:
                 ours[f"speedup_vs_{name}"] = rows[name]["us"] / ours["us"]
         if ours["rel_l2_vs_eager"] > AGREE_REL_L2:
-            errors.append(f"{case.op} {label}: ltx_kernels disagrees with eager "
-                          f"(rel. L2 {ours['rel_l2_vs_eager']:.2e} > {AGREE_REL_L2:.0e})")
+            errors.append(
+                f"{case.op} {label}: ltx_kernels disagrees with eager "
+                f"(rel. L2 {ours['rel_l2_vs_eager']:.2e} > {AGREE_REL_L2:.0e})"
+            )
     cells = []
     for name in COLUMNS:
         row = rows.get(name)
-        cells.append(f"{name} " + ("error" if row is None else
-                                   f"{row['us']:8.1f} µs {row['tbs']:5.2f} TB/s ({row['pct_copy']:3.0f}%) "
-                                   f"err {row['rel_l2_vs_eager']:.1e}"))
+        cells.append(
+            f"{name} "
+            + (
+                "error"
+                if row is None
+                else f"{row['us']:8.1f} µs {row['tbs']:5.2f} TB/s ({row['pct_copy']:3.0f}%) "
+                f"err {row['rel_l2_vs_eager']:.1e}"
+            )
+        )
     compile_s = rows["torch.compile"]["first_call_s"] if "torch.compile" in rows else float("nan")
-    print(f"{case.op + ' [' + case.form + ']':<48} {label:>13}: " + " | ".join(cells) +
-          f" | compile {compile_s:.1f} s", flush=True)
+    print(
+        f"{case.op + ' [' + case.form + ']':<48} {label:>13}: "
+        + " | ".join(cells)
+        + f" | compile {compile_s:.1f} s",
+        flush=True,
+    )
     return rows
 
 
 def bench_linear_gelu(replays: int, errors: list) -> dict:
     """linear_gelu at LTX's FFN projection: x [M, K] bf16, weight [N, K], bias [N]."""
     m, k, n = LINEAR_GELU_SHAPE
-    make = lambda: (randn(m, k), randn(n, k, std=k ** -0.5), randn(n, std=0.1))  # noqa: E731
+    make = lambda: (randn(m, k), randn(n, k, std=k**-0.5), randn(n, std=0.1))  # noqa: E731
     probe = make()
     sets = bench_utils.input_sets(make, tensor_bytes(probe))
     del probe
     expected = linear_gelu_eager(*sets[0])
-    columns = {"Linear+GELU eager": linear_gelu_eager,
-               "torch.compile": torch.compile(linear_gelu_eager, fullgraph=True, dynamic=False),
-               OURS: lambda x, w, b: ltx_kernels.linear_gelu(x, w, b)}
+    columns = {
+        "Linear+GELU eager": linear_gelu_eager,
+        "torch.compile": torch.compile(linear_gelu_eager, fullgraph=True, dynamic=False),
+        OURS: lambda x, w, b: ltx_kernels.linear_gelu(x, w, b),
+    }
     label = f"{m}x{k} @ {n}x{k}"
-    base = {"op": "linear_gelu", "form": "LTX FFN proj + GELU-tanh", "shape": [m, k, n],
-            "shape_label": label, "flops": 2 * m * n * k, "sets": len(sets)}
+    base = {
+        "op": "linear_gelu",
+        "form": "LTX FFN proj + GELU-tanh",
+        "shape": [m, k, n],
+        "shape_label": label,
+        "flops": 2 * m * n * k,
+        "sets": len(sets),
+    }
     rows = run_columns(columns, sets, replays, expected, base, errors)
     for row in rows.values():
         row["tflops"] = row["flops"] / (row["us"] * 1e-6) / 1e12
@@ -579,12 +761,24 @@ def bench_linear_gelu(replays: int, errors: list) -> dict:
                 rows[OURS][f"speedup_vs_{name}"] = rows[name]["us"] / rows[OURS]["us"]
         # cuBLASLt's epilogue and a separate GELU round differently only at the last bit
         if rows[OURS]["rel_l2_vs_eager"] > AGREE_REL_L2:
-            errors.append(f"linear_gelu: ltx_kernels disagrees with eager "
-                          f"(rel. L2 {rows[OURS]['rel_l2_vs_eager']:.2e} > {AGREE_REL_L2:.0e})")
-    print(f"{'linear_gelu [' + base['form'] + ']':<48} {label:>13}: " + " | ".join(
-        f"{name} " + ("error" if name not in rows else
-                      f"{rows[name]['us']:8.1f} µs {rows[name]['tflops']:4.0f} TFLOP/s "
-                      f"err {rows[name]['rel_l2_vs_eager']:.1e}") for name in names), flush=True)
+            errors.append(
+                f"linear_gelu: ltx_kernels disagrees with eager "
+                f"(rel. L2 {rows[OURS]['rel_l2_vs_eager']:.2e} > {AGREE_REL_L2:.0e})"
+            )
+    print(
+        f"{'linear_gelu [' + base['form'] + ']':<48} {label:>13}: "
+        + " | ".join(
+            f"{name} "
+            + (
+                "error"
+                if name not in rows
+                else f"{rows[name]['us']:8.1f} µs {rows[name]['tflops']:4.0f} TFLOP/s "
+                f"err {rows[name]['rel_l2_vs_eager']:.1e}"
+            )
+            for name in names
+        ),
+        flush=True,
+    )
     return rows
 
 
@@ -594,48 +788,85 @@ def verdicts_for(op: str, results: dict, shapes, backward: bool = False) -> list
     lines = []
     entries = [(s, results.get((op, s), {})) for s in shapes]
     target_entries = entries if backward else [(s, e) for s, e in entries if s in TARGET_SHAPES]
-    fraction = (BACKWARD_FRACTION["norm" if op in NORM_OPS else "elementwise"] if backward
-                else TARGET_FRACTION)
+    fraction = (
+        BACKWARD_FRACTION["norm" if op in NORM_OPS else "elementwise"]
+        if backward
+        else TARGET_FRACTION
+    )
     if target_entries:
         fracs = [(s, e[OURS]["pct_copy"] if OURS in e else None) for s, e in target_entries]
         ok = all(f is not None and f >= 100 * fraction for _, f in fracs)
-        lines.append((f"{op}: >= {fraction:.0%} of copy bandwidth: " + ", ".join(
-            f"{shape_label(s)} {'error' if f is None else f'{f:.0f}%'}" for s, f in fracs), ok))
-    speed_targets = ((("eager", BACKWARD_VS_EAGER), ("torch.compile", BACKWARD_VS_COMPILE))
-                     if backward else (("torch.compile", TARGET_VS_COMPILE),))
+        lines.append(
+            (
+                f"{op}: >= {fraction:.0%} of copy bandwidth: "
+                + ", ".join(
+                    f"{shape_label(s)} {'error' if f is None else f'{f:.0f}%'}" for s, f in fracs
+                ),
+                ok,
+            )
+        )
+    speed_targets = (
+        (("eager", BACKWARD_VS_EAGER), ("torch.compile", BACKWARD_VS_COMPILE))
+        if backward
+        else (("torch.compile", TARGET_VS_COMPILE),)
+    )
     for column, target in speed_targets:
-        speedups = [(s, e[OURS].get(f"speedup_vs_{column}") if OURS in e else None)
-                    for s, e in entries]
+        speedups = [
+            (s, e[OURS].get(f"speedup_vs_{column}") if OURS in e else None) for s, e in entries
+        ]
         ok = all(v is not None and v >= target for _, v in speedups)
-        lines.append((f"{op}: >= {target}x faster than {column}: " + ", ".join(
-            f"{shape_label(s)} {'n/a' if v is None else f'{v:.2f}x'}" for s, v in speedups), ok))
+        lines.append(
+            (
+                f"{op}: >= {target}x faster than {column}: "
+                + ", ".join(
+                    f"{shape_label(s)} {'n/a' if v is None else f'{v:.2f}x'}" for s, v in speedups
+                ),
+                ok,
+            )
+        )
     errs = [(s, e[OURS]["rel_l2_vs_eager"] if OURS in e else None) for s, e in entries]
     ok = all(v is not None and v <= AGREE_REL_L2 for _, v in errs)
-    lines.append((f"{op}: agrees with eager (rel. L2 <= {AGREE_REL_L2:.0e}): " + ", ".join(
-        f"{shape_label(s)} {'n/a' if v is None else f'{v:.1e}'}" for s, v in errs), ok))
+    lines.append(
+        (
+            f"{op}: agrees with eager (rel. L2 <= {AGREE_REL_L2:.0e}): "
+            + ", ".join(f"{shape_label(s)} {'n/a' if v is None else f'{v:.1e}'}" for s, v in errs),
+            ok,
+        )
+    )
     return lines
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--ops", default=",".join(OPS),
-                        help="comma-separated ops (default: all): " + ", ".join(OPS))
-    parser.add_argument("--shapes", default=",".join(map(shape_label, DEFAULT_SHAPES)),
-                        help="comma-separated BxSxD hidden-state shapes (default: %(default)s); "
-                             f"D == {WAN_DIM} uses the Wan forms. linear_gelu always runs at "
-                             f"{LINEAR_GELU_SHAPE[0]}x{LINEAR_GELU_SHAPE[1]} @ "
-                             f"{LINEAR_GELU_SHAPE[2]}x{LINEAR_GELU_SHAPE[1]}")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    parser.add_argument(
+        "--ops", default=",".join(OPS), help="comma-separated ops (default: all): " + ", ".join(OPS)
+    )
+    parser.add_argument(
+        "--shapes",
+        default=",".join(map(shape_label, DEFAULT_SHAPES)),
+        help="comma-separated BxSxD hidden-state shapes (default: %(default)s); "
+        f"D == {WAN_DIM} uses the Wan forms. linear_gelu always runs at "
+        f"{LINEAR_GELU_SHAPE[0]}x{LINEAR_GELU_SHAPE[1]} @ "
+        f"{LINEAR_GELU_SHAPE[2]}x{LINEAR_GELU_SHAPE[1]}",
+    )
     parser.add_argument("--replays", type=int, default=30, help="timed graph replays (median)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="results directory")
-    parser.add_argument("--backward", action="store_true",
-                        help="time forward + backward (every input requires grad)")
+    parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="time forward + backward (every input requires grad)",
+    )
     args = parser.parse_args()
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
-        parser.error(f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(OPS)}")
+        parser.error(
+            f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(OPS)}"
+        )
     try:
         shapes = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
     except argparse.ArgumentTypeError as error:
@@ -649,8 +880,10 @@ def main() -> int:
     try:
         import ltx_kernels as module
     except Exception as error:  # noqa: BLE001  (ImportError, or a stale build missing ops)
-        print(f"benchmark_ops: cannot import ltx_kernels ({type(error).__name__}: {error}); build it with "
-              "`pip install -e . --no-build-isolation`")
+        print(
+            f"benchmark_ops: cannot import ltx_kernels ({type(error).__name__}: {error}); build it with "
+            "`pip install -e . --no-build-isolation`"
+        )
         return 2
     if module.load_error is not None:
         print(f"benchmark_ops: the ltx_kernels extension failed to load: {module.load_error}")
@@ -661,17 +894,24 @@ def main() -> int:
     env = bench_utils.environment()
     copy = bench_utils.copy_bandwidth()
     copy_tbs = copy["best"]
-    print(f"# Fused ops, bf16 | {env['device']} | torch {env['torch']} | copy bandwidth {copy_tbs:.2f} "
-          "TB/s (best of " + ", ".join(f"{k} {v:.2f}" for k, v in copy.items() if k != "best") + ")")
-    print(f"# TB/s = bytes the op reads + writes / time; err = rel. L2 vs eager; targets: >= "
-          f"{TARGET_FRACTION:.0%} of copy at {', '.join(map(shape_label, TARGET_SHAPES))}, >= "
-          f"{TARGET_VS_COMPILE}x vs torch.compile", flush=True)
+    print(
+        f"# Fused ops, bf16 | {env['device']} | torch {env['torch']} | copy bandwidth {copy_tbs:.2f} "
+        "TB/s (best of " + ", ".join(f"{k} {v:.2f}" for k, v in copy.items() if k != "best") + ")"
+    )
+    print(
+        f"# TB/s = bytes the op reads + writes / time; err = rel. L2 vs eager; targets: >= "
+        f"{TARGET_FRACTION:.0%} of copy at {', '.join(map(shape_label, TARGET_SHAPES))}, >= "
+        f"{TARGET_VS_COMPILE}x vs torch.compile",
+        flush=True,
+    )
 
     errors, results, linear_rows = [], {}, {}
     memory_ops = [op for op in ops if op != "linear_gelu"]
     if args.backward:
-        print("# forward + backward: every input requires grad; linear_gelu left out (cuBLAS "
-              "GEMMs, as eager)")
+        print(
+            "# forward + backward: every input requires grad; linear_gelu left out (cuBLAS "
+            "GEMMs, as eager)"
+        )
         ops = memory_ops
     for op in memory_ops:
         for shape in shapes:
@@ -679,8 +919,7 @@ def main() -> int:
                 case = build_case(op, shape)
                 if args.backward:
                     case = with_backward(case)
-                results[(op, shape)] = bench_memory_op(case, shape, args.replays, copy_tbs,
-                                                       errors)
+                results[(op, shape)] = bench_memory_op(case, shape, args.replays, copy_tbs, errors)
             except Exception as error:  # noqa: BLE001  (inputs or eager failed: report, go on)
                 message = f"{op} {shape_label(shape)}: {type(error).__name__}: {error}"
                 print(f"  ERROR {message}")
@@ -703,21 +942,36 @@ def main() -> int:
     for (op, shape), rows in results.items():
         ours = rows.get(OURS)
         pct = f"{ours['pct_copy']:.0f}%" if ours else "-"
-        vs_eager = f"{ours['speedup_vs_eager']:.2f}x" if ours and "speedup_vs_eager" in ours else "-"
-        vs_compile = (f"{ours['speedup_vs_torch.compile']:.2f}x"
-                      if ours and "speedup_vs_torch.compile" in ours else "-")
+        vs_eager = (
+            f"{ours['speedup_vs_eager']:.2f}x" if ours and "speedup_vs_eager" in ours else "-"
+        )
+        vs_compile = (
+            f"{ours['speedup_vs_torch.compile']:.2f}x"
+            if ours and "speedup_vs_torch.compile" in ours
+            else "-"
+        )
         form = next(iter(rows.values()))["form"] if rows else ""
-        print(f"| {op} ({form}) | {shape_label(shape)} | {fmt_cell(rows.get('eager'))} | "
-              f"{fmt_cell(rows.get('torch.compile'))} | {fmt_cell(ours)} | {pct} | {vs_eager} | {vs_compile} |")
+        print(
+            f"| {op} ({form}) | {shape_label(shape)} | {fmt_cell(rows.get('eager'))} | "
+            f"{fmt_cell(rows.get('torch.compile'))} | {fmt_cell(ours)} | {pct} | {vs_eager} | {vs_compile} |"
+        )
     if linear_rows or "linear_gelu" in ops:
         ours = linear_rows.get(OURS)
         m, k, n = LINEAR_GELU_SHAPE
-        vs_eager = (f"{ours['speedup_vs_Linear+GELU eager']:.2f}x"
-                    if ours and "speedup_vs_Linear+GELU eager" in ours else "-")
-        vs_compile = (f"{ours['speedup_vs_torch.compile']:.2f}x"
-                      if ours and "speedup_vs_torch.compile" in ours else "-")
-        print(f"| linear_gelu (Linear+GELU) | {m}x{k} @ {n}x{k} | {fmt_cell(linear_rows.get('Linear+GELU eager'))} | "
-              f"{fmt_cell(linear_rows.get('torch.compile'))} | {fmt_cell(ours)} | - | {vs_eager} | {vs_compile} |")
+        vs_eager = (
+            f"{ours['speedup_vs_Linear+GELU eager']:.2f}x"
+            if ours and "speedup_vs_Linear+GELU eager" in ours
+            else "-"
+        )
+        vs_compile = (
+            f"{ours['speedup_vs_torch.compile']:.2f}x"
+            if ours and "speedup_vs_torch.compile" in ours
+            else "-"
+        )
+        print(
+            f"| linear_gelu (Linear+GELU) | {m}x{k} @ {n}x{k} | {fmt_cell(linear_rows.get('Linear+GELU eager'))} | "
+            f"{fmt_cell(linear_rows.get('torch.compile'))} | {fmt_cell(ours)} | - | {vs_eager} | {vs_compile} |"
+        )
 
     # Verdicts.
     verdicts = []
@@ -726,8 +980,11 @@ def main() -> int:
     if "linear_gelu" in ops:
         ours, eager = linear_rows.get(OURS), linear_rows.get("Linear+GELU eager")
         ok = bool(ours and eager and ours["us"] < eager["us"])
-        detail = (f"{ours['us']:.1f} µs vs {eager['us']:.1f} µs ({eager['us'] / ours['us']:.2f}x)"
-                  if ours and eager else "error")
+        detail = (
+            f"{ours['us']:.1f} µs vs {eager['us']:.1f} µs ({eager['us'] / ours['us']:.2f}x)"
+            if ours and eager
+            else "error"
+        )
         verdicts.append((f"linear_gelu: faster than eager Linear+GELU: {detail}", ok))
     print()
     for what, ok in verdicts:
@@ -736,25 +993,52 @@ def main() -> int:
         print(f"  [ERROR] {message}")
 
     # JSON and chart.
-    rows = [row for entry in results.values() for row in entry.values()] + list(linear_rows.values())
+    rows = [row for entry in results.values() for row in entry.values()] + list(
+        linear_rows.values()
+    )
     stem = "benchmark_ops_backward" if args.backward else "benchmark_ops"
-    bench_utils.write_json(args.out / f"{stem}.json", {
-        "environment": env, "copy_tbs": copy, "dtype": "bf16", "ops": ops,
-        "backward": args.backward,
-        "shapes": [list(s) for s in shapes], "targets": {
-            "fraction_of_copy": TARGET_FRACTION, "target_shapes": [list(s) for s in TARGET_SHAPES],
-            "speedup_vs_compile": TARGET_VS_COMPILE, "agree_rel_l2": AGREE_REL_L2},
-        "rows": rows, "verdicts": verdicts, "errors": errors,
-        "wall_s": time.perf_counter() - started})
+    bench_utils.write_json(
+        args.out / f"{stem}.json",
+        {
+            "environment": env,
+            "copy_tbs": copy,
+            "dtype": "bf16",
+            "ops": ops,
+            "backward": args.backward,
+            "shapes": [list(s) for s in shapes],
+            "targets": {
+                "fraction_of_copy": TARGET_FRACTION,
+                "target_shapes": [list(s) for s in TARGET_SHAPES],
+                "speedup_vs_compile": TARGET_VS_COMPILE,
+                "agree_rel_l2": AGREE_REL_L2,
+            },
+            "rows": rows,
+            "verdicts": verdicts,
+            "errors": errors,
+            "wall_s": time.perf_counter() - started,
+        },
+    )
     groups = [f"{op}\n{shape_label(shape)}" for (op, shape), entry in results.items() if entry]
-    tbs = {f"{op}\n{shape_label(shape)}": {name: row["tbs"] for name, row in entry.items()}
-           for (op, shape), entry in results.items() if entry}
+    tbs = {
+        f"{op}\n{shape_label(shape)}": {name: row["tbs"] for name, row in entry.items()}
+        for (op, shape), entry in results.items()
+        if entry
+    }
     if groups:
-        bench_utils.bar_chart(args.out / f"{stem}.png", f"Fused ops, bf16 — {env['device']}, torch "
-                              f"{env['torch']} (TB/s = bytes read + written / time)", groups,
-                              list(COLUMNS), tbs, copy_tbs)
-    print(f"wrote {args.out / stem}.json" + (" and .png" if groups else "") +
-          f" ({time.perf_counter() - started:.0f} s)")
+        bench_utils.bar_chart(
+            args.out / f"{stem}.png",
+            f"Fused ops, bf16 — {env['device']}, torch "
+            f"{env['torch']} (TB/s = bytes read + written / time)",
+            groups,
+            list(COLUMNS),
+            tbs,
+            copy_tbs,
+        )
+    print(
+        f"wrote {args.out / stem}.json"
+        + (" and .png" if groups else "")
+        + f" ({time.perf_counter() - started:.0f} s)"
+    )
     return 1 if errors else 0
 
 

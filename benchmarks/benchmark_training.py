@@ -18,6 +18,7 @@ distance of the adapters' gradients (first step, all adapters concatenated) from
 
   python benchmarks/benchmark_training.py [--steps 10] [--tokens 2688] [--out results/]
 """
+
 import argparse
 import sys
 import time
@@ -51,8 +52,14 @@ def lora_model():
     with torch.device("cuda"):
         model = LTXVideoTransformer3DModel().to(torch.bfloat16)
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=LORA_TARGETS,
-                                 init_lora_weights="gaussian"))
+    model.add_adapter(
+        LoraConfig(
+            r=LORA_RANK,
+            lora_alpha=LORA_RANK,
+            target_modules=LORA_TARGETS,
+            init_lora_weights="gaussian",
+        )
+    )
     with torch.no_grad():  # a trained-looking adapter: lora_B away from zero, so every grad flows
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -69,10 +76,17 @@ def batch_inputs(tokens: int):
     noisy = ((1 - sigma) * latents.float() + sigma * noise.float()).to(torch.bfloat16)
     mask = torch.ones(1, TEXT_TOKENS, dtype=torch.bool, device="cuda")
     mask[:, 80:] = False
-    inputs = dict(hidden_states=noisy, encoder_hidden_states=rand(1, TEXT_TOKENS, 4096),
-                  timestep=sigma * 1000, encoder_attention_mask=mask, num_frames=frames,
-                  height=height, width=width, rope_interpolation_scale=(8 / 25, 32, 32),
-                  return_dict=False)
+    inputs = dict(
+        hidden_states=noisy,
+        encoder_hidden_states=rand(1, TEXT_TOKENS, 4096),
+        timestep=sigma * 1000,
+        encoder_attention_mask=mask,
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )
     return inputs, (noise.float() - latents.float())
 
 
@@ -127,8 +141,9 @@ def verdict(ok: bool) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=2688, choices=sorted(LTX_GRIDS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--columns", default=",".join(COLUMNS))
@@ -138,65 +153,115 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("benchmark_training.py needs a CUDA GPU")
     env = bench_utils.environment()
-    print(f"# LTX-Video 2B LoRA (rank {LORA_RANK}) training step: {env['device']}, torch "
-          f"{env['torch']}, bf16, batch 1, {args.tokens} tokens, median of {args.steps} steps")
+    print(
+        f"# LTX-Video 2B LoRA (rank {LORA_RANK}) training step: {env['device']}, torch "
+        f"{env['torch']}, bf16, batch 1, {args.tokens} tokens, median of {args.steps} steps"
+    )
     model = lora_model()
     initial = [p.detach().clone() for p in adapter_parameters(model)]
     inputs, target = batch_inputs(args.tokens)
     rows = {}
     for checkpointing in (False, True):
         for column in columns:
-            measured = run_column(column, model, initial, inputs, target, args.steps,
-                                  checkpointing)
+            measured = run_column(column, model, initial, inputs, target, args.steps, checkpointing)
             if measured is None:
                 continue
             first_s, ms, peak, grads = measured
-            rows[(column, checkpointing)] = dict(ms=ms, first_step_s=first_s, peak_gib=peak,
-                                                 grads=grads)
-            print(f"  {column}, checkpointing {'on' if checkpointing else 'off'}: {ms:.1f} ms/step,"
-                  f" peak {peak:.2f} GiB, first step {first_s:.1f} s", flush=True)
+            rows[(column, checkpointing)] = dict(
+                ms=ms, first_step_s=first_s, peak_gib=peak, grads=grads
+            )
+            print(
+                f"  {column}, checkpointing {'on' if checkpointing else 'off'}: {ms:.1f} ms/step,"
+                f" peak {peak:.2f} GiB, first step {first_s:.1f} s",
+                flush=True,
+            )
     for (column, checkpointing), row in rows.items():
         eager, blocks = rows.get(("eager", checkpointing)), rows.get(("blocks", checkpointing))
         row["vs_eager"] = eager["ms"] / row["ms"] if eager else float("nan")
         row["vs_blocks"] = blocks["ms"] / row["ms"] if blocks else float("nan")
-        row["grad_rel_l2"] = (((row["grads"] - eager["grads"]).norm() / eager["grads"].norm()).item()
-                              if eager else float("nan"))
-    print("\n| column | checkpointing | ms/step | vs eager | vs blocks | peak GiB | "
-          "grad rel L2 vs eager | first step s |")
+        row["grad_rel_l2"] = (
+            ((row["grads"] - eager["grads"]).norm() / eager["grads"].norm()).item()
+            if eager
+            else float("nan")
+        )
+    print(
+        "\n| column | checkpointing | ms/step | vs eager | vs blocks | peak GiB | "
+        "grad rel L2 vs eager | first step s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for (column, checkpointing), row in rows.items():
-        print(f"| {column} | {'on' if checkpointing else 'off'} | {row['ms']:.1f} | "
-              f"{row['vs_eager']:.2f}x | {row['vs_blocks']:.2f}x | {row['peak_gib']:.2f} | "
-              f"{row['grad_rel_l2']:.2e} | {row['first_step_s']:.1f} |")
+        print(
+            f"| {column} | {'on' if checkpointing else 'off'} | {row['ms']:.1f} | "
+            f"{row['vs_eager']:.2f}x | {row['vs_blocks']:.2f}x | {row['peak_gib']:.2f} | "
+            f"{row['grad_rel_l2']:.2e} | {row['first_step_s']:.1f} |"
+        )
     get = lambda column, ckpt=False: rows.get((column, ckpt))  # noqa: E731
     checks = []  # (label, value, met)
     if get("eager") and get("kernels"):
         speedup = get("kernels")["vs_eager"]
-        checks.append((f"kernels >= {TARGET_KERNELS_VS_EAGER}x over eager", f"{speedup:.2f}x",
-                       speedup >= TARGET_KERNELS_VS_EAGER))
+        checks.append(
+            (
+                f"kernels >= {TARGET_KERNELS_VS_EAGER}x over eager",
+                f"{speedup:.2f}x",
+                speedup >= TARGET_KERNELS_VS_EAGER,
+            )
+        )
         memory = get("kernels")["peak_gib"] / get("eager")["peak_gib"]
-        checks.append((f"peak memory without checkpointing <= {TARGET_MEMORY_VS_EAGER}x eager's",
-                       f"{memory:.2f}x", memory <= TARGET_MEMORY_VS_EAGER))
+        checks.append(
+            (
+                f"peak memory without checkpointing <= {TARGET_MEMORY_VS_EAGER}x eager's",
+                f"{memory:.2f}x",
+                memory <= TARGET_MEMORY_VS_EAGER,
+            )
+        )
     if get("blocks") and get("kernels"):
         speedup = get("kernels")["vs_blocks"]
-        checks.append((f"kernels >= {TARGET_KERNELS_VS_COMPILE}x over compile (blocks)",
-                       f"{speedup:.2f}x", speedup >= TARGET_KERNELS_VS_COMPILE))
+        checks.append(
+            (
+                f"kernels >= {TARGET_KERNELS_VS_COMPILE}x over compile (blocks)",
+                f"{speedup:.2f}x",
+                speedup >= TARGET_KERNELS_VS_COMPILE,
+            )
+        )
     if get("blocks") and get("blocks+kernels"):
         speedup = get("blocks+kernels")["vs_blocks"]
-        checks.append((f"blocks+kernels >= {TARGET_BOTH_VS_COMPILE}x over compile (blocks)",
-                       f"{speedup:.2f}x", speedup >= TARGET_BOTH_VS_COMPILE))
+        checks.append(
+            (
+                f"blocks+kernels >= {TARGET_BOTH_VS_COMPILE}x over compile (blocks)",
+                f"{speedup:.2f}x",
+                speedup >= TARGET_BOTH_VS_COMPILE,
+            )
+        )
     if get("eager", True) and get("kernels", True):
         speedup = get("kernels", True)["vs_eager"]
-        checks.append((f"with checkpointing, kernels >= {TARGET_CHECKPOINTED_VS_EAGER}x over eager",
-                       f"{speedup:.2f}x", speedup >= TARGET_CHECKPOINTED_VS_EAGER))
+        checks.append(
+            (
+                f"with checkpointing, kernels >= {TARGET_CHECKPOINTED_VS_EAGER}x over eager",
+                f"{speedup:.2f}x",
+                speedup >= TARGET_CHECKPOINTED_VS_EAGER,
+            )
+        )
     for label, value, met in checks:
         print(f"  [{verdict(met)}] {label}: {value}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        bench_utils.write_json(args.out / "training_ltx_lora.json", dict(
-            environment=env, tokens=args.tokens, steps=args.steps, lora_rank=LORA_RANK,
-            rows=[dict(column=c, checkpointing=k, **{key: v for key, v in r.items() if key != "grads"})
-                  for (c, k), r in rows.items()]))
+        bench_utils.write_json(
+            args.out / "training_ltx_lora.json",
+            dict(
+                environment=env,
+                tokens=args.tokens,
+                steps=args.steps,
+                lora_rank=LORA_RANK,
+                rows=[
+                    dict(
+                        column=c,
+                        checkpointing=k,
+                        **{key: v for key, v in r.items() if key != "grads"},
+                    )
+                    for (c, k), r in rows.items()
+                ],
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ output is compared with the eager output (relative L2).
 
   python benchmarks/benchmark_transformer.py --model ltx --tokens 2688 8064 --out results/
 """
+
 import argparse
 import contextlib
 import statistics
@@ -43,12 +44,20 @@ def ltx_case(tokens: int):
     mask = torch.ones(batch, text, dtype=torch.bool, device="cuda")
     mask[0, 40:] = False
     inputs = dict(
-        hidden_states=torch.randn(batch, tokens, 128, generator=g, device="cuda", dtype=torch.bfloat16),
-        encoder_hidden_states=torch.randn(batch, text, 4096, generator=g, device="cuda",
-                                          dtype=torch.bfloat16),
-        timestep=torch.full((batch,), 500.0, device="cuda"), encoder_attention_mask=mask,
-        num_frames=frames, height=height, width=width, rope_interpolation_scale=(8 / 25, 32, 32),
-        return_dict=False)
+        hidden_states=torch.randn(
+            batch, tokens, 128, generator=g, device="cuda", dtype=torch.bfloat16
+        ),
+        encoder_hidden_states=torch.randn(
+            batch, text, 4096, generator=g, device="cuda", dtype=torch.bfloat16
+        ),
+        timestep=torch.full((batch,), 500.0, device="cuda"),
+        encoder_attention_mask=mask,
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )
     return model, lambda m: m(**inputs)[0]
 
 
@@ -57,20 +66,31 @@ class FluxBlockPair(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from diffusers.models.transformers.transformer_flux import (FluxSingleTransformerBlock,
-                                                                    FluxTransformerBlock)
+        from diffusers.models.transformers.transformer_flux import (
+            FluxSingleTransformerBlock,
+            FluxTransformerBlock,
+        )
 
-        self.double_block = FluxTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128)
-        self.single_block = FluxSingleTransformerBlock(dim=3072, num_attention_heads=24,
-                                                 attention_head_dim=128)
+        self.double_block = FluxTransformerBlock(
+            dim=3072, num_attention_heads=24, attention_head_dim=128
+        )
+        self.single_block = FluxSingleTransformerBlock(
+            dim=3072, num_attention_heads=24, attention_head_dim=128
+        )
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         encoder_hidden_states, hidden_states = self.double_block(
-            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-            image_rotary_emb=image_rotary_emb)
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            temb=temb,
+            image_rotary_emb=image_rotary_emb,
+        )
         encoder_hidden_states, hidden_states = self.single_block(
-            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-            image_rotary_emb=image_rotary_emb)
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            temb=temb,
+            image_rotary_emb=image_rotary_emb,
+        )
         return hidden_states
 
 
@@ -84,16 +104,18 @@ def flux_rotary(image_side: int, text: int, device):
 
 
 def flux_pair_case(tokens: int = 4096, text: int = 512):
-    side = int(round(tokens ** 0.5))
+    side = int(round(tokens**0.5))
     assert side * side == tokens, "flux-pair: --tokens must be a square (image side in patches)"
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = FluxBlockPair().to(torch.bfloat16).eval()
     g = torch.Generator("cuda").manual_seed(0)
-    args = (torch.randn(1, tokens, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
-            torch.randn(1, text, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
-            torch.randn(1, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
-            flux_rotary(side, text, "cuda"))
+    args = (
+        torch.randn(1, tokens, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, text, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+        flux_rotary(side, text, "cuda"),
+    )
     return model, lambda m: m(*args)
 
 
@@ -160,7 +182,9 @@ def rel_l2(out, ref):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--model", choices=("ltx", "flux-pair"), default="ltx")
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--columns", default=",".join(COLUMNS))
@@ -170,14 +194,18 @@ def main():
     columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
     tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [4096])
     env = bench_utils.environment()
-    print(f"# {args.model}: {env['device']}, torch {env['torch']}, bf16, "
-          f"median of {args.reps} steps (CUDA events)")
+    print(
+        f"# {args.model}: {env['device']}, torch {env['torch']}, bf16, "
+        f"median of {args.reps} steps (CUDA events)"
+    )
     results = []
     for tokens in tokens_list:
         model, call = ltx_case(tokens) if args.model == "ltx" else flux_pair_case(tokens)
         rows = {}
         print(f"\n## {args.model}, {tokens} tokens", flush=True)
-        print("| column | ms/step | vs eager | vs compile | first call (compile) s | rel L2 vs eager |")
+        print(
+            "| column | ms/step | vs eager | vs compile | first call (compile) s | rel L2 vs eager |"
+        )
         print("|---|---|---|---|---|---|", flush=True)
         for column in columns:
             measured = run_column(column, model, call, args.reps)
@@ -187,19 +215,29 @@ def main():
             row = rows[column] = dict(ms=ms, first_call_s=first_s, out=out.float())
             eager = rows.get("eager")
             row["speedup_vs_eager"] = eager["ms"] / ms if eager else float("nan")
-            row["speedup_vs_compile"] = rows["compile"]["ms"] / ms if "compile" in rows else float("nan")
+            row["speedup_vs_compile"] = (
+                rows["compile"]["ms"] / ms if "compile" in rows else float("nan")
+            )
             row["rel_l2"] = rel_l2(row["out"], eager["out"]) if eager else float("nan")
-            print(f"| {column} | {ms:.2f} | {row['speedup_vs_eager']:.2f}x | "
-                  f"{row['speedup_vs_compile']:.2f}x | {first_s:.1f} | {row['rel_l2']:.2e} |",
-                  flush=True)
-        results.append(dict(tokens=tokens, columns={c: {k: v for k, v in r.items() if k != "out"}
-                                                    for c, r in rows.items()}))
+            print(
+                f"| {column} | {ms:.2f} | {row['speedup_vs_eager']:.2f}x | "
+                f"{row['speedup_vs_compile']:.2f}x | {first_s:.1f} | {row['rel_l2']:.2e} |",
+                flush=True,
+            )
+        results.append(
+            dict(
+                tokens=tokens,
+                columns={c: {k: v for k, v in r.items() if k != "out"} for c, r in rows.items()},
+            )
+        )
         del model, rows
         torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        bench_utils.write_json(args.out / f"transformer_{args.model}.json",
-                               dict(environment=env, model=args.model, results=results))
+        bench_utils.write_json(
+            args.out / f"transformer_{args.model}.json",
+            dict(environment=env, model=args.model, results=results),
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ takes to issue one step against its wall time.
 
   python benchmarks/profile_step.py --tokens 2688 --columns kernels,compile+kernels
 """
+
 import argparse
 import collections
 import statistics
@@ -22,7 +23,10 @@ from benchmark_transformer import configured  # noqa: E402
 CATEGORIES = (  # first match wins; names are lower-cased CUDA kernel names
     ("attention", ("flash", "fmha", "attention", "cudnn")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
-    ("ltx_kernels", ("norm_modulate_", "gated_residual_", "qk_norm_rope_", "gelu_kernel", "rmsnorm_")),
+    (
+        "ltx_kernels",
+        ("norm_modulate_", "gated_residual_", "qk_norm_rope_", "gelu_kernel", "rmsnorm_"),
+    ),
     ("inductor/triton", ("triton_",)),
 )
 
@@ -71,15 +75,19 @@ def profile_column(column, model, call, steps, top):
     totals = collections.Counter()
     for name, us in kernels.items():
         totals[category(name)] += us
-    print(f"\n## {column}: GPU kernel time per step {sum(totals.values()) / 1000:.2f} ms; wall "
-          f"{wall_ms:.2f} ms, of which the host issues the calls in {issue_ms:.2f} ms")
+    print(
+        f"\n## {column}: GPU kernel time per step {sum(totals.values()) / 1000:.2f} ms; wall "
+        f"{wall_ms:.2f} ms, of which the host issues the calls in {issue_ms:.2f} ms"
+    )
     print("  " + ", ".join(f"{label} {us / 1000:.2f} ms" for label, us in totals.most_common()))
     for name, us in kernels.most_common(top):
         print(f"  {us / 1000:7.3f} ms  x{counts[name]:5.0f}  [{category(name)}] {name[:110]}")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=2688, choices=sorted(bt.LTX_GRIDS))
     parser.add_argument("--columns", default="eager,kernels,compile,compile+kernels")
     parser.add_argument("--steps", type=int, default=3)
@@ -90,8 +98,10 @@ def main():
     if unknown:
         parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(bt.COLUMNS)}")
     model, call = bt.ltx_case(args.tokens)
-    print(f"# LTX-Video 2B, batch 2 x {args.tokens} tokens, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}")
+    print(
+        f"# LTX-Video 2B, batch 2 x {args.tokens} tokens, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}"
+    )
     for column in columns:
         profile_column(column, model, call, args.steps, args.top)
 

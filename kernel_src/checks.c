@@ -23,8 +23,12 @@ static ltx_check_t malformed(const char* arg) {
 
 static ltx_check_t dtype_fail(int status, ltx_rule_t rule, const char* arg, ltx_dtype_t arg_dtype,
                               const char* ref, ltx_dtype_t ref_dtype) {
-  const ltx_check_t c = {.status = status, .rule = rule, .arg = arg, .ref = ref,
-                         .arg_dtype = arg_dtype, .ref_dtype = ref_dtype};
+  const ltx_check_t c = {.status = status,
+                         .rule = rule,
+                         .arg = arg,
+                         .ref = ref,
+                         .arg_dtype = arg_dtype,
+                         .ref_dtype = ref_dtype};
   return c;
 }
 
@@ -64,16 +68,16 @@ static ltx_check_t optional_rows_like(const char* arg, const ltx_rows_t* r, cons
 }
 
 static ltx_check_t eps_rule(float eps) {
-  const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EPS, .arg = "eps",
-                         .value = eps};
+  const ltx_check_t c = {
+      .status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EPS, .arg = "eps", .value = eps};
   return eps >= 0.f && eps < INFINITY ? ok() : c; /* (NaN fails both) */
 }
 
 /* Returns the check's result from the calling check when it failed. */
-#define LTX_RETURN_IF_FAILED(check)                 \
-  do {                                              \
-    const ltx_check_t failed_ = (check);            \
-    if (failed_.status != LTX_OK) return failed_;   \
+#define LTX_RETURN_IF_FAILED(check)               \
+  do {                                            \
+    const ltx_check_t failed_ = (check);          \
+    if (failed_.status != LTX_OK) return failed_; \
   } while (0)
 
 ltx_check_t ltx_check_rmsnorm(const ltx_rows_t* out, const ltx_rows_t* x, const void* weight,
@@ -82,7 +86,8 @@ ltx_check_t ltx_check_rmsnorm(const ltx_rows_t* out, const ltx_rows_t* x, const 
   if (weight) LTX_RETURN_IF_FAILED(float_dtype("weight", weight_dtype));
   /* The output has the weight's dtype, x's without a weight (diffusers' RMSNorm). */
   if (weight)
-    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "weight", weight_dtype));
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "weight", weight_dtype));
   else
     LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "x", x->dtype));
   if (!ltx_valid_rows(x)) return malformed("x");
@@ -123,16 +128,16 @@ ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
   /* Activations: T. */
   if (a->y.data) LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "y", a->y.dtype, "x", t));
   if (a->residual_out.data)
-    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "residual_out", a->residual_out.dtype,
-                                  "x", t));
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_INVALID_ARGUMENT, "residual_out", a->residual_out.dtype, "x", t));
   LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", a->out.dtype, "x", t));
   /* Weight and bias: T (fp32 too with upcast). */
   if (a->weight.data)
-    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "weight", a->weight.dtype, t,
-                                       a->upcast));
+    LTX_RETURN_IF_FAILED(
+        operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "weight", a->weight.dtype, t, a->upcast));
   if (a->bias.data)
-    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "bias", a->bias.dtype, t,
-                                       a->upcast));
+    LTX_RETURN_IF_FAILED(
+        operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "bias", a->bias.dtype, t, a->upcast));
   /* Rows: every present row operand has x's row count; gate and residual_out need y. */
   if (!ltx_valid_rows(&a->x)) return malformed("x");
   rows = ltx_num_rows(&a->x);
@@ -141,7 +146,8 @@ ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
   for (i = 0; i < 3; ++i)
     LTX_RETURN_IF_FAILED(optional_rows_like(modulation_names[i], modulation[i], "x", rows));
   LTX_RETURN_IF_FAILED(optional_rows_like("residual_out", &a->residual_out, "x", rows));
-  if (a->gate.data && !a->y.data) return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "gate", "y");
+  if (a->gate.data && !a->y.data)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "gate", "y");
   if (a->residual_out.data && !a->y.data)
     return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "residual_out", "y");
   /* The norm; a bias only with LayerNorm. */
@@ -163,8 +169,8 @@ ltx_check_t ltx_check_gated_residual(const ltx_rows_t* out, const ltx_rows_t* x,
   if (upcast != 0 && upcast != 1) return malformed("upcast");
   /* The gate is T, or fp32 when the product is kept in fp32 (upcast). */
   if (gate->data)
-    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_INVALID_ARGUMENT, "gate", gate->dtype, x->dtype,
-                                       upcast));
+    LTX_RETURN_IF_FAILED(
+        operand_dtype(LTX_ERR_INVALID_ARGUMENT, "gate", gate->dtype, x->dtype, upcast));
   if (!ltx_valid_rows(x)) return malformed("x");
   LTX_RETURN_IF_FAILED(rows_like("y", y, "x", rows));
   LTX_RETURN_IF_FAILED(optional_rows_like("gate", gate, "x", rows));
@@ -196,12 +202,14 @@ ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
   LTX_RETURN_IF_FAILED(float_dtype(kTensorX[0], t));
   for (k = 0; k < a->num_tensors; ++k) {
     const ltx_rope_tensor_t* r = &a->tensors[k];
-    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_UNSUPPORTED_DTYPE, kTensorX[k], r->x.dtype, kTensorX[0], t));
-    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, kTensorOut[k], r->out.dtype, kTensorX[k],
-                                  r->x.dtype));
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_UNSUPPORTED_DTYPE, kTensorX[k], r->x.dtype, kTensorX[0], t));
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_INVALID_ARGUMENT, kTensorOut[k], r->out.dtype, kTensorX[k], r->x.dtype));
     if ((r->cos.data == NULL) != (r->sin.data == NULL))
       return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES,
-                  r->cos.data ? kTensorCos[k] : kTensorSin[k], r->cos.data ? kTensorSin[k] : kTensorCos[k]);
+                  r->cos.data ? kTensorCos[k] : kTensorSin[k],
+                  r->cos.data ? kTensorSin[k] : kTensorCos[k]);
     if (r->cos.data) {
       if (r->sin.dtype != r->cos.dtype)
         return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_SAME_DTYPE_AS, kTensorSin[k],
@@ -229,15 +237,19 @@ ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
     LTX_RETURN_IF_FAILED(optional_rows_like(kTensorSin[k], &r->sin, kTensorX[k], rows));
   }
   if (table_tensor && a->head_dim % 2 != 0) {
-    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EVEN_HEAD_DIM,
-                           .arg = "head_dim", .value = (double)a->head_dim};
+    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
+                           .rule = LTX_RULE_EVEN_HEAD_DIM,
+                           .arg = "head_dim",
+                           .value = (double)a->head_dim};
     return c;
   }
   if (table_tensor && a->rot_dim != a->head_dim &&
       !(!a->interleaved && 2 * a->rot_dim == a->head_dim)) {
     const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
                            .rule = a->interleaved ? LTX_RULE_ROT_DIM : LTX_RULE_ROT_DIM_OR_HALF,
-                           .arg = "rot_dim", .ref = "head_dim", .value = (double)a->rot_dim,
+                           .arg = "rot_dim",
+                           .ref = "head_dim",
+                           .value = (double)a->rot_dim,
                            .expected = a->head_dim};
     return c;
   }

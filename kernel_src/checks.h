@@ -14,31 +14,31 @@ extern "C" {
 
 /* The rule an argument breaks; `arg` and `ref` are ltx_check_t's. */
 typedef enum ltx_rule {
-  LTX_RULE_NONE = 0,             /* every argument is valid */
-  LTX_RULE_MALFORMED,            /* arg is malformed: negative sizes, NULL data with rows, a size,
-                                    flag or enum out of range */
-  LTX_RULE_ROW_COUNT,            /* arg must describe as many rows as ref */
-  LTX_RULE_REQUIRES,             /* arg is only allowed together with ref */
-  LTX_RULE_FLOAT_DTYPE,          /* arg must be float32, float16 or bfloat16 */
-  LTX_RULE_DTYPE_OF,             /* arg must have ref's dtype */
-  LTX_RULE_MODEL_DTYPE,          /* arg must have ref's (x's) dtype, as upcast is 0 */
-  LTX_RULE_DTYPE_OF_OR_FLOAT32,  /* arg must have ref's dtype or be float32 */
-  LTX_RULE_SAME_DTYPE_AS,        /* arg must have the dtype of ref (operands that share one) */
-  LTX_RULE_EPS,                  /* eps (value) must be finite and >= 0 */
-  LTX_RULE_EVEN_HEAD_DIM,        /* a rotation needs an even head_dim (value) */
-  LTX_RULE_ROT_DIM,              /* rot_dim (value) must be head_dim (expected) */
-  LTX_RULE_ROT_DIM_OR_HALF,      /* rot_dim (value) must be head_dim (expected) or half of it */
+  LTX_RULE_NONE = 0,            /* every argument is valid */
+  LTX_RULE_MALFORMED,           /* arg is malformed: negative sizes, NULL data with rows, a size,
+                                   flag or enum out of range */
+  LTX_RULE_ROW_COUNT,           /* arg must describe as many rows as ref */
+  LTX_RULE_REQUIRES,            /* arg is only allowed together with ref */
+  LTX_RULE_FLOAT_DTYPE,         /* arg must be float32, float16 or bfloat16 */
+  LTX_RULE_DTYPE_OF,            /* arg must have ref's dtype */
+  LTX_RULE_MODEL_DTYPE,         /* arg must have ref's (x's) dtype, as upcast is 0 */
+  LTX_RULE_DTYPE_OF_OR_FLOAT32, /* arg must have ref's dtype or be float32 */
+  LTX_RULE_SAME_DTYPE_AS,       /* arg must have the dtype of ref (operands that share one) */
+  LTX_RULE_EPS,                 /* eps (value) must be finite and >= 0 */
+  LTX_RULE_EVEN_HEAD_DIM,       /* a rotation needs an even head_dim (value) */
+  LTX_RULE_ROT_DIM,             /* rot_dim (value) must be head_dim (expected) */
+  LTX_RULE_ROT_DIM_OR_HALF,     /* rot_dim (value) must be head_dim (expected) or half of it */
 } ltx_rule_t;
 
 /* What a check found. */
 typedef struct ltx_check {
-  int status;       /* LTX_OK, or the LTX_ERR_* the launcher returns */
-  ltx_rule_t rule;  /* LTX_RULE_NONE when status is LTX_OK */
-  const char* arg;  /* the argument at fault, named as in ltx_kernels.h ("gate", "tensors[1].cos") */
-  const char* ref;  /* the argument the rule relates it to, or NULL */
-  ltx_dtype_t arg_dtype, ref_dtype;  /* dtype rules: arg's dtype and the one it must match */
-  double value;      /* eps and size rules: the value found */
-  int64_t expected;  /* size rules: the value expected */
+  int status;      /* LTX_OK, or the LTX_ERR_* the launcher returns */
+  ltx_rule_t rule; /* LTX_RULE_NONE when status is LTX_OK */
+  const char* arg; /* the argument at fault, named as in ltx_kernels.h ("gate", "tensors[1].cos") */
+  const char* ref; /* the argument the rule relates it to, or NULL */
+  ltx_dtype_t arg_dtype, ref_dtype; /* dtype rules: arg's dtype and the one it must match */
+  double value;                     /* eps and size rules: the value found */
+  int64_t expected;                 /* size rules: the value expected */
 } ltx_check_t;
 
 ltx_check_t ltx_check_rmsnorm(const ltx_rows_t* out, const ltx_rows_t* x, const void* weight,

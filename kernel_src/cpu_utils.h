@@ -51,13 +51,13 @@ static inline uint16_t ltx_float_to_half(float f) {
   const uint32_t bits = ltx_float_to_bits(f);
   const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
   uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7e00u; /* NaN */
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
   if (magnitude >= 0x47800000u) return sign | 0x7c00u; /* >= 65536 (and inf): inf */
   if (magnitude < 0x38800000u) { /* below 2^-14: subnormal half, units of 2^-24 */
     const float units = ltx_bits_to_float(magnitude) * 16777216.0f; /* exact scaling */
     return sign | (uint16_t)nearbyintf(units);                      /* ties to even */
   }
-  magnitude += 0xfffu + ((magnitude >> 13) & 1u); /* round to nearest even at bit 13 */
+  magnitude += 0xfffu + ((magnitude >> 13) & 1u);            /* round to nearest even at bit 13 */
   return sign | (uint16_t)((magnitude - 0x38000000u) >> 13); /* rebias; may round up to inf */
 }
 

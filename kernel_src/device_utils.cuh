@@ -35,9 +35,13 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
@@ -55,10 +59,18 @@ __device__ __forceinline__ float round_to(float v) {
 // round differently), so model-dtype steps can run two elements per instruction. Use the _rn
 // forms (__hmul2_rn, __hadd2_rn): they keep the compiler from contracting a product and a sum
 // into one fma (which would drop a rounding).
-template <typename T> struct PairOf;
-template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
-template <> struct PairOf<__half> { using type = __half2; };
-template <typename T> using pair_t = typename PairOf<T>::type;
+template <typename T>
+struct PairOf;
+template <>
+struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+template <>
+struct PairOf<__half> {
+  using type = __half2;
+};
+template <typename T>
+using pair_t = typename PairOf<T>::type;
 
 template <typename T>
 __device__ __forceinline__ pair_t<T> word_to_pair(uint32_t word) {
@@ -73,11 +85,14 @@ __device__ __forceinline__ uint32_t pair_to_word(P pair) {
   return word;
 }
 // (round_T(lo), round_T(hi)) with one paired conversion.
-template <typename T> __device__ __forceinline__ pair_t<T> round_pair(float lo, float hi);
-template <> __device__ __forceinline__ __nv_bfloat162 round_pair<__nv_bfloat16>(float lo, float hi) {
+template <typename T>
+__device__ __forceinline__ pair_t<T> round_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ __nv_bfloat162 round_pair<__nv_bfloat16>(float lo, float hi) {
   return __floats2bfloat162_rn(lo, hi);
 }
-template <> __device__ __forceinline__ __half2 round_pair<__half>(float lo, float hi) {
+template <>
+__device__ __forceinline__ __half2 round_pair<__half>(float lo, float hi) {
   return __floats2half2_rn(lo, hi);
 }
 
@@ -85,29 +100,77 @@ template <> __device__ __forceinline__ __half2 round_pair<__half>(float lo, floa
 // Packs: N consecutive elements moved with the widest aligned accesses (16 bytes at most) and
 // kept as raw 32-bit words, so they stay in registers; elements are unpacked with bit operations.
 // ---------------------------------------------------------------------------------------------
-template <int kBytes> struct RawChunk;
-template <> struct RawChunk<16> { using type = uint4; };
-template <> struct RawChunk<8> { using type = uint2; };
-template <> struct RawChunk<4> { using type = unsigned int; };
-template <> struct RawChunk<2> { using type = unsigned short; };
+template <int kBytes>
+struct RawChunk;
+template <>
+struct RawChunk<16> {
+  using type = uint4;
+};
+template <>
+struct RawChunk<8> {
+  using type = uint2;
+};
+template <>
+struct RawChunk<4> {
+  using type = unsigned int;
+};
+template <>
+struct RawChunk<2> {
+  using type = unsigned short;
+};
 
-__device__ __forceinline__ void chunk_to_words(uint4 c, uint32_t* w) { w[0] = c.x; w[1] = c.y; w[2] = c.z; w[3] = c.w; }
-__device__ __forceinline__ void chunk_to_words(uint2 c, uint32_t* w) { w[0] = c.x; w[1] = c.y; }
+__device__ __forceinline__ void chunk_to_words(uint4 c, uint32_t* w) {
+  w[0] = c.x;
+  w[1] = c.y;
+  w[2] = c.z;
+  w[3] = c.w;
+}
+__device__ __forceinline__ void chunk_to_words(uint2 c, uint32_t* w) {
+  w[0] = c.x;
+  w[1] = c.y;
+}
 __device__ __forceinline__ void chunk_to_words(unsigned int c, uint32_t* w) { w[0] = c; }
 __device__ __forceinline__ void chunk_to_words(unsigned short c, uint32_t* w) { w[0] = c; }
-template <typename Chunk> __device__ __forceinline__ Chunk words_to_chunk(const uint32_t* w);
-template <> __device__ __forceinline__ uint4 words_to_chunk<uint4>(const uint32_t* w) { return make_uint4(w[0], w[1], w[2], w[3]); }
-template <> __device__ __forceinline__ uint2 words_to_chunk<uint2>(const uint32_t* w) { return make_uint2(w[0], w[1]); }
-template <> __device__ __forceinline__ unsigned int words_to_chunk<unsigned int>(const uint32_t* w) { return w[0]; }
-template <> __device__ __forceinline__ unsigned short words_to_chunk<unsigned short>(const uint32_t* w) { return static_cast<unsigned short>(w[0]); }
+template <typename Chunk>
+__device__ __forceinline__ Chunk words_to_chunk(const uint32_t* w);
+template <>
+__device__ __forceinline__ uint4 words_to_chunk<uint4>(const uint32_t* w) {
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+template <>
+__device__ __forceinline__ uint2 words_to_chunk<uint2>(const uint32_t* w) {
+  return make_uint2(w[0], w[1]);
+}
+template <>
+__device__ __forceinline__ unsigned int words_to_chunk<unsigned int>(const uint32_t* w) {
+  return w[0];
+}
+template <>
+__device__ __forceinline__ unsigned short words_to_chunk<unsigned short>(const uint32_t* w) {
+  return static_cast<unsigned short>(w[0]);
+}
 
 // 16-bit pattern <-> float for the 2-byte types.
-template <typename T> __device__ __forceinline__ float bits_to_float(uint32_t bits);
-template <> __device__ __forceinline__ float bits_to_float<__nv_bfloat16>(uint32_t bits) { return __uint_as_float(bits << 16); }
-template <> __device__ __forceinline__ float bits_to_float<__half>(uint32_t bits) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits))); }
-template <typename T> __device__ __forceinline__ uint32_t float_to_bits(float f);
-template <> __device__ __forceinline__ uint32_t float_to_bits<__nv_bfloat16>(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
-template <> __device__ __forceinline__ uint32_t float_to_bits<__half>(float f) { return __half_as_ushort(__float2half_rn(f)); }
+template <typename T>
+__device__ __forceinline__ float bits_to_float(uint32_t bits);
+template <>
+__device__ __forceinline__ float bits_to_float<__nv_bfloat16>(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+template <>
+__device__ __forceinline__ float bits_to_float<__half>(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t float_to_bits(float f);
+template <>
+__device__ __forceinline__ uint32_t float_to_bits<__nv_bfloat16>(float f) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+template <>
+__device__ __forceinline__ uint32_t float_to_bits<__half>(float f) {
+  return __half_as_ushort(__float2half_rn(f));
+}
 
 template <typename T, int N>
 struct Pack {
@@ -395,13 +458,14 @@ __device__ __forceinline__ float block_rstd(const T* row, int n, float inv_n, fl
 struct RowIndex {
   int64_t size1, size2;
   int64_t stride0, stride1, stride2;
-  bool flat;        // size[0] == size[1] == 1: offset = row * stride2
-  bool index_32bit; // every row index fits in 32 bits
+  bool flat;         // size[0] == size[1] == 1: offset = row * stride2
+  bool index_32bit;  // every row index fits in 32 bits
 
   static RowIndex of(const ltx_rows_t& r) {
     const int64_t rows = r.size[0] * r.size[1] * r.size[2];
-    return RowIndex{r.size[1],   r.size[2],   r.stride[0],          r.stride[1],
-                    r.stride[2], r.size[0] == 1 && r.size[1] == 1, rows <= UINT32_MAX};
+    return RowIndex{r.size[1],         r.size[2],   r.stride[0],
+                    r.stride[1],       r.stride[2], r.size[0] == 1 && r.size[1] == 1,
+                    rows <= UINT32_MAX};
   }
   __device__ __forceinline__ int64_t offset(int64_t row) const {
     if (flat) return row * stride2;
@@ -442,8 +506,8 @@ struct RowPtr {
 // Compile-time flags and dtype dispatch. Optional operands are null pointers in a kernel's
 // arguments; where a kernel's code depends on one, with_flags turns its presence (and any other
 // uniform flag) into a compile-time constant: host side to pick a kernel instance, device side to
-// pick a copy of a loop, so that no inner loop branches on it. (norm_modulate's epilogue keeps three
-// run-time flags, for its register count; see there.)
+// pick a copy of a loop, so that no inner loop branches on it. (norm_modulate's epilogue keeps
+// three run-time flags, for its register count; see there.)
 // ---------------------------------------------------------------------------------------------
 template <int I, int N, typename Fn, typename... Known>
 __host__ __device__ __forceinline__ decltype(auto) with_flags_from(const bool (&flags)[N], Fn& fn,
@@ -536,9 +600,8 @@ inline RowChunkGrid row_chunk_grid(int64_t rows, int64_t packs, int slots, int m
   g.shape.log2_tpr = log2_threads_per_row(packs, slots, max_threads);
   const int tpr = 1 << g.shape.log2_tpr;
   g.shape.chunks = ceil_div(packs, int64_t{tpr} * slots);
-  const int rows_in_block = rows_per_block(tpr, max_threads, min_threads, [&](int r) {
-    return ceil_div(rows, r) * g.shape.chunks;
-  });
+  const int rows_in_block = rows_per_block(
+      tpr, max_threads, min_threads, [&](int r) { return ceil_div(rows, r) * g.shape.chunks; });
   g.grid = dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, rows_in_block), INT32_MAX)),
                 static_cast<unsigned>(std::min<int64_t>(g.shape.chunks, 65535)));
   g.block = dim3(rows_in_block * tpr);

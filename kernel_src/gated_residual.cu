@@ -90,8 +90,8 @@ __global__ void __launch_bounds__(kBlockThreads, kLateGate<T, Tg> ? 4 : 3)
 template <typename T, typename Tg, int kVec>
 int launch_gated_residual(GatedResidualArgs<T, Tg> a, int64_t rows, int hidden,
                           cudaStream_t stream) {
-  const RowChunkGrid g = row_chunk_grid(rows, hidden / kVec, kSlots, kBlockThreads,
-                                        kMinBlockThreads);
+  const RowChunkGrid g =
+      row_chunk_grid(rows, hidden / kVec, kSlots, kBlockThreads, kMinBlockThreads);
   a.shape = g.shape;
   return launch(gated_residual_kernel<T, Tg, kVec>, g.grid, g.block, 0, stream, a);
 }
@@ -107,9 +107,10 @@ int gated_residual_typed(const ltx_rows_t& out, const ltx_rows_t& x, const ltx_r
   a.gate = RowPtr<const Tg>::of(gate);
   a.upcast = upcast;
   constexpr int kVec = 16 / sizeof(T);
-  const bool vectorizable = hidden % kVec == 0 && ltx_rows_aligned(&out, sizeof(T), 16) &&
-                            ltx_rows_aligned(&x, sizeof(T), 16) && ltx_rows_aligned(&y, sizeof(T), 16) &&
-                            (!has_gate || ltx_rows_aligned(&gate, sizeof(Tg), pack_alignment<Tg, kVec>()));
+  const bool vectorizable =
+      hidden % kVec == 0 && ltx_rows_aligned(&out, sizeof(T), 16) &&
+      ltx_rows_aligned(&x, sizeof(T), 16) && ltx_rows_aligned(&y, sizeof(T), 16) &&
+      (!has_gate || ltx_rows_aligned(&gate, sizeof(Tg), pack_alignment<Tg, kVec>()));
   if (vectorizable) return launch_gated_residual<T, Tg, kVec>(a, ltx_num_rows(&x), hidden, stream);
   return launch_gated_residual<T, Tg, 1>(a, ltx_num_rows(&x), hidden, stream);
 }
@@ -117,9 +118,8 @@ int gated_residual_typed(const ltx_rows_t& out, const ltx_rows_t& x, const ltx_r
 }  // namespace
 }  // namespace ltx
 
-extern "C" int ltx_gated_residual_cuda(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y,
-                                       ltx_rows_t gate, int64_t hidden, int upcast,
-                                       ltx_stream_t stream) {
+extern "C" int ltx_gated_residual_cuda(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_t gate,
+                                       int64_t hidden, int upcast, ltx_stream_t stream) {
   using namespace ltx;
   const int status =
       launcher_status(ltx_check_gated_residual(&out, &x, &y, &gate, hidden, upcast), hidden);
@@ -132,7 +132,6 @@ extern "C" int ltx_gated_residual_cuda(ltx_rows_t out, ltx_rows_t x, ltx_rows_t 
     if (gate_fp32)
       return gated_residual_typed<T, float>(out, x, y, gate, static_cast<int>(hidden), upcast,
                                             stream_);
-    return gated_residual_typed<T, T>(out, x, y, gate, static_cast<int>(hidden), upcast,
-                                      stream_);
+    return gated_residual_typed<T, T>(out, x, y, gate, static_cast<int>(hidden), upcast, stream_);
   });
 }

@@ -7,9 +7,8 @@ int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_
                            int64_t hidden, int upcast, int64_t row_begin, int64_t row_end) {
   const ltx_dtype_t act = x.dtype; /* T */
   const int has_gate = gate.data != NULL;
-  const int status =
-      ltx_cpu_status(ltx_check_gated_residual(&out, &x, &y, &gate, hidden, upcast), row_begin,
-                     row_end, ltx_num_rows(&x));
+  const int status = ltx_cpu_status(ltx_check_gated_residual(&out, &x, &y, &gate, hidden, upcast),
+                                    row_begin, row_end, ltx_num_rows(&x));
   int64_t row, i;
   if (status != LTX_OK || hidden == 0) return status;
 

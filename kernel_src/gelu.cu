@@ -32,8 +32,10 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 // otherwise x Phi(x) with normcdff, accurate in the negative tail but about twice the work.
 template <bool kFast>
 __device__ __forceinline__ float gelu_erf(float x) {
-  if constexpr (kFast) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
-  else return x * normcdff(x);
+  if constexpr (kFast)
+    return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  else
+    return x * normcdff(x);
 }
 
 template <ltx_gelu_approximate_t kApproximate, typename T>
@@ -50,7 +52,7 @@ struct GeluArgs {
   RowPtr<const T> x;
   int64_t hidden;  // output row length; x rows hold 2 * hidden elements when gated
   RowChunks shape;
-  bool gated;      // GEGLU: out = round_T(x[:hidden] * round_T(gelu(x[hidden:])))
+  bool gated;  // GEGLU: out = round_T(x[:hidden] * round_T(gelu(x[hidden:])))
 };
 
 // Row-chunked GELU (RowChunkTeam) over rows of `hidden` output elements: thread t of a row's team
@@ -99,8 +101,8 @@ __global__ void __launch_bounds__(kBlockThreads) gelu_kernel(const GeluArgs<T> a
 
 template <typename T, int kVec, ltx_gelu_approximate_t kApproximate>
 int launch_gelu(GeluArgs<T> a, int64_t rows, cudaStream_t stream) {
-  const RowChunkGrid g = row_chunk_grid(rows, a.hidden / kVec, kSlots, kBlockThreads,
-                                        kMinBlockThreads);
+  const RowChunkGrid g =
+      row_chunk_grid(rows, a.hidden / kVec, kSlots, kBlockThreads, kMinBlockThreads);
   a.shape = g.shape;
   return launch(gelu_kernel<T, kVec, kApproximate>, g.grid, g.block, 0, stream, a);
 }
@@ -111,7 +113,8 @@ int gelu_typed(const ltx_rows_t& out, const ltx_rows_t& x, int64_t hidden, bool 
   const GeluArgs<T> a{RowPtr<T>::of(out), RowPtr<const T>::of(x), hidden, {}, gated};
   constexpr int kVec = 16 / sizeof(T);
   // hidden % kVec == 0 also aligns the second half of a gated row.
-  if (hidden % kVec == 0 && ltx_rows_aligned(&out, sizeof(T), 16) && ltx_rows_aligned(&x, sizeof(T), 16))
+  if (hidden % kVec == 0 && ltx_rows_aligned(&out, sizeof(T), 16) &&
+      ltx_rows_aligned(&x, sizeof(T), 16))
     return launch_gelu<T, kVec, kApproximate>(a, ltx_num_rows(&x), stream);
   return launch_gelu<T, 1, kApproximate>(a, ltx_num_rows(&x), stream);
 }

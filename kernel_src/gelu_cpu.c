@@ -18,8 +18,8 @@ static float gelu_value(float x, ltx_gelu_approximate_t approximate) {
 int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
                  int gated, int64_t row_begin, int64_t row_end) {
   const ltx_dtype_t act = x.dtype; /* T */
-  const int status = ltx_cpu_status(ltx_check_gelu(&out, &x, hidden, approximate, gated),
-                                    row_begin, row_end, ltx_num_rows(&x));
+  const int status = ltx_cpu_status(ltx_check_gelu(&out, &x, hidden, approximate, gated), row_begin,
+                                    row_end, ltx_num_rows(&x));
   int64_t row, i;
   if (status != LTX_OK || hidden == 0) return status;
 

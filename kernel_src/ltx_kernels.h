@@ -98,15 +98,15 @@ typedef enum ltx_norm_kind {
  *   h   = x                                            (y absent)
  *   h   = round_T(x + R(y * gate))  or  round_T(x + y)  (y given; gate optional)
  *   y_  = normalized h (fp32, see ltx_norm_kind_t)
- *   RMS:   n = R(R(y_) * weight)  (diffusers RMSNorm: `.to(w.dtype) * w`), n = R(y_) without weight;
- *          with upcast, n = y_ * weight in fp32. No bias.
- *   Layer: n = R(y_ * weight + bias) (F.layer_norm rounds once; weight, bias optional).
- *   out = round_T(R(n * R(1 + scale)) + shift)        (scale, shift each optional)
- * Row operands (x, y, gate, scale, shift, out, residual_out) are described per row, so scale,
- * shift and gate broadcast from [D], [B,1,D], [B,T,D] or strided chunk views with stride-0 levels.
- * residual_out (h) is written when y is given (its data may then be NULL to skip it), never read.
- * Dtypes: x, y, out, residual_out: T. upcast = 0: gate, scale, shift, weight, bias are T too.
- * upcast = 1: gate, scale and shift share one dtype, T or fp32; weight and bias each T or fp32.
+ *   RMS:   n = R(R(y_) * weight)  (diffusers RMSNorm: `.to(w.dtype) * w`), n = R(y_) without
+ * weight; with upcast, n = y_ * weight in fp32. No bias. Layer: n = R(y_ * weight + bias)
+ * (F.layer_norm rounds once; weight, bias optional). out = round_T(R(n * R(1 + scale)) + shift)
+ * (scale, shift each optional) Row operands (x, y, gate, scale, shift, out, residual_out) are
+ * described per row, so scale, shift and gate broadcast from [D], [B,1,D], [B,T,D] or strided chunk
+ * views with stride-0 levels. residual_out (h) is written when y is given (its data may then be
+ * NULL to skip it), never read. Dtypes: x, y, out, residual_out: T. upcast = 0: gate, scale, shift,
+ * weight, bias are T too. upcast = 1: gate, scale and shift share one dtype, T or fp32; weight and
+ * bias each T or fp32.
  */
 typedef struct ltx_norm_modulate_args {
   ltx_rows_t out;          /* n after modulation */
@@ -121,8 +121,7 @@ typedef struct ltx_norm_modulate_args {
 } ltx_norm_modulate_args_t;
 
 int ltx_norm_modulate_cuda(const ltx_norm_modulate_args_t* args, ltx_stream_t stream);
-int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin,
-                          int64_t row_end);
+int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin, int64_t row_end);
 
 /*
  * Gated residual: out = round_T(x + R(y * gate)), or round_T(x + y) when gate.data is NULL.
@@ -154,9 +153,9 @@ int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_
  */
 typedef struct ltx_rope_tensor {
   ltx_rows_t out, x;
-  ltx_rows_t cos, sin;                    /* one row per x row; data NULL: no rotation */
+  ltx_rows_t cos, sin;                      /* one row per x row; data NULL: no rotation */
   int64_t cos_head_stride, sin_head_stride; /* elements between consecutive heads' rows */
-  ltx_vector_t weight;                    /* norm weight, [heads * head_dim]; data NULL: none */
+  ltx_vector_t weight;                      /* norm weight, [heads * head_dim]; data NULL: none */
 } ltx_rope_tensor_t;
 
 typedef struct ltx_qk_norm_rope_args {

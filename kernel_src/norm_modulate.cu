@@ -9,8 +9,8 @@ namespace {
 // Blocks of at most 256 threads (so up to 255 registers per thread: x, y and the gate of a row
 // slice are in registers at once); a row is cached by at most 256 threads, longer rows stream.
 constexpr int kMaxThreadsPerRow = 256;
-constexpr int kRowBlockThreads = 256;              // block size when several rows share a block
-constexpr size_t kMaxStagedBytes = 48 * 1024;       // weight + bias staged in shared memory (fp32)
+constexpr int kRowBlockThreads = 256;          // block size when several rows share a block
+constexpr size_t kMaxStagedBytes = 48 * 1024;  // weight + bias staged in shared memory (fp32)
 
 // Row operands of one launch; Tx: activations (x, y, h, out), Tm: scale, shift and gate.
 template <typename Tx, typename Tm>
@@ -18,8 +18,8 @@ struct NormModulateArgs {
   RowPtr<Tx> out;
   RowPtr<Tx> residual_out;  // h; null unless y is given
   RowPtr<const Tx> x;
-  RowPtr<const Tx> y;     // null: no residual
-  RowPtr<const Tm> gate;  // null: h = x + y
+  RowPtr<const Tx> y;      // null: no residual
+  RowPtr<const Tm> gate;   // null: h = x + y
   RowPtr<const Tm> scale;  // null: no scale step
   RowPtr<const Tm> shift;  // null: no shift step
   ltx_vector_t weight, bias;
@@ -34,8 +34,10 @@ struct NormModulateArgs {
 // R(v) of ltx_kernels.h: rounds to Tx unless the op computes in fp32 (upcast).
 template <typename Tx, bool kUpcast>
 __device__ __forceinline__ float step(float v) {
-  if constexpr (kUpcast) return v;
-  else return round_to<Tx>(v);
+  if constexpr (kUpcast)
+    return v;
+  else
+    return round_to<Tx>(v);
 }
 
 // Per-channel weight/bias element `col`: from the fp32 copy in shared memory or from global.
@@ -76,9 +78,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         if constexpr (kPairs) {  // h = x + y * gate, each step rounded, two at a time
 #pragma unroll
           for (int j = 0; j < kVec / 2; ++j)
-            hs[s].w[j] = pair_to_word(__hadd2_rn(word_to_pair<Tx>(hs[s].w[j]),
-                                              __hmul2_rn(word_to_pair<Tx>(ys[s].w[j]),
-                                                      word_to_pair<Tx>(g.w[j]))));
+            hs[s].w[j] = pair_to_word(
+                __hadd2_rn(word_to_pair<Tx>(hs[s].w[j]),
+                           __hmul2_rn(word_to_pair<Tx>(ys[s].w[j]), word_to_pair<Tx>(g.w[j]))));
         } else {
 #pragma unroll
           for (int i = 0; i < kVec; ++i)
@@ -146,7 +148,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   with_flags({scale_row != nullptr, shift_row != nullptr}, [&](auto with_scale, auto with_shift) {
     constexpr bool kScale = decltype(with_scale)::value, kShift = decltype(with_shift)::value;
     if (kPairs && !has_weight && !has_bias) {  // n = norm(h), rounded; n * (1 + scale) + shift
-      [[maybe_unused]] const auto one = round_pair<std::conditional_t<kPairs, Tx, __half>>(1.f, 1.f);
+      [[maybe_unused]] const auto one =
+          round_pair<std::conditional_t<kPairs, Tx, __half>>(1.f, 1.f);
       team.for_each_pack<kSlots>(n_packs, [&](int s, int p) {
         Pack<Tx, kVec> o;
         if constexpr (kPairs) {
@@ -154,7 +157,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
           for (int j = 0; j < kVec / 2; ++j) {
             auto n = round_pair<Tx>((hs[s].get(2 * j) - mean) * rstd,
                                     (hs[s].get(2 * j + 1) - mean) * rstd);
-            if constexpr (kScale) n = __hmul2_rn(n, __hadd2_rn(one, word_to_pair<Tx>(scales[s].w[j])));
+            if constexpr (kScale)
+              n = __hmul2_rn(n, __hadd2_rn(one, word_to_pair<Tx>(scales[s].w[j])));
             if constexpr (kShift) n = __hadd2_rn(n, word_to_pair<Tx>(shifts[s].w[j]));
             o.w[j] = pair_to_word(n);
           }
@@ -245,7 +249,8 @@ __global__ void __launch_bounds__(kRowBlockThreads)
         if (a.bias.data) n += load_as_float(a.bias.data, a.bias.dtype, i);
         n = step<Tx, kUpcast>(n);
       } else if (a.weight.data) {
-        n = step<Tx, kUpcast>(step<Tx, kUpcast>(n) * load_as_float(a.weight.data, a.weight.dtype, i));
+        n = step<Tx, kUpcast>(step<Tx, kUpcast>(n) *
+                              load_as_float(a.weight.data, a.weight.dtype, i));
       } else {
         n = step<Tx, kUpcast>(n);
       }
@@ -301,18 +306,18 @@ int norm_modulate_typed(const ltx_norm_modulate_args_t& args, cudaStream_t strea
   auto aligned = [&](const ltx_rows_t& r, int elem_bytes) {
     return !r.data || ltx_rows_aligned(&r, elem_bytes, std::min(16, kVec * elem_bytes));
   };
-  const bool vectorizable = hidden % kVec == 0 && aligned(args.x, sizeof(Tx)) &&
-                            aligned(args.out, sizeof(Tx)) &&
-                            (!a.y.data || (aligned(args.y, sizeof(Tx)) &&
-                                      aligned(args.residual_out, sizeof(Tx)) &&
-                                      aligned(args.gate, sizeof(Tm)))) &&
-                            aligned(args.scale, sizeof(Tm)) && aligned(args.shift, sizeof(Tm));
+  const bool vectorizable =
+      hidden % kVec == 0 && aligned(args.x, sizeof(Tx)) && aligned(args.out, sizeof(Tx)) &&
+      (!a.y.data || (aligned(args.y, sizeof(Tx)) && aligned(args.residual_out, sizeof(Tx)) &&
+                     aligned(args.gate, sizeof(Tm)))) &&
+      aligned(args.scale, sizeof(Tm)) && aligned(args.shift, sizeof(Tm));
   constexpr int kMaxCachedPacks = 4 * kMaxThreadsPerRow;  // kSlots packs x 256 threads: rows of
   // up to 8192 bf16 / 4096 fp32 elements (LTX, FLUX, Wan, HunyuanVideo all fit) are cached
   return with_flags({a.y.data != nullptr}, [&](auto has_residual) {
     if (vectorizable && hidden / kVec <= kMaxCachedPacks)
       return launch_cached<Tx, Tm, kVec, kUpcast, has_residual>(a, stream);
-    if (hidden <= kMaxCachedPacks) return launch_cached<Tx, Tm, 1, kUpcast, has_residual>(a, stream);
+    if (hidden <= kMaxCachedPacks)
+      return launch_cached<Tx, Tm, 1, kUpcast, has_residual>(a, stream);
     return launch_streaming(norm_modulate_streaming_kernel<Tx, Tm, kUpcast>, a.rows,
                             kRowBlockThreads, stream, a);
   });
@@ -329,10 +334,10 @@ extern "C" int ltx_norm_modulate_cuda(const ltx_norm_modulate_args_t* args, ltx_
   const ltx_norm_modulate_args_t& a = *args;
   const ltx_dtype_t t = a.x.dtype;
   // The modulation tensors' one dtype (T, or fp32 with upcast).
-  const ltx_dtype_t m = a.gate.data ? a.gate.dtype
+  const ltx_dtype_t m = a.gate.data    ? a.gate.dtype
                         : a.scale.data ? a.scale.dtype
                         : a.shift.data ? a.shift.dtype
-                        : t;
+                                       : t;
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   return dispatch_float(t, [&](auto x_tag) {
     using Tx = typename decltype(x_tag)::type;

@@ -28,8 +28,8 @@ static float residual_element(const ltx_norm_modulate_args_t* a, const norm_modu
 int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin,
                           int64_t row_end) {
   const ltx_norm_modulate_args_t* a = args;
-  const int status = ltx_cpu_status(ltx_check_norm_modulate(a), row_begin, row_end,
-                                    a ? ltx_num_rows(&a->x) : 0);
+  const int status =
+      ltx_cpu_status(ltx_check_norm_modulate(a), row_begin, row_end, a ? ltx_num_rows(&a->x) : 0);
   ltx_dtype_t act, modulation_dtype;
   int has_y, upcast;
   int64_t row, i, hidden;
@@ -39,10 +39,10 @@ int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begi
   upcast = a->upcast != 0;
   hidden = a->hidden;
   /* gate, scale and shift share one dtype (checked) */
-  modulation_dtype = a->gate.data ? a->gate.dtype
+  modulation_dtype = a->gate.data    ? a->gate.dtype
                      : a->scale.data ? a->scale.dtype
                      : a->shift.data ? a->shift.dtype
-                     : act;
+                                     : act;
 
   for (row = row_begin; row < row_end; ++row) {
     norm_modulate_row_t r;

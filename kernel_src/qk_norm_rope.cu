@@ -12,10 +12,10 @@ namespace {
 // the natural register count (~93, no cap) beat 8 packs, and caps of 80 registers (spills or
 // lost Wan speed); 128-thread blocks beat 256 (more resident blocks around the row barriers).
 constexpr int kMaxThreadsPerRow = 512;
-constexpr int kRowBlockThreads = 128;  // block size aimed at when several rows share a block
+constexpr int kRowBlockThreads = 128;     // block size aimed at when several rows share a block
 constexpr int kMinRowsToStageWeight = 4;  // fewer rows per block: weight read from L1 instead
 constexpr size_t kMaxStagedWeightBytes = 32 * 1024;  // fp32 weight staged in shared memory
-constexpr int kStreamingThreads = 256;  // block size of the streaming kernel
+constexpr int kStreamingThreads = 256;               // block size of the streaming kernel
 
 // Packs a thread of the cached kernel holds: 16-byte packs (vector path) or element pairs read
 // one element at a time (scalar path, for unaligned rows and odd sizes).
@@ -45,7 +45,7 @@ struct QkNormRopeParams {
   RopeTensor<T, Tc> t[2];
   int num_tensors;
   int heads, head_dim, half_dim, row_len;  // row_len = heads * head_dim
-  bool rot_half;      // halves with rot_dim == head_dim / 2: both halves use cos[i], sin[i]
+  bool rot_half;  // halves with rot_dim == head_dim / 2: both halves use cos[i], sin[i]
   bool normalize;
   bool interleaved;
   bool stage_weight;  // cached kernel: weights go through shared memory (dynamic, row_len floats)
@@ -266,9 +266,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   const bool staged = has_weight && a.stage_weight;  // same for the whole block
   const bool shared_col = rotate && !pair_layout && a.shared_table_col;
 
-  SlotMap<kVec> slots{team.tpr,  team.lane,  pair_layout ? 1 : 0,
+  SlotMap<kVec> slots{team.tpr,
+                      team.lane,
+                      pair_layout ? 1 : 0,
                       pair_layout ? a.pairs_per_head : a.packs_per_head,
-                      a.half_dim, a.head_dim, 0u};
+                      a.half_dim,
+                      a.head_dim,
+                      0u};
   const int n_items = a.n_packs >> slots.item_shift;
 #pragma unroll
   for (int s = 0; s < kSlots; ++s)
@@ -292,8 +296,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         const int head = slots.head(j);
         const int col =
             slots.col(s, j, head) - ((s & slots.item_shift) ? a.half_dim - second_table_col : 0);
-        load_elements<kPackAccess>(cs[b], cos_row + static_cast<int64_t>(head) * t.cos_head_stride + col);
-        load_elements<kPackAccess>(ss[b], sin_row + static_cast<int64_t>(head) * t.sin_head_stride + col);
+        load_elements<kPackAccess>(cs[b],
+                                   cos_row + static_cast<int64_t>(head) * t.cos_head_stride + col);
+        load_elements<kPackAccess>(ss[b],
+                                   sin_row + static_cast<int64_t>(head) * t.sin_head_stride + col);
       }
     }
   };
@@ -305,7 +311,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   for (int s = 0; s < kSlots; ++s)
     if (slots.valid(s)) load_elements<kPackAccess>(xs[s], x_row + slots.elem(s));
   if (rotate) load_tables(0);
-  if (staged) stage_as_float(staged_weight, t.weight, t.weight_dtype, a.row_len, t.weight_vectorized);
+  if (staged)
+    stage_as_float(staged_weight, t.weight, t.weight_dtype, a.row_len, t.weight_vectorized);
 
   float rstd = 1.f;
   if (a.normalize) {  // same branch for the whole grid
@@ -328,7 +335,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     else if (t.weight_vectorized && t.weight_dtype != LTX_FLOAT32)  // weight dtype T
       normalize_slots(xs, slots, rstd, PackedNormWeight<T>{static_cast<const T*>(t.weight)});
     else if (t.weight_vectorized)
-      normalize_slots(xs, slots, rstd, PackedNormWeight<float>{static_cast<const float*>(t.weight)});
+      normalize_slots(xs, slots, rstd,
+                      PackedNormWeight<float>{static_cast<const float*>(t.weight)});
     else
       normalize_slots(xs, slots, rstd, ScalarNormWeight{t.weight, t.weight_dtype});
   }
@@ -454,8 +462,8 @@ int launch_cached(QkNormRopeParams<T, Tc> a, cudaStream_t stream) {
   const bool any_weight =
       a.normalize && (a.t[0].weight != nullptr || (a.num_tensors > 1 && a.t[1].weight != nullptr));
   const size_t weight_bytes = static_cast<size_t>(a.row_len) * sizeof(float);
-  a.stage_weight = any_weight && weight_bytes <= kMaxStagedWeightBytes &&
-                   rows_in_block >= kMinRowsToStageWeight;
+  a.stage_weight =
+      any_weight && weight_bytes <= kMaxStagedWeightBytes && rows_in_block >= kMinRowsToStageWeight;
   bool shared_col = a.interleaved && (tpr * kVec) % a.head_dim == 0;
   for (int i = 0; i < a.num_tensors; ++i)
     shared_col = shared_col && (a.t[i].cos.data == nullptr ||
@@ -505,9 +513,10 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
       dst.cos_head_stride = src.cos_head_stride;
       dst.sin_head_stride = src.sin_head_stride;
       constexpr int kTableAlign = pack_alignment<Tc, kVec>();
-      vector_ok = vector_ok &&
-                  table_rows_aligned(src.cos, src.cos_head_stride, a.heads, sizeof(Tc), kTableAlign) &&
-                  table_rows_aligned(src.sin, src.sin_head_stride, a.heads, sizeof(Tc), kTableAlign);
+      vector_ok =
+          vector_ok &&
+          table_rows_aligned(src.cos, src.cos_head_stride, a.heads, sizeof(Tc), kTableAlign) &&
+          table_rows_aligned(src.sin, src.sin_head_stride, a.heads, sizeof(Tc), kTableAlign);
       if (a.interleaved) {
         vector_ok = vector_ok && a.head_dim % kVec == 0;  // packs never straddle heads
       } else {
@@ -536,9 +545,9 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
 extern "C" int ltx_qk_norm_rope_cuda(const ltx_qk_norm_rope_args_t* args, ltx_stream_t stream) {
   using namespace ltx;
   const ltx_check_t check = ltx_check_qk_norm_rope(args);
-  const int64_t longest = check.status == LTX_OK ? std::max({args->heads, args->head_dim,
-                                                             args->heads * args->head_dim})
-                                                 : 0;
+  const int64_t longest =
+      check.status == LTX_OK ? std::max({args->heads, args->head_dim, args->heads * args->head_dim})
+                             : 0;
   const int status = launcher_status(check, longest);
   if (status != LTX_OK) return status;
   const ltx_qk_norm_rope_args_t& a = *args;

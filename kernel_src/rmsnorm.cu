@@ -5,11 +5,11 @@
 namespace ltx {
 namespace {
 
-constexpr int kSlots = 8;              // packs a thread caches in registers (cached kernel)
+constexpr int kSlots = 8;  // packs a thread caches in registers (cached kernel)
 constexpr int kMaxThreadsPerRow = 1024;
-constexpr int kRowBlockThreads = 256;  // block size when several rows share a block
+constexpr int kRowBlockThreads = 256;                // block size when several rows share a block
 constexpr size_t kMaxStagedWeightBytes = 32 * 1024;  // weights staged in shared memory
-constexpr int kRegisterWeightMaxThreads = 256;        // blocks of the weight-in-registers kernel
+constexpr int kRegisterWeightMaxThreads = 256;       // blocks of the weight-in-registers kernel
 
 template <typename Tx, typename Tw, typename To>
 struct RmsNormArgs {
@@ -39,8 +39,8 @@ template <auto kKernel>
 int resident_blocks_per_sm(int threads) {
   static int cache[kMaxThreadsPerRow / 32 + 1] = {};
   int& blocks = cache[threads / 32];
-  if (blocks == 0 && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, 0) !=
-                         cudaSuccess) {
+  if (blocks == 0 &&
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, 0) != cudaSuccess) {
     cudaGetLastError();  // clear it; fall back to the bandwidth-bound path
     blocks = -1;
   }
@@ -54,7 +54,8 @@ int resident_blocks_per_sm(int threads) {
 // flight, the block copies the whole weight into shared memory (`stage_weight`; else it is read
 // from global memory after the reduction).
 template <typename Tx, typename Tw, typename To, int kVec, bool kHasWeight, bool kWeightInRegisters>
-__global__ void __launch_bounds__(kWeightInRegisters ? kRegisterWeightMaxThreads : kMaxThreadsPerRow)
+__global__ void __launch_bounds__(kWeightInRegisters ? kRegisterWeightMaxThreads
+                                                     : kMaxThreadsPerRow)
     rmsnorm_cached_kernel(const RmsNormArgs<Tx, Tw, To> a, const int log2_tpr,
                           const bool stage_weight) {
   extern __shared__ __align__(16) unsigned char staged_weight_bytes[];
@@ -143,7 +144,8 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   // Several rows per block; fewer when there are few rows, so that every SM gets work. With a
   // weight, blocks hold 4 rows: each block stages the whole weight and waits once at a barrier,
   // and 4 rows balance the rows held up there against the number of weight reads (all blocks
-  // read the same few L2 lines); of 4, 8 and 16 rows, 4 measured best on H200 (benchmarks/NOTES.md).
+  // read the same few L2 lines); of 4, 8 and 16 rows, 4 measured best on H200
+  // (benchmarks/NOTES.md).
   const int block_threads = kHasWeight ? kRowBlockThreads / 2 : kRowBlockThreads;
   const int min_threads = kHasWeight ? kRowBlockThreads / 2 : 64;
   auto blocks_for = [&](int rows_in_block) { return ceil_div(a.rows, rows_in_block); };
@@ -157,7 +159,8 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
     // keeps the register count, and so the occupancy, of the weight-less kernel.
     constexpr auto register_kernel = rmsnorm_cached_kernel<Tx, Tw, To, kVec, true, true>;
     if (threads <= kRegisterWeightMaxThreads &&
-        blocks <= static_cast<int64_t>(resident_blocks_per_sm<register_kernel>(threads)) * sm_count())
+        blocks <=
+            static_cast<int64_t>(resident_blocks_per_sm<register_kernel>(threads)) * sm_count())
       return launch(register_kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream,
                     a, log2_tpr, false);
     const size_t weight_bytes = static_cast<size_t>(a.hidden) * sizeof(Tw);

@@ -4,9 +4,8 @@
 
 int ltx_rmsnorm_cpu(ltx_rows_t out, ltx_rows_t x, const void* weight, ltx_dtype_t weight_dtype,
                     int64_t hidden, float eps, int64_t row_begin, int64_t row_end) {
-  const int status =
-      ltx_cpu_status(ltx_check_rmsnorm(&out, &x, weight, weight_dtype, hidden, eps), row_begin,
-                     row_end, ltx_num_rows(&x));
+  const int status = ltx_cpu_status(ltx_check_rmsnorm(&out, &x, weight, weight_dtype, hidden, eps),
+                                    row_begin, row_end, ltx_num_rows(&x));
   int64_t row, i;
   if (status != LTX_OK || hidden == 0) return status;
 

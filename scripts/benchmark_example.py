@@ -5,6 +5,7 @@ scripts/generate_video.py (see its --help).
       --num-frames 161 --height 512 --width 768 --steps 50 --warmup-iterations 2
   python scripts/benchmark_example.py --compare --num-frames 49 --steps 30
 """
+
 import sys
 from pathlib import Path
 

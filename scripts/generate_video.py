@@ -24,6 +24,7 @@ Outputs: the video (--output; mp4 through diffusers' export_to_video, which need
 imageio-ffmpeg or OpenCV, else an animated GIF beside it), a JSON of the results (--json) and,
 with --compare, a PNG chart (--chart, needs matplotlib).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,67 +50,122 @@ CONFIG_TITLES = {
     "kernels+compile": "Optimized kernels + torch.compile",
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_PROMPT = ("A woman with long brown hair and light skin smiles at another woman with long blonde "
-                  "hair. The woman with brown hair wears a black jacket and has a small, barely "
-                  "noticeable mole on her right cheek. The camera angle is a close-up, focused on the "
-                  "woman with brown hair's face. The lighting is warm and natural, likely from the "
-                  "setting sun, casting a soft glow on the scene. The scene appears to be real-life "
-                  "footage.")
+DEFAULT_PROMPT = (
+    "A woman with long brown hair and light skin smiles at another woman with long blonde "
+    "hair. The woman with brown hair wears a black jacket and has a small, barely "
+    "noticeable mole on her right cheek. The camera angle is a close-up, focused on the "
+    "woman with brown hair's face. The lighting is warm and natural, likely from the "
+    "setting sun, casting a soft glow on the scene. The scene appears to be real-life "
+    "footage."
+)
 DEFAULT_NEGATIVE_PROMPT = "worst quality, inconsistent motion, blurry, jittery, distorted"
 TEXT_TOKENS = 128  # LTXPipeline's max_sequence_length
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     kernels = parser.add_mutually_exclusive_group()
-    kernels.add_argument("--use-optimized-kernels", dest="kernels", action="store_true", default=True,
-                         help="run the transformer on ltx_kernels' fused ops (default)")
-    kernels.add_argument("--no-optimized-kernels", dest="kernels", action="store_false",
-                         help="run diffusers' own code (the baseline)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the transformer (fullgraph); stacks with the kernels")
-    parser.add_argument("--compile-scope", choices=("full", "blocks"), default=None,
-                        help="full (default): torch.compile of the whole transformer; blocks: "
-                             "compile_repeated_blocks (compiles in seconds, about as fast)")
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: default)")
-    parser.add_argument("--compare", action="store_true",
-                        help="run baseline, kernels, compile and kernels+compile in one process and "
-                             "print the comparison table (--configs picks a subset)")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"configurations for --compare, comma-separated from {', '.join(CONFIGS)}")
+    kernels.add_argument(
+        "--use-optimized-kernels",
+        dest="kernels",
+        action="store_true",
+        default=True,
+        help="run the transformer on ltx_kernels' fused ops (default)",
+    )
+    kernels.add_argument(
+        "--no-optimized-kernels",
+        dest="kernels",
+        action="store_false",
+        help="run diffusers' own code (the baseline)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the transformer (fullgraph); stacks with the kernels",
+    )
+    parser.add_argument(
+        "--compile-scope",
+        choices=("full", "blocks"),
+        default=None,
+        help="full (default): torch.compile of the whole transformer; blocks: "
+        "compile_repeated_blocks (compiles in seconds, about as fast)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: default)",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="run baseline, kernels, compile and kernels+compile in one process and "
+        "print the comparison table (--configs picks a subset)",
+    )
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"configurations for --compare, comma-separated from {', '.join(CONFIGS)}",
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="videos per prompt")
     parser.add_argument("--num-frames", type=int, default=161, help="8k+1 frames")
     parser.add_argument("--height", type=int, default=512, help="multiple of 32")
     parser.add_argument("--width", type=int, default=768, help="multiple of 32")
     parser.add_argument("--steps", type=int, default=50, help="denoising steps (at least 2)")
-    parser.add_argument("--warmup-iterations", type=int, default=2,
-                        help="untimed pipeline calls per configuration (the first one compiles)")
-    parser.add_argument("--runs", type=int, default=3, help="timed pipeline calls per configuration")
+    parser.add_argument(
+        "--warmup-iterations",
+        type=int,
+        default=2,
+        help="untimed pipeline calls per configuration (the first one compiles)",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=3, help="timed pipeline calls per configuration"
+    )
     parser.add_argument("--guidance-scale", type=float, default=3.0)
     parser.add_argument("--frame-rate", type=int, default=25)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
-    parser.add_argument("--weights", choices=("auto", "hub", "random"), default="auto",
-                        help="auto: the hub pipeline if it can be loaded, else random weights")
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "hub", "random"),
+        default="auto",
+        help="auto: the hub pipeline if it can be loaded, else random weights",
+    )
     parser.add_argument("--model-id", default="Lightricks/LTX-Video")
-    parser.add_argument("--cpu-offload", action="store_true",
-                        help="enable_model_cpu_offload() (needs a CUDA device)")
-    parser.add_argument("--attention-backend", default=None,
-                        help="diffusers attention backend for every configuration, e.g. "
-                             "_native_cudnn or flash_hub (default: diffusers' default, native SDPA)")
-    parser.add_argument("--output", type=Path, default=Path("ltx_video.mp4"),
-                        help="video file (default: ltx_video.mp4)")
+    parser.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="enable_model_cpu_offload() (needs a CUDA device)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="diffusers attention backend for every configuration, e.g. "
+        "_native_cudnn or flash_hub (default: diffusers' default, native SDPA)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("ltx_video.mp4"),
+        help="video file (default: ltx_video.mp4)",
+    )
     parser.add_argument("--no-video", action="store_true", help="do not write the video")
     parser.add_argument("--json", type=Path, default=None, help="results (default: <output>.json)")
-    parser.add_argument("--chart", type=Path, default=None,
-                        help="comparison chart, with --compare (default: <output>_compare.png)")
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        default=None,
+        help="comparison chart, with --compare (default: <output>_compare.png)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a tiny random model (2 blocks, small VAE) for smoke tests on any device")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny random model (2 blocks, small VAE) for smoke tests on any device",
+    )
     args = parser.parse_args(argv)
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -123,8 +179,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.compare:
         args.configs = [c for c in CONFIGS if c in configs]
     else:
-        args.configs = [("kernels+compile" if args.compile else "kernels") if args.kernels
-                        else ("compile" if args.compile else "baseline")]
+        args.configs = [
+            ("kernels+compile" if args.compile else "kernels")
+            if args.kernels
+            else ("compile" if args.compile else "baseline")
+        ]
     if args.steps < 2:
         parser.error("--steps: at least 2 (LTX's scheduler gives NaN timesteps for one step)")
     if args.num_frames < 1 or (args.num_frames - 1) % 8:
@@ -137,16 +196,23 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')}: must be at least 1")
     compiles = any("compile" in config for config in args.configs)
     if args.warmup_iterations < (1 if compiles else 0):
-        parser.error(f"--warmup-iterations: must be at least {int(compiles)}"
-                     + (" with torch.compile (the first call compiles, outside the timed runs)"
-                        if compiles else ""))
+        parser.error(
+            f"--warmup-iterations: must be at least {int(compiles)}"
+            + (
+                " with torch.compile (the first call compiles, outside the timed runs)"
+                if compiles
+                else ""
+            )
+        )
     for name in ("compile_scope", "compile_mode"):
         if getattr(args, name) is not None and not compiles:
             parser.error(f"--{name.replace('_', '-')}: no effect without --compile (or --compare)")
     args.compile_scope = args.compile_scope or "full"
     if args.cpu_offload and compiles and args.compile_scope == "full":
-        parser.error("--cpu-offload with torch.compile: use --compile-scope blocks (the offload "
-                     "hook on the transformer wraps the module that a full compile would trace)")
+        parser.error(
+            "--cpu-offload with torch.compile: use --compile-scope blocks (the offload "
+            "hook on the transformer wraps the module that a full compile would trace)"
+        )
     if args.cpu_offload and not torch.cuda.is_available():
         parser.error("--cpu-offload: needs a CUDA device")
     if args.tiny and args.weights == "hub":
@@ -159,20 +225,37 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------
 # The pipeline: loaded from the hub, or built with random weights from the real configs.
 
+
 def tiny_configs() -> tuple[dict, dict]:
     """Transformer and VAE configs of a tiny LTX-Video with the real block structure."""
-    transformer = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
-                       cross_attention_dim=32, num_layers=2, caption_channels=32)
-    vae = dict(latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
-               layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1))
+    transformer = dict(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        cross_attention_dim=32,
+        num_layers=2,
+        caption_channels=32,
+    )
+    vae = dict(
+        latent_channels=8,
+        block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+    )
     return transformer, vae
 
 
 def build_random_pipeline(dtype: torch.dtype, device: torch.device | str, tiny: bool = False):
     """LTXPipeline with random weights: the LTX-Video 0.9.0/0.9.1 transformer, VAE and scheduler
     configs (diffusers' defaults), no text encoder or tokenizer (prompt embeddings are passed in)."""
-    from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
-                           LTXVideoTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
 
     from diffusers.utils import logging
 
@@ -186,10 +269,16 @@ def build_random_pipeline(dtype: torch.dtype, device: torch.device | str, tiny: 
     finally:
         logging.set_verbosity(verbosity)
     scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
-        max_image_seq_len=4096, shift_terminal=0.1)
-    return LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
-                       transformer=transformer)
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+    )
+    return LTXPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
+    )
 
 
 def load_pipeline(args, device: torch.device, dtype: torch.dtype):
@@ -200,14 +289,23 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
     from diffusers import LTXPipeline
 
     try:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no", "off")
-        pipe = _load_hub_pipeline(LTXPipeline, args.model_id, dtype,
-                                  try_download=args.weights == "hub" or not offline)
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() not in (
+            "",
+            "0",
+            "false",
+            "no",
+            "off",
+        )
+        pipe = _load_hub_pipeline(
+            LTXPipeline, args.model_id, dtype, try_download=args.weights == "hub" or not offline
+        )
     except Exception as error:  # noqa: BLE001  (any failure to load means: fall back)
         if args.weights == "hub":
             raise
-        print(f"weights: {args.model_id} could not be loaded ({one_line(error, 160)}); "
-              "falling back to random weights (--weights random): timings are real, the video is noise")
+        print(
+            f"weights: {args.model_id} could not be loaded ({one_line(error, 160)}); "
+            "falling back to random weights (--weights random): timings are real, the video is noise"
+        )
         pipe = build_random_pipeline(dtype, "cpu" if args.cpu_offload else device)
         return pipe, "random (hub unavailable)"
     if not args.cpu_offload:
@@ -217,8 +315,11 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
 
 def _load_hub_pipeline(pipeline_class, model_id: str, dtype: torch.dtype, try_download: bool):
     """From the local cache first; from the hub when that fails and downloads are allowed."""
+
     def load(**kwargs):
-        with warnings.catch_warnings():  # newer diffusers prefer dtype=; older ones know only torch_dtype
+        with (
+            warnings.catch_warnings()
+        ):  # newer diffusers prefer dtype=; older ones know only torch_dtype
             warnings.simplefilter("ignore", FutureWarning)
             return pipeline_class.from_pretrained(model_id, torch_dtype=dtype, **kwargs)
 
@@ -235,32 +336,44 @@ def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dic
     encoder gets seeded random prompt embeddings [batch, 128, caption_channels] and masks (a
     prompt mask as long as the prompt's words, roughly its T5 length), one row per video, as
     the encoder would give for one prompt and --batch-size videos."""
-    inputs = dict(height=args.height, width=args.width, num_frames=args.num_frames,
-                  frame_rate=args.frame_rate, num_inference_steps=args.steps,
-                  guidance_scale=args.guidance_scale, max_sequence_length=TEXT_TOKENS,
-                  output_type="pt")
+    inputs = dict(
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        frame_rate=args.frame_rate,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        max_sequence_length=TEXT_TOKENS,
+        output_type="pt",
+    )
     if pipe.text_encoder is not None:
-        return dict(inputs, prompt=args.prompt, negative_prompt=args.negative_prompt,
-                    num_videos_per_prompt=args.batch_size)
+        return dict(
+            inputs,
+            prompt=args.prompt,
+            negative_prompt=args.negative_prompt,
+            num_videos_per_prompt=args.batch_size,
+        )
     generator = torch.Generator("cpu").manual_seed(args.seed)
     width = pipe.transformer.config.caption_channels
 
     def embeds_and_mask(text: str):
         embeds = torch.randn(1, TEXT_TOKENS, width, generator=generator).to(device, dtype)
         mask = torch.zeros(1, TEXT_TOKENS, dtype=torch.long, device=device)
-        mask[:, :min(TEXT_TOKENS, len(text.split()) * 4 // 3 + 1)] = 1
+        mask[:, : min(TEXT_TOKENS, len(text.split()) * 4 // 3 + 1)] = 1
         # LTXPipeline does not repeat given embeddings per video: the batch comes from them.
         return embeds.expand(args.batch_size, -1, -1), mask.expand(args.batch_size, -1)
 
     inputs["prompt_embeds"], inputs["prompt_attention_mask"] = embeds_and_mask(args.prompt)
     # LTXPipeline needs negative embeddings whenever guidance is on (it would call the encoder).
     inputs["negative_prompt_embeds"], inputs["negative_prompt_attention_mask"] = embeds_and_mask(
-        args.negative_prompt)
+        args.negative_prompt
+    )
     return inputs
 
 
 # ------------------------------------------------------------------------------------------------
 # Configurations and timing.
+
 
 def apply_config(pipe, config: str, args) -> str:
     """Switch the pipeline to `config` (from the baseline state); returns a note for the table.
@@ -311,6 +424,7 @@ def synchronize(device: torch.device) -> None:
 class Call:
     """One timed pipeline call (wall seconds): the whole call, the denoising loop from the end
     of its first step to the end of its last, and what follows the loop (unpacking, VAE decode)."""
+
     total_s: float
     loop_s: float
     decode_s: float
@@ -337,13 +451,19 @@ def call_pipeline(pipe, inputs: dict, args, device: torch.device) -> Call:
     synchronize(device)
     end = time.perf_counter()
     last = marks[args.steps - 1]
-    return Call(total_s=end - start, loop_s=last - marks[0], decode_s=end - last,
-                latents=marks["latents"].float().cpu(), frames=frames.cpu())
+    return Call(
+        total_s=end - start,
+        loop_s=last - marks[0],
+        decode_s=end - last,
+        latents=marks["latents"].float().cpu(),
+        frames=frames.cpu(),
+    )
 
 
 @dataclass
 class Row:
     """One configuration's results (seconds; medians over the timed runs)."""
+
     config: str
     notes: str
     total_s: float
@@ -363,23 +483,33 @@ def measure(pipe, config: str, inputs: dict, args, device: torch.device) -> tupl
     notes = apply_config(pipe, config, args)
     progress = _progress(args)
     warmup_s = []
-    for i in progress(range(args.warmup_iterations), desc=f"{config}: warm-up"
-                      + (" (the first call compiles)" if "compile" in config else "")):
-        pipe.set_progress_bar_config(desc=f"{config} warm-up {i + 1}", leave=False,
-                                     disable=args.no_progress)
+    for i in progress(
+        range(args.warmup_iterations),
+        desc=f"{config}: warm-up" + (" (the first call compiles)" if "compile" in config else ""),
+    ):
+        pipe.set_progress_bar_config(
+            desc=f"{config} warm-up {i + 1}", leave=False, disable=args.no_progress
+        )
         warmup_s.append(call_pipeline(pipe, inputs, args, device).total_s)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     calls = []
     for i in range(args.runs):
-        pipe.set_progress_bar_config(desc=f"{config} run {i + 1}/{args.runs}", leave=False,
-                                     disable=args.no_progress)
+        pipe.set_progress_bar_config(
+            desc=f"{config} run {i + 1}/{args.runs}", leave=False, disable=args.no_progress
+        )
         calls.append(call_pipeline(pipe, inputs, args, device))
     loop_s = statistics.median(c.loop_s for c in calls)
-    row = Row(config=config, notes=notes, total_s=statistics.median(c.total_s for c in calls),
-              it_per_s=(args.steps - 1) / loop_s, decode_s=statistics.median(c.decode_s for c in calls),
-              warmup_s=warmup_s, runs_s=[c.total_s for c in calls],
-              peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+    row = Row(
+        config=config,
+        notes=notes,
+        total_s=statistics.median(c.total_s for c in calls),
+        it_per_s=(args.steps - 1) / loop_s,
+        decode_s=statistics.median(c.decode_s for c in calls),
+        warmup_s=warmup_s,
+        runs_s=[c.total_s for c in calls],
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    )
     return row, calls[-1]
 
 
@@ -409,13 +539,18 @@ def finish_rows(rows: list[Row], latents: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 # Reporting.
 
+
 def environment(device: torch.device) -> dict:
     import diffusers
 
-    info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-                torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__,
-                ltx_kernels=ltx_kernels.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+    info = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        diffusers=diffusers.__version__,
+        ltx_kernels=ltx_kernels.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+    )
     return info
 
 
@@ -432,31 +567,47 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def format_table(rows: list[Row]) -> str:
     """The seed's table (time, it/s, speedup, notes) with the comparison's extra columns. Decode:
     from the end of the loop to the frames; first call: a compiled row's compile warm-up."""
-    lines = ["| Configuration | Time (s) | it/s | Speedup | vs compile | Decode (s) | Peak GiB "
-             "| Latent rel L2 | First call (s) | Notes |",
-             "|:---|---:|---:|---:|---:|---:|---:|---:|---:|:---|"]
+    lines = [
+        "| Configuration | Time (s) | it/s | Speedup | vs compile | Decode (s) | Peak GiB "
+        "| Latent rel L2 | First call (s) | Notes |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+    ]
     for row in rows:
         first_call = row.warmup_s[0] if "compile" in row.config and row.warmup_s else None
         lines.append(
             f"| {CONFIG_TITLES[row.config]} | {row.total_s:.2f} | {row.it_per_s:.2f} | "
             f"{_fmt(row.speedup, '.2f', 'x')} | {_fmt(row.vs_compile, '.2f', 'x')} | "
             f"{row.decode_s:.3f} | {_fmt(row.peak_gib, '.1f')} | {_fmt(row.rel_l2, '.1e')} | "
-            f"{_fmt(first_call, '.1f')} | {row.notes} |")
+            f"{_fmt(first_call, '.1f')} | {row.notes} |"
+        )
     return "\n".join(lines)
 
 
 def describe(args, env: dict, weights: str) -> str:
-    return (f"Device: {env['device']} | torch {env['torch']} | diffusers {env['diffusers']} | "
-            f"precision: {args.dtype} | resolution: {args.width}x{args.height} | frames: "
-            f"{args.num_frames} | steps: {args.steps} | guidance: {args.guidance_scale} | batch: "
-            f"{args.batch_size} | weights: {weights}")
+    return (
+        f"Device: {env['device']} | torch {env['torch']} | diffusers {env['diffusers']} | "
+        f"precision: {args.dtype} | resolution: {args.width}x{args.height} | frames: "
+        f"{args.num_frames} | steps: {args.steps} | guidance: {args.guidance_scale} | batch: "
+        f"{args.batch_size} | weights: {weights}"
+    )
 
 
-def write_json(path: Path, args, env: dict, weights: str, rows: list[Row], video: str | None) -> None:
-    settings = {key: (str(value) if isinstance(value, Path) else value)
-                for key, value in vars(args).items() if key not in ("prompt", "negative_prompt")}
-    payload = dict(environment=env, weights=weights, settings=settings, prompt=args.prompt,
-                   video=video, results=[row.__dict__ for row in rows])
+def write_json(
+    path: Path, args, env: dict, weights: str, rows: list[Row], video: str | None
+) -> None:
+    settings = {
+        key: (str(value) if isinstance(value, Path) else value)
+        for key, value in vars(args).items()
+        if key not in ("prompt", "negative_prompt")
+    }
+    payload = dict(
+        environment=env,
+        weights=weights,
+        settings=settings,
+        prompt=args.prompt,
+        video=video,
+        results=[row.__dict__ for row in rows],
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
 
@@ -474,11 +625,16 @@ def write_chart(path: Path, rows: list[Row], title: str) -> bool:
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(rows)))
     labels = [CONFIG_TITLES[row.config] for row in rows][::-1]
     seconds = [row.total_s for row in rows][::-1]
-    bars = ax.barh(labels, seconds, color=["#4c72b0" if "kernels" in row.config else "#999999"
-                                           for row in rows][::-1])
+    bars = ax.barh(
+        labels,
+        seconds,
+        color=["#4c72b0" if "kernels" in row.config else "#999999" for row in rows][::-1],
+    )
     for bar, row in zip(bars, rows[::-1]):
         speedup = f"  {row.total_s:.2f} s" + (f" ({row.speedup:.2f}x)" if row.speedup else "")
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, speedup, va="center", fontsize=9)
+        ax.text(
+            bar.get_width(), bar.get_y() + bar.get_height() / 2, speedup, va="center", fontsize=9
+        )
     ax.set_xlim(0, max(seconds) * 1.3)
     ax.set_xlabel("end-to-end seconds per video (lower is better)")
     ax.set_title(title, fontsize=9)
@@ -503,25 +659,35 @@ def save_video(frames, path: Path, fps: int) -> str:
         from PIL import Image
 
         gif = path.with_suffix(".gif")
-        print(f"video: no mp4 encoder ({one_line(error, 120)}); "
-              f"writing {gif} instead (pip install imageio imageio-ffmpeg for mp4)")
-        images = [Image.fromarray((np.clip(frame, 0, 1) * 255).round().astype("uint8")) for frame in video]
+        print(
+            f"video: no mp4 encoder ({one_line(error, 120)}); "
+            f"writing {gif} instead (pip install imageio imageio-ffmpeg for mp4)"
+        )
+        images = [
+            Image.fromarray((np.clip(frame, 0, 1) * 255).round().astype("uint8")) for frame in video
+        ]
         return export_to_gif(images, str(gif), fps=fps)
 
 
 # ------------------------------------------------------------------------------------------------
+
 
 def main(argv=None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype]
     if ltx_kernels.load_error is not None and any("kernels" in c for c in args.configs):
-        raise SystemExit(f"ltx_kernels failed to load ({ltx_kernels.load_error}); build it with "
-                         "`pip install -e . --no-build-isolation`, or pass --no-optimized-kernels")
+        raise SystemExit(
+            f"ltx_kernels failed to load ({ltx_kernels.load_error}); build it with "
+            "`pip install -e . --no-build-isolation`, or pass --no-optimized-kernels"
+        )
     pipe, weights = load_pipeline(args, device, dtype)
     if weights.startswith("random"):
-        print("weights: random, from the real LTX-Video configs (timings are real, the video is noise)"
-              if not args.tiny else "weights: random, tiny model (smoke test; timings mean nothing)")
+        print(
+            "weights: random, from the real LTX-Video configs (timings are real, the video is noise)"
+            if not args.tiny
+            else "weights: random, tiny model (smoke test; timings mean nothing)"
+        )
     if args.attention_backend:
         pipe.transformer.set_attention_backend(args.attention_backend)
     if args.cpu_offload:
@@ -540,9 +706,13 @@ def main(argv=None) -> list[Row]:
             restore_baseline(pipe, args)
         latents[config] = last.latents
         rows.append(row)
-        print(f"{config}: {row.total_s:.2f} s ({row.it_per_s:.2f} it/s, decode {row.decode_s:.3f} s)"
-              + (f", warm-up {', '.join(f'{s:.1f}' for s in row.warmup_s)} s" if row.warmup_s else ""),
-              flush=True)
+        print(
+            f"{config}: {row.total_s:.2f} s ({row.it_per_s:.2f} it/s, decode {row.decode_s:.3f} s)"
+            + (
+                f", warm-up {', '.join(f'{s:.1f}' for s in row.warmup_s)} s" if row.warmup_s else ""
+            ),
+            flush=True,
+        )
     finish_rows(rows, latents)
 
     print(f"\n{header}\n")
@@ -556,8 +726,10 @@ def main(argv=None) -> list[Row]:
             print(f"\nvideo: could not write {args.output} ({one_line(error, 200)})")
     write_json(args.json, args, env, weights, rows, video)
     print(f"results: {args.json}")
-    title = (f"LTX-Video, {args.num_frames} frames {args.width}x{args.height}, {args.steps} steps, "
-             f"{args.dtype}, {weights} weights\n{env['device']}, torch {env['torch']}, {env['date']}")
+    title = (
+        f"LTX-Video, {args.num_frames} frames {args.width}x{args.height}, {args.steps} steps, "
+        f"{args.dtype}, {weights} weights\n{env['device']}, torch {env['torch']}, {env['date']}"
+    )
     if args.compare and write_chart(args.chart, rows, title):
         print(f"chart: {args.chart}")
     return rows

@@ -17,6 +17,7 @@ requirements ask that ops live under torch.ops.<id>). Load the variant in a proc
 imported ltx_kernels from elsewhere: there kernels would reuse the loaded `ltx_kernels._C`, and a
 second copy of the library aborts the process (its TORCH_LIBRARY registers ltx_kernels again).
 """
+
 import argparse
 import json
 import platform
@@ -68,13 +69,17 @@ def lay_out(out_dir: Path) -> Path:
     """Writes out_dir/<variant>/ from the in-place build in torch-ext/ltx_kernels; returns it."""
     extensions = sorted(PACKAGE.glob("_C.*.so"))
     if len(extensions) != 1:
-        fail(f"expected one built extension _C.*.so in {PACKAGE}, found {len(extensions)}; "
-             "build it first with `pip install -e . --no-build-isolation` (or `python setup.py "
-             "build_clib build_ext --inplace`)")
+        fail(
+            f"expected one built extension _C.*.so in {PACKAGE}, found {len(extensions)}; "
+            "build it first with `pip install -e . --no-build-isolation` (or `python setup.py "
+            "build_clib build_ext --inplace`)"
+        )
     build = runpy.run_path(str(PACKAGE / "_build_info.py"))  # written by setup.py
     if build["TORCH_VERSION"] != torch.__version__:
-        fail(f"the extension was built against torch {build['TORCH_VERSION']}, this is torch "
-             f"{torch.__version__}; run this script with the Python that built it")
+        fail(
+            f"the extension was built against torch {build['TORCH_VERSION']}, this is torch "
+            f"{torch.__version__}; run this script with the Python that built it"
+        )
     general = tomllib.loads((ROOT / "build.toml").read_text())["general"]
 
     variant = out_dir / variant_name(build["TORCH_VERSION"], build["TORCH_CUDA_VERSION"])
@@ -102,8 +107,12 @@ def lay_out(out_dir: Path) -> Path:
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "build",
-                        help="folder to write the variant folder into (default: build/)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "build",
+        help="folder to write the variant folder into (default: build/)",
+    )
     variant = lay_out(parser.parse_args(argv).out)
     print(f"kernels_variant: wrote {variant}")
     return variant

@@ -13,6 +13,7 @@ With a downloaded pipeline it is the same three lines:
   report = ltx_kernels.inject_optimized_kernels(pipe)   # after loading, before offload/compile
   pipe.transformer.compile_repeated_blocks(fullgraph=True)   # optional, stacks with the kernels
 """
+
 import argparse
 import statistics
 import time
@@ -27,8 +28,13 @@ def build_transformer(device, dtype, layers):
 
     config = {} if layers is None else {"num_layers": layers}
     if device == "cpu":  # a small model, so the example finishes in seconds
-        config.update(num_attention_heads=4, attention_head_dim=32, cross_attention_dim=128,
-                      caption_channels=256, num_layers=layers or 2)
+        config.update(
+            num_attention_heads=4,
+            attention_head_dim=32,
+            cross_attention_dim=128,
+            caption_channels=256,
+            num_layers=layers or 2,
+        )
     with torch.device(device):
         return LTXVideoTransformer3DModel(**config).to(dtype).eval()
 
@@ -39,19 +45,27 @@ def make_inputs(model, device, dtype, frames, height, width, text_tokens=128):
     config = model.config
     batch = 2
     mask = torch.ones(batch, text_tokens, dtype=torch.bool, device=device)
-    mask[0, text_tokens // 4:] = False  # a short negative prompt
+    mask[0, text_tokens // 4 :] = False  # a short negative prompt
     return dict(
-        hidden_states=torch.randn(batch, frames * height * width, config.in_channels, device=device,
-                                  dtype=dtype),
-        encoder_hidden_states=torch.randn(batch, text_tokens, config.caption_channels,
-                                          device=device, dtype=dtype),
+        hidden_states=torch.randn(
+            batch, frames * height * width, config.in_channels, device=device, dtype=dtype
+        ),
+        encoder_hidden_states=torch.randn(
+            batch, text_tokens, config.caption_channels, device=device, dtype=dtype
+        ),
         timestep=torch.full((batch,), 500.0, device=device),
-        encoder_attention_mask=mask, num_frames=frames, height=height, width=width,
-        rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+        encoder_attention_mask=mask,
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )
 
 
 def step_time_ms(fn, device, reps):
     """Median wall time of one step (synchronized), after two warm-up steps."""
+
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -69,12 +83,20 @@ def step_time_ms(fn, device, reps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the config's 28)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time compile_repeated_blocks(fullgraph=True) on the injected model")
-    parser.add_argument("--disable", default="", help="comma-separated ops to leave on diffusers code")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="blocks (default: the config's 28)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time compile_repeated_blocks(fullgraph=True) on the injected model",
+    )
+    parser.add_argument(
+        "--disable", default="", help="comma-separated ops to leave on diffusers code"
+    )
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
 
@@ -85,8 +107,10 @@ def main():
     frames, height, width = (7, 16, 24) if device == "cuda" else (2, 8, 8)
     inputs = make_inputs(model, device, dtype, frames, height, width)
     tokens = frames * height * width
-    print(f"LTX-Video transformer, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, "
-          f"{device}, bf16, batch 2 x {tokens} tokens, random weights")
+    print(
+        f"LTX-Video transformer, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, "
+        f"{device}, bf16, batch 2 x {tokens} tokens, random weights"
+    )
 
     base_ms, base_out = step_time_ms(lambda: model(**inputs)[0], device, args.reps)
 
@@ -105,11 +129,15 @@ def main():
             model(**inputs)
         compile_s = time.perf_counter() - start
         compiled_ms, _ = step_time_ms(lambda: model(**inputs)[0], device, args.reps)
-        print(f"{'ltx_kernels + compile_repeated_blocks':<34}{compiled_ms:>10.2f}"
-              f"{base_ms / compiled_ms:>9.2f}x   (compile {compile_s:.1f} s)")
+        print(
+            f"{'ltx_kernels + compile_repeated_blocks':<34}{compiled_ms:>10.2f}"
+            f"{base_ms / compiled_ms:>9.2f}x   (compile {compile_s:.1f} s)"
+        )
     print(f"\nrelative L2 difference of the output, kernels vs eager: {error:.2e}")
-    print(f"{report.total_patched} modules patched; ltx_kernels.remove_optimized_kernels(model) "
-          "restores the original modules.")
+    print(
+        f"{report.total_patched} modules patched; ltx_kernels.remove_optimized_kernels(model) "
+        "restores the original modules."
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ module and the kernel on the same input, and prints the output dtype, how many e
 (they round at the same points, so only where the two fp32 sums of squares round apart) and, on a
 GPU, the time of each.
 """
+
 import argparse
 
 import torch
@@ -34,7 +35,9 @@ def main() -> None:
     args = parser.parse_args()
     x = torch.randn(2, args.tokens, args.hidden, device=args.device, dtype=torch.bfloat16)
     for affine in (False, True):
-        module = RMSNorm(args.hidden, eps=1e-6, elementwise_affine=affine).to(args.device, torch.bfloat16)
+        module = RMSNorm(args.hidden, eps=1e-6, elementwise_affine=affine).to(
+            args.device, torch.bfloat16
+        )
         if affine:
             with torch.no_grad():
                 module.weight.normal_(1.0, 0.2)
@@ -42,12 +45,16 @@ def main() -> None:
         expected = module(x)
         out = ltx_kernels.rmsnorm(x, module.weight, module.eps)
         differ = (out != expected).sum().item()
-        line = (f"RMSNorm(elementwise_affine={affine}): out {out.dtype}, {differ} of {out.numel()} "
-                f"elements differ, max |diff| {(out.float() - expected.float()).abs().max().item():.2e}")
+        line = (
+            f"RMSNorm(elementwise_affine={affine}): out {out.dtype}, {differ} of {out.numel()} "
+            f"elements differ, max |diff| {(out.float() - expected.float()).abs().max().item():.2e}"
+        )
         if args.device == "cuda":
             eager = gpu_time_us(lambda: module(x))
             kernel = gpu_time_us(lambda: ltx_kernels.rmsnorm(x, module.weight, module.eps))
-            line += f"; diffusers {eager:.1f} µs, ltx_kernels {kernel:.1f} µs ({eager / kernel:.1f}x)"
+            line += (
+                f"; diffusers {eager:.1f} µs, ltx_kernels {kernel:.1f} µs ({eager / kernel:.1f}x)"
+            )
         print(line)
 
 

@@ -3,6 +3,7 @@ test_residual_activations.py, test_rope.py): the rounding check for ops that rou
 modulation tensors in the layouts model code produces, and output checks.
 
 (Generic enough for tests/helpers.py; kept here so that file stays untouched.)"""
+
 import pytest
 import torch
 
@@ -35,10 +36,16 @@ def subnormal_spacing(dtype: torch.dtype) -> float:
     return 2.0 ** (MIN_NORMAL_EXP[dtype] - 1 - MANTISSA_BITS[dtype])
 
 
-def assert_rounds_within(out: torch.Tensor, exact: torch.Tensor, what: str = "", *,
-                         roundings: int = 0, magnitude: torch.Tensor | None = None,
-                         slop_magnitude: torch.Tensor | None = None,
-                         intermediate_scale: float = 1.0) -> None:
+def assert_rounds_within(
+    out: torch.Tensor,
+    exact: torch.Tensor,
+    what: str = "",
+    *,
+    roundings: int = 0,
+    magnitude: torch.Tensor | None = None,
+    slop_magnitude: torch.Tensor | None = None,
+    intermediate_scale: float = 1.0,
+) -> None:
     """out must be the fp32-computed rounding to out.dtype of `exact` (the float64 value of the
     same formula, rounded to out.dtype at the same intermediate points, before the final rounding).
 
@@ -70,8 +77,9 @@ def assert_rounds_within(out: torch.Tensor, exact: torch.Tensor, what: str = "",
     fp32_budget = FP32_MATH_SLOP * (slop_magnitude + exact.abs())
     budget = fp32_budget
     if roundings:
-        budget = budget + roundings * (2.0 ** -MANTISSA_BITS[dtype] * magnitude
-                                       + subnormal_spacing(dtype) * intermediate_scale)
+        budget = budget + roundings * (
+            2.0 ** -MANTISSA_BITS[dtype] * magnitude + subnormal_spacing(dtype) * intermediate_scale
+        )
     allowed = 0.5 * ulp(exact.abs() + budget, dtype) + budget
     excess = (out.double() - exact).abs() / allowed
     worst = excess.argmax()
@@ -84,7 +92,8 @@ def assert_rounds_within(out: torch.Tensor, exact: torch.Tensor, what: str = "",
         decidable = (exact - fp32_budget).to(dtype) == (exact + fp32_budget).to(dtype)
         count = int(decidable.sum())
         assert count >= 0.5 * exact.numel() or exact.numel() < 100, (
-            f"{what}: inputs too ill-conditioned, only {count} elements can be rounded exactly")
+            f"{what}: inputs too ill-conditioned, only {count} elements can be rounded exactly"
+        )
         match = (out == exact.to(dtype))[decidable].float().mean().item() if count else 1.0
         assert match >= 0.99, f"{what}: only {match:.4f} of the elements are correctly rounded"
 
@@ -92,16 +101,19 @@ def assert_rounds_within(out: torch.Tensor, exact: torch.Tensor, what: str = "",
 def assert_new_contiguous(outputs, inputs, dtype, shape, what=""):
     """Each output is a new contiguous tensor of `dtype` and `shape` that shares no memory with
     any input (None entries are skipped)."""
-    input_storages = {t.untyped_storage().data_ptr() for t in inputs
-                      if t is not None and t.numel() > 0}
+    input_storages = {
+        t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel() > 0
+    }
     for index, out in enumerate(outputs):
         assert out.dtype == dtype, f"{what} output {index}: dtype {out.dtype} != {dtype}"
         assert tuple(out.shape) == tuple(shape), (
-            f"{what} output {index}: shape {tuple(out.shape)} != {tuple(shape)}")
+            f"{what} output {index}: shape {tuple(out.shape)} != {tuple(shape)}"
+        )
         assert out.is_contiguous(), f"{what} output {index} is not contiguous"
         if out.numel() > 0:
             assert out.untyped_storage().data_ptr() not in input_storages, (
-                f"{what} output {index} aliases an input")
+                f"{what} output {index} aliases an input"
+            )
 
 
 # Broadcast forms of a modulation tensor (scale, shift, gate) against x = [B, S, D]:
@@ -119,6 +131,7 @@ FRAMES = 3
 def make_modulation(kind, batch, seq, hidden, dtype, device, count, std=0.5):
     """`count` (<= 6) modulation tensors of the broadcast form `kind` (see BROADCASTS), values
     N(0, std^2). With kind "frames" the caller must view x as x.unflatten(1, (FRAMES, -1))."""
+
     def normal(*shape):
         return (std * torch.randn(*shape, device=device)).to(dtype)
 

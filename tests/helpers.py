@@ -1,5 +1,6 @@
 """Shared test helpers: ulp-based comparison against float64 references, output poisoning,
 layouts of activations (contiguous, row-strided, misaligned)."""
+
 import torch
 
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
@@ -20,9 +21,13 @@ def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(values), exp - 1 - MANTISSA_BITS[dtype])
 
 
-def assert_rounds_exact(out: torch.Tensor, exact: torch.Tensor, what: str = "",
-                        intermediate: torch.dtype | None = None,
-                        intermediate_scale: float = 1.0) -> None:
+def assert_rounds_exact(
+    out: torch.Tensor,
+    exact: torch.Tensor,
+    what: str = "",
+    intermediate: torch.dtype | None = None,
+    intermediate_scale: float = 1.0,
+) -> None:
     """out must be the fp32-computed rounding of `exact` (the float64 value before the final
     rounding): |out - exact| <= 0.5 ulp of out.dtype + FP32_MATH_SLOP * |exact|, plus one ulp of
     `intermediate` where the op rounds an intermediate to that dtype (an fp32 value on a rounding

@@ -1,5 +1,6 @@
 """Shared helpers for the inject_optimized_kernels tests (tiny diffusers models on the CPU, full-size
 blocks on the GPU)."""
+
 import copy
 
 import pytest
@@ -114,8 +115,9 @@ def group_offload(model, offload_type: str = "leaf_level") -> None:
     from diffusers.hooks import apply_group_offloading
 
     kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
-    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type=offload_type,
-                           **kwargs)
+    apply_group_offloading(
+        model, onload_device=torch.device("cpu"), offload_type=offload_type, **kwargs
+    )
 
 
 def inject_then_group_offload(model, call, offload_type: str, dtype=torch.bfloat16) -> None:

@@ -4,6 +4,7 @@ PyTorch in float64) on fresh random inputs, in every dtype, for every broadcast 
 modulation tensors, odd hidden sizes, row-strided views and empty tensors; only the gradients
 asked for are computed; opcheck (with its autograd and AOT tests), torch.compile(fullgraph=True) of
 forward + backward, double backward and CUDA-graph capture of forward + backward."""
+
 import pytest
 import torch
 
@@ -39,8 +40,11 @@ def cases(op, dtype, device):
     bias = _rand(D, dtype=dtype, device=device, std=0.3)
     out = []
     if op == "rmsnorm":
-        out += [("no_weight", (x, None, 1e-6), {}), ("weight", (x, weight, 1e-6), {}),
-                ("fp32_weight", (x, weight.float(), 1e-6), {})]
+        out += [
+            ("no_weight", (x, None, 1e-6), {}),
+            ("weight", (x, weight, 1e-6), {}),
+            ("fp32_weight", (x, weight.float(), 1e-6), {}),
+        ]
     elif op in ("rmsnorm_modulate", "layernorm_modulate"):
         extra = (weight,) if op == "rmsnorm_modulate" else (weight, bias)
         for kind in BROADCASTS:
@@ -73,31 +77,39 @@ def cases(op, dtype, device):
         full = torch.rand(B, S, HEADS * HEAD_DIM, device=device) * 6.3
         half_angle = torch.rand(S, HEAD_DIM // 2, device=device) * 6.3
         if op == "rope":
-            out += [("per_head_table", (heads, cos, sin, True), {}),
-                    ("token_table", (tokens, full.cos(), full.sin(), True), {}),
-                    ("halves", (heads, cos, sin, False), {}),
-                    ("split_half_table", (heads, half_angle.cos(), half_angle.sin(), False), {}),
-                    ("x_dtype_table", (heads, cos.to(dtype), sin.to(dtype), True), {})]
+            out += [
+                ("per_head_table", (heads, cos, sin, True), {}),
+                ("token_table", (tokens, full.cos(), full.sin(), True), {}),
+                ("halves", (heads, cos, sin, False), {}),
+                ("split_half_table", (heads, half_angle.cos(), half_angle.sin(), False), {}),
+                ("x_dtype_table", (heads, cos.to(dtype), sin.to(dtype), True), {}),
+            ]
         else:
             wd = _rand(HEADS * HEAD_DIM, dtype=dtype, device=device, std=0.3).add_(1)
             wh = _rand(HEAD_DIM, dtype=dtype, device=device, std=0.3).add_(1)
             tokens_k = _rand(B, S, HEADS * HEAD_DIM, dtype=dtype, device=device)
-            out += [("ltx", (tokens, tokens_k, wd, wd.float(), full.cos(), full.sin()), {}),
-                    ("no_rope", (tokens, tokens_k, wd, None, None, None), {}),
-                    ("wan_across_heads", (heads, other, wd, wd, cos, sin), {}),
-                    ("flux_per_head", (heads, other, wh, wh, cos, sin),
-                     {"across_heads": False}),
-                    ("halves", (heads, other, None, None, cos, sin),
-                     {"across_heads": False, "interleaved": False})]
+            out += [
+                ("ltx", (tokens, tokens_k, wd, wd.float(), full.cos(), full.sin()), {}),
+                ("no_rope", (tokens, tokens_k, wd, None, None, None), {}),
+                ("wan_across_heads", (heads, other, wd, wd, cos, sin), {}),
+                ("flux_per_head", (heads, other, wh, wh, cos, sin), {"across_heads": False}),
+                (
+                    "halves",
+                    (heads, other, None, None, cos, sin),
+                    {"across_heads": False, "interleaved": False},
+                ),
+            ]
     elif op == "gelu":
         out += [("tanh", (x, "tanh"), {}), ("none", (x, "none"), {})]
     elif op == "geglu":
         wide = make_activation((B, S, 2 * D), dtype, device, "row_strided")
         out += [("none", (wide, "none"), {}), ("tanh", (wide, "tanh"), {})]
     elif op == "linear_gelu":
-        w = _rand(24, D, dtype=dtype, device=device, std=D ** -0.5)
-        out += [("bias", (x, w, _rand(24, dtype=dtype, device=device)), {}),
-                ("no_bias", (x, w, None), {})]
+        w = _rand(24, D, dtype=dtype, device=device, std=D**-0.5)
+        out += [
+            ("bias", (x, w, _rand(24, dtype=dtype, device=device)), {}),
+            ("no_bias", (x, w, None), {}),
+        ]
     else:
         raise AssertionError(f"no autograd test case for op {op}")
     return out
@@ -131,10 +143,13 @@ def _output_grads(op, args, kwargs):
 
 def _float64_grads(op, args, kwargs, grads):
     """Gradients of the float64 evaluation of reference.<op> (no intermediate rounding)."""
-    args64 = [a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
-              else a for a in args]
-    outputs = getattr(reference, op)(*args64, **kwargs, compute_dtype=torch.float64,
-                                     round_output=False)
+    args64 = [
+        a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    outputs = getattr(reference, op)(
+        *args64, **kwargs, compute_dtype=torch.float64, round_output=False
+    )
     wanted = [a for a in args64 if isinstance(a, torch.Tensor) and a.requires_grad]
     return torch.autograd.grad(_loss(outputs, [g.double() for g in grads]), wanted)
 
@@ -205,8 +220,9 @@ def test_empty_tensors(op, device):
 @pytest.mark.parametrize("op", ltx_kernels.OPS)
 def test_opcheck_with_autograd(op, device):
     for _, args, kwargs in cases(op, torch.float32, device)[:2]:
-        torch.library.opcheck(getattr(torch.ops.ltx_kernels, op).default,
-                              tuple(_requiring_grad(args)), kwargs)
+        torch.library.opcheck(
+            getattr(torch.ops.ltx_kernels, op).default, tuple(_requiring_grad(args)), kwargs
+        )
 
 
 @pytest.mark.parametrize("op", ltx_kernels.OPS)
@@ -236,7 +252,8 @@ def test_double_backward_is_differentiated(device):
     """create_graph=True: the gradients stay connected to the inputs (second derivatives as the
     float64 reference's), never silently cut off."""
     x, scale, shift, weight = _requiring_grad(
-        cases("rmsnorm_modulate", torch.float32, device)[1][1])
+        cases("rmsnorm_modulate", torch.float32, device)[1][1]
+    )
     grads = _output_grads("rmsnorm_modulate", (x, scale, shift, weight), {})
 
     def second(fn, tensors, dtype):
@@ -247,9 +264,11 @@ def test_double_backward_is_differentiated(device):
 
     ours = second(ltx_kernels.rmsnorm_modulate, (x, scale, shift, weight), torch.float32)
     tensors64 = [t.detach().double().requires_grad_() for t in (x, scale, shift, weight)]
-    exact = second(lambda *t: reference.rmsnorm_modulate(*t, compute_dtype=torch.float64,
-                                                          round_output=False),
-                   tensors64, torch.float64)
+    exact = second(
+        lambda *t: reference.rmsnorm_modulate(*t, compute_dtype=torch.float64, round_output=False),
+        tensors64,
+        torch.float64,
+    )
     for got, want in zip(ours, exact):
         assert _rel_l2(got, want) <= 1e-5
 
@@ -257,7 +276,8 @@ def test_double_backward_is_differentiated(device):
 @pytest.mark.gpu
 def test_cuda_graph_forward_backward():
     x, scale, shift, weight = _requiring_grad(
-        cases("rmsnorm_modulate", torch.bfloat16, "cuda")[1][1])
+        cases("rmsnorm_modulate", torch.bfloat16, "cuda")[1][1]
+    )
     grads = _output_grads("rmsnorm_modulate", (x, scale, shift, weight), {})
 
     def step():

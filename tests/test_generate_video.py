@@ -1,6 +1,7 @@
 """scripts/generate_video.py: the parser, the random-weights pipeline (real configs, and a tiny one
 run end to end), the comparison's JSON/chart/video outputs, the `auto` fallback when the hub cannot
 be reached, and (GPU) the full-size pipeline's latent drift with the kernels."""
+
 import importlib.util
 import json
 import os
@@ -14,8 +15,22 @@ import torch
 pytest.importorskip("diffusers")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-TINY_RUN = ["--tiny", "--num-frames", "9", "--height", "64", "--width", "64", "--steps", "2",
-            "--warmup-iterations", "1", "--runs", "1", "--no-progress"]
+TINY_RUN = [
+    "--tiny",
+    "--num-frames",
+    "9",
+    "--height",
+    "64",
+    "--width",
+    "64",
+    "--steps",
+    "2",
+    "--warmup-iterations",
+    "1",
+    "--runs",
+    "1",
+    "--no-progress",
+]
 
 
 def load_script(name="generate_video"):
@@ -33,43 +48,67 @@ def gv():
 
 # ---- the parser --------------------------------------------------------------------------------
 
+
 def test_defaults_are_the_seed_options(gv):
     args = gv.parse_args([])
-    assert (args.kernels, args.compile, args.batch_size, args.num_frames, args.height, args.width,
-            args.steps, args.warmup_iterations) == (True, False, 1, 161, 512, 768, 50, 2)
+    assert (
+        args.kernels,
+        args.compile,
+        args.batch_size,
+        args.num_frames,
+        args.height,
+        args.width,
+        args.steps,
+        args.warmup_iterations,
+    ) == (True, False, 1, 161, 512, 768, 50, 2)
     assert (args.weights, args.model_id, args.dtype, args.guidance_scale) == (
-        "auto", "Lightricks/LTX-Video", "bf16", 3.0)
+        "auto",
+        "Lightricks/LTX-Video",
+        "bf16",
+        3.0,
+    )
     assert args.configs == ["kernels"]
     assert args.json == Path("ltx_video.json") and args.chart == Path("ltx_video_compare.png")
 
 
-@pytest.mark.parametrize("flags, configs", [
-    (["--no-optimized-kernels"], ["baseline"]),
-    (["--no-optimized-kernels", "--compile"], ["compile"]),
-    (["--use-optimized-kernels", "--compile"], ["kernels+compile"]),
-    (["--compare"], ["baseline", "kernels", "compile", "kernels+compile"]),
-    (["--compare", "--configs", "kernels+compile,baseline"], ["baseline", "kernels+compile"]),
-])
+@pytest.mark.parametrize(
+    "flags, configs",
+    [
+        (["--no-optimized-kernels"], ["baseline"]),
+        (["--no-optimized-kernels", "--compile"], ["compile"]),
+        (["--use-optimized-kernels", "--compile"], ["kernels+compile"]),
+        (["--compare"], ["baseline", "kernels", "compile", "kernels+compile"]),
+        (["--compare", "--configs", "kernels+compile,baseline"], ["baseline", "kernels+compile"]),
+    ],
+)
 def test_flags_pick_configurations(gv, flags, configs):
     assert gv.parse_args(flags).configs == configs
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--use-optimized-kernels", "--no-optimized-kernels"], "not allowed with argument"),
-    (["--num-frames", "50"], "--num-frames: must be 8k+1"),
-    (["--height", "500"], "--height: must be a positive multiple of 32"),
-    (["--width", "0"], "--width: must be a positive multiple of 32"),
-    (["--steps", "1"], "--steps: at least 2"),
-    (["--runs", "0"], "--runs: must be at least 1"),
-    (["--compare", "--configs", "baseline,fast"], "--configs: unknown ['fast']"),
-    (["--tiny", "--weights", "hub"], "--tiny builds a random model"),
-    (["--configs", "baseline"], "--configs: only with --compare"),
-    (["--compile", "--warmup-iterations", "0"], "--warmup-iterations: must be at least 1 with torch.compile"),
-    (["--compile-mode", "max-autotune"], "--compile-mode: no effect without --compile"),
-    (["--compare", "--configs", "baseline,kernels", "--compile-scope", "blocks"],
-     "--compile-scope: no effect without --compile"),
-    (["--dtype", "fp8"], "--dtype: invalid choice"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--use-optimized-kernels", "--no-optimized-kernels"], "not allowed with argument"),
+        (["--num-frames", "50"], "--num-frames: must be 8k+1"),
+        (["--height", "500"], "--height: must be a positive multiple of 32"),
+        (["--width", "0"], "--width: must be a positive multiple of 32"),
+        (["--steps", "1"], "--steps: at least 2"),
+        (["--runs", "0"], "--runs: must be at least 1"),
+        (["--compare", "--configs", "baseline,fast"], "--configs: unknown ['fast']"),
+        (["--tiny", "--weights", "hub"], "--tiny builds a random model"),
+        (["--configs", "baseline"], "--configs: only with --compare"),
+        (
+            ["--compile", "--warmup-iterations", "0"],
+            "--warmup-iterations: must be at least 1 with torch.compile",
+        ),
+        (["--compile-mode", "max-autotune"], "--compile-mode: no effect without --compile"),
+        (
+            ["--compare", "--configs", "baseline,kernels", "--compile-scope", "blocks"],
+            "--compile-scope: no effect without --compile",
+        ),
+        (["--dtype", "fp8"], "--dtype: invalid choice"),
+    ],
+)
 def test_bad_arguments_name_the_argument(gv, capsys, flags, message):
     with pytest.raises(SystemExit):
         gv.parse_args(flags)
@@ -77,24 +116,35 @@ def test_bad_arguments_name_the_argument(gv, capsys, flags, message):
 
 
 def test_benchmark_example_forwards_to_generate_video():
-    result = subprocess.run([sys.executable, str(SCRIPTS / "benchmark_example.py"), "--help"],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "benchmark_example.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "--use-optimized-kernels" in result.stdout and "--compare" in result.stdout
 
 
 # ---- the random-weights pipeline ---------------------------------------------------------------
 
+
 def test_random_pipeline_has_the_real_architecture(gv):
     """Built on the meta device (nothing allocated): the LTX-Video 2B transformer and the 0.9.0 VAE."""
     pipe = gv.build_random_pipeline(torch.bfloat16, "meta")
     transformer, vae = pipe.transformer, pipe.vae
-    assert (transformer.config.num_layers, transformer.config.num_attention_heads,
-            transformer.config.attention_head_dim, transformer.config.caption_channels) == (28, 32, 64, 4096)
+    assert (
+        transformer.config.num_layers,
+        transformer.config.num_attention_heads,
+        transformer.config.attention_head_dim,
+        transformer.config.caption_channels,
+    ) == (28, 32, 64, 4096)
     assert 1.8e9 < sum(p.numel() for p in transformer.parameters()) < 2.1e9
     assert transformer.dtype == vae.dtype == torch.bfloat16
     assert (pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio) == (32, 8)
     assert pipe.text_encoder is None and pipe.tokenizer is None
-    assert pipe.scheduler.config.use_dynamic_shifting and pipe.scheduler.config.shift_terminal == 0.1
+    assert (
+        pipe.scheduler.config.use_dynamic_shifting and pipe.scheduler.config.shift_terminal == 0.1
+    )
 
 
 def test_random_prompt_embeddings_follow_the_seed(gv):
@@ -102,11 +152,14 @@ def test_random_prompt_embeddings_follow_the_seed(gv):
     args = gv.parse_args(["--tiny", "--seed", "3"])
     first = gv.pipeline_inputs(pipe, args, torch.device("cpu"), torch.float32)
     again = gv.pipeline_inputs(pipe, args, torch.device("cpu"), torch.float32)
-    other = gv.pipeline_inputs(pipe, gv.parse_args(["--tiny", "--seed", "4"]), torch.device("cpu"),
-                               torch.float32)
+    other = gv.pipeline_inputs(
+        pipe, gv.parse_args(["--tiny", "--seed", "4"]), torch.device("cpu"), torch.float32
+    )
     embeds = first["prompt_embeds"]
     assert embeds.shape == (1, gv.TEXT_TOKENS, 32) and embeds.std() > 0.5
-    assert torch.equal(embeds, again["prompt_embeds"]) and not torch.equal(embeds, other["prompt_embeds"])
+    assert torch.equal(embeds, again["prompt_embeds"]) and not torch.equal(
+        embeds, other["prompt_embeds"]
+    )
     assert not torch.equal(embeds, first["negative_prompt_embeds"])
     assert 0 < first["prompt_attention_mask"].sum() < gv.TEXT_TOKENS
 
@@ -116,8 +169,12 @@ def test_batch_of_videos(gv):
     repeat given embeddings), and both videos come back."""
     pipe = gv.build_random_pipeline(torch.float32, "cpu", tiny=True)
     args = gv.parse_args([*TINY_RUN, "--batch-size", "2"])
-    call = gv.call_pipeline(pipe, gv.pipeline_inputs(pipe, args, torch.device("cpu"), torch.float32),
-                            args, torch.device("cpu"))
+    call = gv.call_pipeline(
+        pipe,
+        gv.pipeline_inputs(pipe, args, torch.device("cpu"), torch.float32),
+        args,
+        torch.device("cpu"),
+    )
     assert call.frames.shape == (2, 9, 3, 64, 64) and call.latents.shape == (2, 8, 8)
     assert not torch.equal(call.latents[0], call.latents[1])  # two noise draws, two videos
     assert call.total_s > call.decode_s > 0 and call.loop_s > 0
@@ -151,8 +208,18 @@ def test_tiny_compare_end_to_end(gv, tmp_path, capsys, monkeypatch, dtype, toler
 
     monkeypatch.setattr(diffusers.utils, "export_to_video", no_encoder)
     output = tmp_path / "video.mp4"
-    rows = gv.main([*TINY_RUN, "--compare", "--configs", "baseline,kernels", "--dtype", dtype,
-                    "--output", str(output)])
+    rows = gv.main(
+        [
+            *TINY_RUN,
+            "--compare",
+            "--configs",
+            "baseline,kernels",
+            "--dtype",
+            dtype,
+            "--output",
+            str(output),
+        ]
+    )
     printed = capsys.readouterr().out
     assert [row.config for row in rows] == ["baseline", "kernels"]
     assert rows[0].rel_l2 == 0.0 and rows[0].speedup == 1.0
@@ -160,7 +227,12 @@ def test_tiny_compare_end_to_end(gv, tmp_path, capsys, monkeypatch, dtype, toler
     assert rows[1].rel_l2 <= tolerance and "7 modules" in rows[1].notes
     if dtype == "fp32":  # the fused ops ran (bf16 tiny models are bit-identical to diffusers)
         assert rows[1].rel_l2 > 0
-    assert "| Optimized kernels |" in printed and "| First call (s) |" in printed and "frames: 9" in printed and "no mp4 encoder" in printed
+    assert (
+        "| Optimized kernels |" in printed
+        and "| First call (s) |" in printed
+        and "frames: 9" in printed
+        and "no mp4 encoder" in printed
+    )
     assert (tmp_path / "video.gif").stat().st_size > 0
 
     results = json.loads(output.with_suffix(".json").read_text())
@@ -178,16 +250,31 @@ def test_tiny_compare_end_to_end(gv, tmp_path, capsys, monkeypatch, dtype, toler
 
 def test_single_configuration_compiles_with_kernels(gv, tmp_path, capsys):
     """--use-optimized-kernels --compile together, as one configuration, no chart."""
-    rows = gv.main([*TINY_RUN, "--use-optimized-kernels", "--compile", "--compile-scope", "blocks",
-                    "--no-video", "--output", str(tmp_path / "v.mp4")])
+    rows = gv.main(
+        [
+            *TINY_RUN,
+            "--use-optimized-kernels",
+            "--compile",
+            "--compile-scope",
+            "blocks",
+            "--no-video",
+            "--output",
+            str(tmp_path / "v.mp4"),
+        ]
+    )
     printed = capsys.readouterr().out
     assert [row.config for row in rows] == ["kernels+compile"]
     assert rows[0].speedup is None and rows[0].rel_l2 is None and len(rows[0].warmup_s) == 1
-    assert "n/a" in printed and "torch.compile (blocks, fullgraph)" in rows[0].notes and not (tmp_path / "v_compare.png").exists()
+    assert (
+        "n/a" in printed
+        and "torch.compile (blocks, fullgraph)" in rows[0].notes
+        and not (tmp_path / "v_compare.png").exists()
+    )
     assert (tmp_path / "v.json").exists() and not list(tmp_path.glob("v.gif"))
 
 
 # ---- weights auto: the hub cannot be reached ---------------------------------------------------
+
 
 def test_auto_falls_back_to_random_weights(gv, capsys, monkeypatch):
     from diffusers import LTXPipeline
@@ -196,10 +283,15 @@ def test_auto_falls_back_to_random_weights(gv, capsys, monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setattr(LTXPipeline, "from_pretrained", unreachable)
-    monkeypatch.setattr(gv, "build_random_pipeline",
-                        lambda dtype, device, tiny=False: ("random pipeline", dtype, str(device)))
+    monkeypatch.setattr(
+        gv,
+        "build_random_pipeline",
+        lambda dtype, device, tiny=False: ("random pipeline", dtype, str(device)),
+    )
     pipe, weights = gv.load_pipeline(gv.parse_args([]), torch.device("cpu"), torch.bfloat16)
-    assert pipe == ("random pipeline", torch.bfloat16, "cpu") and weights == "random (hub unavailable)"
+    assert (
+        pipe == ("random pipeline", torch.bfloat16, "cpu") and weights == "random (hub unavailable)"
+    )
     assert "could not be loaded (OSError: We couldn't connect" in capsys.readouterr().out
     with pytest.raises(OSError, match="couldn't connect"):  # --weights hub never falls back
         gv.load_pipeline(gv.parse_args(["--weights", "hub"]), torch.device("cpu"), torch.bfloat16)
@@ -207,16 +299,22 @@ def test_auto_falls_back_to_random_weights(gv, capsys, monkeypatch):
 
 def test_auto_fallback_with_an_unreachable_hub(tmp_path):
     """A real hub lookup in a fresh process: empty cache, an endpoint that refuses connections."""
-    code = (f"import sys, torch; sys.path.insert(0, {str(SCRIPTS)!r}); import generate_video as gv\n"
-            "build = gv.build_random_pipeline\n"
-            "gv.build_random_pipeline = lambda dtype, device, tiny=False: build(dtype, device, tiny=True)\n"
-            "pipe, weights = gv.load_pipeline(gv.parse_args([]), torch.device('cpu'), torch.bfloat16)\n"
-            "print('loaded:', weights, type(pipe).__name__, pipe.transformer.config.num_layers)\n")
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN")}
+    code = (
+        f"import sys, torch; sys.path.insert(0, {str(SCRIPTS)!r}); import generate_video as gv\n"
+        "build = gv.build_random_pipeline\n"
+        "gv.build_random_pipeline = lambda dtype, device, tiny=False: build(dtype, device, tiny=True)\n"
+        "pipe, weights = gv.load_pipeline(gv.parse_args([]), torch.device('cpu'), torch.bfloat16)\n"
+        "print('loaded:', weights, type(pipe).__name__, pipe.transformer.config.num_layers)\n"
+    )
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN")
+    }
     env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Lightricks/LTX-Video could not be loaded" in result.stdout
     assert "falling back to random weights" in result.stdout
@@ -225,14 +323,36 @@ def test_auto_fallback_with_an_unreachable_hub(tmp_path):
 
 # ---- GPU: the full-size model ------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_full_size_kernels_drift(gv, tmp_path):
     """LTX-Video 2B with random weights, 9 frames 256x256, 3 steps: the kernels' final latents
     within 2e-2 (relative L2) of diffusers' in bf16; compile alone for scale."""
-    rows = gv.main(["--weights", "random", "--compare", "--configs", "baseline,kernels",
-                    "--num-frames", "9", "--height", "256", "--width", "256", "--steps", "3",
-                    "--warmup-iterations", "1", "--runs", "1", "--no-progress", "--no-video",
-                    "--output", str(tmp_path / "v.mp4")])
+    rows = gv.main(
+        [
+            "--weights",
+            "random",
+            "--compare",
+            "--configs",
+            "baseline,kernels",
+            "--num-frames",
+            "9",
+            "--height",
+            "256",
+            "--width",
+            "256",
+            "--steps",
+            "3",
+            "--warmup-iterations",
+            "1",
+            "--runs",
+            "1",
+            "--no-progress",
+            "--no-video",
+            "--output",
+            str(tmp_path / "v.mp4"),
+        ]
+    )
     baseline, kernels = rows
     assert 0 < kernels.rel_l2 <= 2e-2, kernels.rel_l2
     assert "85 modules" in kernels.notes and baseline.peak_gib > 3
@@ -241,9 +361,22 @@ def test_full_size_kernels_drift(gv, tmp_path):
 @pytest.mark.gpu
 def test_tiny_compare_with_cpu_offload(gv, tmp_path):
     """Offload hooks come off while the kernels go in: every module is patched (output norm too)."""
-    rows = gv.main([*TINY_RUN, "--cpu-offload", "--compare", "--configs",
-                    "baseline,kernels,kernels+compile", "--compile-scope", "blocks", "--dtype", "fp32",
-                    "--no-video", "--output", str(tmp_path / "v.mp4")])
+    rows = gv.main(
+        [
+            *TINY_RUN,
+            "--cpu-offload",
+            "--compare",
+            "--configs",
+            "baseline,kernels,kernels+compile",
+            "--compile-scope",
+            "blocks",
+            "--dtype",
+            "fp32",
+            "--no-video",
+            "--output",
+            str(tmp_path / "v.mp4"),
+        ]
+    )
     for row in rows[1:]:
         assert "7 modules" in row.notes and "skipped" not in row.notes
         assert 0 < row.rel_l2 <= 1e-5

@@ -1,27 +1,46 @@
 """inject_optimized_kernels on FLUX.1: tiny models on the CPU (as diffusers' own model tests build
 them), the full-size configuration's report on the meta device, a full-size double + single block
 pair on the GPU. The tests every model runs alike are in test_inject_models.py."""
+
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, caller,
-                            count_ltx_ops, eager_and_injected, inject_then_group_offload, output_of,
-                            randomize_norms, rel_l2)
+from inject_helpers import (
+    REL_L2_TOLERANCE,
+    assert_matches_eager,
+    assert_remove_restores,
+    caller,
+    count_ltx_ops,
+    eager_and_injected,
+    inject_then_group_offload,
+    output_of,
+    randomize_norms,
+    rel_l2,
+)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.flux import DOUBLE_ATTN, SINGLE_ATTN
 from model_zoo.flux import expected_ops, image_ids, tiny_inputs, tiny_model
 
 from diffusers import FluxTransformer2DModel  # noqa: E402  (inject_helpers skips without it)
-from diffusers.models.transformers.transformer_flux import (FluxAttnProcessor, FluxPosEmbed,
-                                                            FluxSingleTransformerBlock,
-                                                            FluxTransformerBlock)
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttnProcessor,
+    FluxPosEmbed,
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
+)
 
 
 def report_for(double: int, single: int) -> dict:
-    return {"FluxTransformerBlock": double, "FluxSingleTransformerBlock": single,
-            "AdaLayerNormZero": 2 * double, "AdaLayerNormZeroSingle": single,
-            "AdaLayerNormContinuous": 1, DOUBLE_ATTN: double, SINGLE_ATTN: single}
+    return {
+        "FluxTransformerBlock": double,
+        "FluxSingleTransformerBlock": single,
+        "AdaLayerNormZero": 2 * double,
+        "AdaLayerNormZeroSingle": single,
+        "AdaLayerNormContinuous": 1,
+        DOUBLE_ATTN: double,
+        SINGLE_ATTN: single,
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,8 +132,12 @@ def check_block_pair(device, dim, heads, head_dim, axes_dim, side, text):
     """One double and one single block, random weights, bf16, batch 1, FLUX RoPE tables for a
     side x side latent grid and `text` text tokens: injected vs eager."""
     with torch.device(device):
-        blocks = torch.nn.ModuleList([FluxTransformerBlock(dim, heads, head_dim),
-                                      FluxSingleTransformerBlock(dim, heads, head_dim)])
+        blocks = torch.nn.ModuleList(
+            [
+                FluxTransformerBlock(dim, heads, head_dim),
+                FluxSingleTransformerBlock(dim, heads, head_dim),
+            ]
+        )
         blocks = randomize_norms(blocks.to(torch.bfloat16)).eval()
         ids = torch.cat([torch.zeros(text, 3), image_ids(side, side, device)])
         rope = FluxPosEmbed(theta=10000, axes_dim=axes_dim)(ids)  # fp32 [text + side^2, Dh]
@@ -129,8 +152,13 @@ def check_block_pair(device, dim, heads, head_dim, axes_dim, side, text):
 
     eager, injected, report = eager_and_injected(blocks, call)
     assert dict(report.patched) == {
-        "FluxTransformerBlock": 1, "FluxSingleTransformerBlock": 1, "AdaLayerNormZero": 2,
-        "AdaLayerNormZeroSingle": 1, DOUBLE_ATTN: 1, SINGLE_ATTN: 1}
+        "FluxTransformerBlock": 1,
+        "FluxSingleTransformerBlock": 1,
+        "AdaLayerNormZero": 2,
+        "AdaLayerNormZeroSingle": 1,
+        DOUBLE_ATTN: 1,
+        SINGLE_ATTN: 1,
+    }
     expected = expected_ops(FUSIONS, 1, 1)
     expected["layernorm_modulate"] -= 1  # no output norm here
     assert count_ltx_ops(lambda: call(blocks)) == expected
@@ -151,6 +179,8 @@ def test_full_size_flux_block_pair_gpu():
     # after 2x2 packing) + 512 text tokens; about 1 GB of bf16 weights.
     torch.manual_seed(0)
     error = check_block_pair("cuda", 3072, 24, 128, [16, 56, 56], 64, 512)
-    print(f"full-size FLUX double + single block, 4096 + 512 tokens, bf16: relative L2 vs eager "
-          f"{error:.2e}")
+    print(
+        f"full-size FLUX double + single block, 4096 + 512 tokens, bf16: relative L2 vs eager "
+        f"{error:.2e}"
+    )
     assert error <= 1e-2

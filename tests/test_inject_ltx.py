@@ -1,17 +1,29 @@
 """inject_optimized_kernels on LTX-Video: tiny models on the CPU (as diffusers' own model tests build
 them), the full-size transformer on the GPU; the API (report, ops selection, removal), hooks and
 offloading, torch.compile. The tests every model runs alike are in test_inject_models.py."""
+
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, caller,
-                            clone, count_ltx_ops, eager_and_injected, group_offload,
-                            inject_then_group_offload, output_of, rel_l2)
+from inject_helpers import (
+    REL_L2_TOLERANCE,
+    assert_matches_eager,
+    assert_remove_restores,
+    caller,
+    clone,
+    count_ltx_ops,
+    eager_and_injected,
+    group_offload,
+    inject_then_group_offload,
+    output_of,
+    rel_l2,
+)
 from ltx_kernels.integration import FUSIONS
 from model_zoo.ltx import TINY, expected_counts, full_inputs, tiny_inputs, tiny_model
 
 from diffusers import LTXVideoTransformer3DModel  # noqa: E402  (inject_helpers skips without it)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("affine", [False, True], ids=["norm_no_weight", "norm_weight"])
@@ -21,8 +33,11 @@ def test_tiny_ltx_matches_eager_and_restores(dtype, affine):
     eager, injected, report = eager_and_injected(model, call)
     assert_matches_eager(eager, injected, dtype, "tiny LTX")
     assert dict(report.patched) == {
-        "LTXVideoTransformerBlock": 2, "LTXAttention (self: q/k norm + RoPE)": 2,
-        "LTXAttention (cross: q/k norm)": 2, "LTXVideoTransformer3DModel (output norm)": 1}
+        "LTXVideoTransformerBlock": 2,
+        "LTXAttention (self: q/k norm + RoPE)": 2,
+        "LTXAttention (cross: q/k norm)": 2,
+        "LTXVideoTransformer3DModel (output norm)": 1,
+    }
     assert not report.skipped
     assert count_ltx_ops(lambda: call(model)) == expected_counts()
     assert_remove_restores(model, call, eager)
@@ -74,8 +89,14 @@ def test_custom_processor_is_kept_and_reported():
     model = tiny_model(torch.float32)
 
     class MyProcessor:
-        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                     image_rotary_emb=None):
+        def __call__(
+            self,
+            attn,
+            hidden_states,
+            encoder_hidden_states=None,
+            attention_mask=None,
+            image_rotary_emb=None,
+        ):
             return hidden_states
 
     model.transformer_blocks[1].attn2.set_processor(MyProcessor())
@@ -90,8 +111,13 @@ def test_pipeline_injection_covers_its_transformer():
     from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
 
     model = tiny_model(torch.float32)
-    pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
-                       tokenizer=None, transformer=model)
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=model,
+    )
     report = ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
     assert report.patched["LTXVideoTransformerBlock"] == 2
     assert ltx_kernels.remove_optimized_kernels(pipe) == 7
@@ -119,8 +145,11 @@ def test_group_offload_then_inject_raises_for_hooked_blocks(offload_type):
     # Both levels hook the blocks (leaf level for the parameters held by the block itself).
     model = tiny_model(torch.float32)
     group_offload(model, offload_type)
-    with pytest.raises(RuntimeError, match=r"cannot patch transformer_blocks\.0 "
-                                           r"\(LTXVideoTransformerBlock\): its forward is wrapped"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot patch transformer_blocks\.0 "
+        r"\(LTXVideoTransformerBlock\): its forward is wrapped",
+    ):
         ltx_kernels.inject_optimized_kernels(model, verbose=False)
 
 

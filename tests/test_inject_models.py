@@ -2,12 +2,21 @@
 model_zoo.MODELS: each op disabled alone (by `ops=` and by LTX_KERNELS_DISABLE), bf16 outputs
 bit-identical to eager on the CPU, the attention backend kept, compile_repeated_blocks without
 graph breaks or recompiles. The tests of one model alone are in test_inject_<model>.py."""
+
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_backend_kept, assert_matches_eager, caller,
-                            count_ltx_ops, eager_and_injected, output_of, rel_l2)
+from inject_helpers import (
+    REL_L2_TOLERANCE,
+    assert_backend_kept,
+    assert_matches_eager,
+    caller,
+    count_ltx_ops,
+    eager_and_injected,
+    output_of,
+    rel_l2,
+)
 from ltx_kernels.integration import FUSIONS
 from model_zoo import MODELS
 
@@ -40,8 +49,9 @@ def test_bf16_is_bit_identical_on_cpu(model):
     # Every op rounds where diffusers' bf16 code rounds; the C backend sums in the same order as
     # far as the outputs show at this size. A regression in a rounding point shows up here first.
     ops = [name for name in FUSIONS if name not in model.bit_identical_without]
-    eager, injected, _ = eager_and_injected(model.build(torch.bfloat16),
-                                            caller(model.inputs(torch.bfloat16)), ops=ops)
+    eager, injected, _ = eager_and_injected(
+        model.build(torch.bfloat16), caller(model.inputs(torch.bfloat16)), ops=ops
+    )
     assert torch.equal(output_of(injected), output_of(eager))
 
 

@@ -2,12 +2,21 @@
 build them: a dual-attention layer, a plain layer, the context-pre-only last layer), the full-size
 configurations' reports on the meta device. The tests every model runs alike are in
 test_inject_models.py."""
+
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, caller,
-                            count_ltx_ops, eager_and_injected, output_of, rel_l2)
+from inject_helpers import (
+    REL_L2_TOLERANCE,
+    assert_matches_eager,
+    assert_remove_restores,
+    caller,
+    count_ltx_ops,
+    eager_and_injected,
+    output_of,
+    rel_l2,
+)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.sd3 import DUAL_ATTN, JOINT_ATTN
 from model_zoo.sd3 import SD3, SD35, TINY, expected_ops, layers, tiny_inputs, tiny_model
@@ -18,9 +27,12 @@ from diffusers import SD3Transformer2DModel  # noqa: E402  (inject_helpers skips
 def report_for(config) -> dict:
     kinds = layers(config)
     dual = sum(d for d, _ in kinds)
-    report = {"JointTransformerBlock": len(kinds), "SD35AdaLayerNormZeroX": dual,
-              "AdaLayerNormZero": 2 * len(kinds) - dual - 1,  # norm1 and norm1_context
-              "AdaLayerNormContinuous": 2}  # last block's norm1_context, norm_out
+    report = {
+        "JointTransformerBlock": len(kinds),
+        "SD35AdaLayerNormZeroX": dual,
+        "AdaLayerNormZero": 2 * len(kinds) - dual - 1,  # norm1 and norm1_context
+        "AdaLayerNormContinuous": 2,
+    }  # last block's norm1_context, norm_out
     if config.get("qk_norm"):
         report.update({JOINT_ATTN: len(kinds), DUAL_ATTN: dual})
     return {kind: n for kind, n in report.items() if n}
@@ -39,9 +51,12 @@ def test_tiny_sd3_matches_eager_and_restores(dtype, variant):
         assert not report.skipped
     else:  # nothing to fuse in SD3's attention: kept, and said why
         assert {kind: len(entries) for kind, entries in report.skipped.items()} == {
-            JOINT_ATTN: 3, DUAL_ATTN: 1}
-        assert all("no q/k norm" in reason for entries in report.skipped.values()
-                   for _, reason in entries)
+            JOINT_ATTN: 3,
+            DUAL_ATTN: 1,
+        }
+        assert all(
+            "no q/k norm" in reason for entries in report.skipped.values() for _, reason in entries
+        )
     assert count_ltx_ops(lambda: call(model)) == expected_ops(FUSIONS, config)
     assert_remove_restores(model, call, eager)
 
@@ -52,8 +67,9 @@ def test_forward_chunking_keeps_the_fused_feed_forward():
     call = caller(tiny_inputs(torch.float32))
     eager, injected, _ = eager_and_injected(model, call)
     assert_matches_eager(eager, injected, torch.float32, "chunked feed-forward")
-    assert count_ltx_ops(lambda: call(model)) == expected_ops(FUSIONS, {**TINY, **SD35},
-                                                              ff_chunks=2)
+    assert count_ltx_ops(lambda: call(model)) == expected_ops(
+        FUSIONS, {**TINY, **SD35}, ff_chunks=2
+    )
 
 
 def test_fused_qkv_processor_is_kept_and_reported():
@@ -70,13 +86,27 @@ def test_fused_qkv_processor_is_kept_and_reported():
 
 def test_full_size_reports_on_meta():
     configs = {  # scripts/convert_sd3_to_diffusers.py
-        "SD3-medium": dict(num_layers=24, num_attention_heads=24, caption_projection_dim=1536,
-                           pos_embed_max_size=192),
-        "SD3.5-medium": dict(num_layers=24, num_attention_heads=24, caption_projection_dim=1536,
-                             pos_embed_max_size=384, qk_norm="rms_norm",
-                             dual_attention_layers=tuple(range(13))),
-        "SD3.5-large": dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
-                            pos_embed_max_size=192, qk_norm="rms_norm"),
+        "SD3-medium": dict(
+            num_layers=24,
+            num_attention_heads=24,
+            caption_projection_dim=1536,
+            pos_embed_max_size=192,
+        ),
+        "SD3.5-medium": dict(
+            num_layers=24,
+            num_attention_heads=24,
+            caption_projection_dim=1536,
+            pos_embed_max_size=384,
+            qk_norm="rms_norm",
+            dual_attention_layers=tuple(range(13)),
+        ),
+        "SD3.5-large": dict(
+            num_layers=38,
+            num_attention_heads=38,
+            caption_projection_dim=2432,
+            pos_embed_max_size=192,
+            qk_norm="rms_norm",
+        ),
     }
     for name, config in configs.items():
         with torch.device("meta"):

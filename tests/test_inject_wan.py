@@ -3,24 +3,46 @@ users load them (bf16 with `_keep_in_fp32_modules` kept fp32, through save/from_
 T2V, I2V (image-context attention), Wan 2.2 TI2V (per-token modulation), VACE, fused QKV
 projections; exact op counts, the RoPE tables, hooks. Each op disabled alone and torch.compile:
 test_inject_models.py."""
+
 import tempfile
 
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, assert_matches_eager, assert_remove_restores, caller,
-                            count_ltx_ops, eager_and_injected, inject_then_group_offload, output_of,
-                            rel_l2)
+from inject_helpers import (
+    REL_L2_TOLERANCE,
+    assert_matches_eager,
+    assert_remove_restores,
+    caller,
+    count_ltx_ops,
+    eager_and_injected,
+    inject_then_group_offload,
+    output_of,
+    rel_l2,
+)
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.wan import WanKernelsAttnProcessor
-from model_zoo.wan import (FRAMES, HEIGHT, I2V, LAYERS, TINY, WIDTH, expected_counts, load_as,
-                           randomize, tiny_inputs, tiny_model)
+from model_zoo.wan import (
+    FRAMES,
+    HEIGHT,
+    I2V,
+    LAYERS,
+    TINY,
+    WIDTH,
+    expected_counts,
+    load_as,
+    randomize,
+    tiny_inputs,
+    tiny_model,
+)
 
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel  # noqa: E402
 
-BLOCK_KINDS = {"WanAttention (self: q/k norm + RoPE)": LAYERS,
-               "WanAttention (cross: q/k norm)": LAYERS}
+BLOCK_KINDS = {
+    "WanAttention (self: q/k norm + RoPE)": LAYERS,
+    "WanAttention (cross: q/k norm)": LAYERS,
+}
 OUTPUT_NORM = "WanTransformer3DModel (output norm)"
 
 
@@ -43,8 +65,12 @@ def test_load_as():
 def test_tiny_wan_matches_eager_and_restores(dtype, variant):
     model = tiny_model(dtype, **(I2V if variant == "i2v" else {}))
     if dtype == torch.bfloat16:  # as users run it
-        assert model.blocks[0].norm2.weight.dtype == model.blocks[0].scale_shift_table.dtype \
-            == model.rope.freqs_cos.dtype == torch.float32
+        assert (
+            model.blocks[0].norm2.weight.dtype
+            == model.blocks[0].scale_shift_table.dtype
+            == model.rope.freqs_cos.dtype
+            == torch.float32
+        )
         assert model.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
     call = caller(tiny_inputs(dtype, variant))
     eager, injected, report = eager_and_injected(model, call)
@@ -54,7 +80,8 @@ def test_tiny_wan_matches_eager_and_restores(dtype, variant):
     expected_skips = {OUTPUT_NORM: [""]}
     if variant == "i2v":
         expected_skips["WanAttention (I2V image-context K norm)"] = [
-            f"blocks.{i}.attn2" for i in range(LAYERS)]
+            f"blocks.{i}.attn2" for i in range(LAYERS)
+        ]
     assert skipped == expected_skips
     assert count_ltx_ops(lambda: call(model)) == expected_counts()
     assert_remove_restores(model, call, eager)
@@ -71,7 +98,10 @@ def test_elementwise_ops_are_bit_identical_in_bf16(variant):
     eager, injected, _ = eager_and_injected(model, call, ops=ops)
     assert torch.equal(output_of(injected), output_of(eager))
     assert count_ltx_ops(lambda: call(model)) == {
-        "rope": 2 * LAYERS, "linear_gelu": LAYERS, "gated_residual": 2 * LAYERS}
+        "rope": 2 * LAYERS,
+        "linear_gelu": LAYERS,
+        "gated_residual": 2 * LAYERS,
+    }
 
 
 def test_plain_bf16_cast_without_cross_attn_norm():
@@ -84,8 +114,12 @@ def test_plain_bf16_cast_without_cross_attn_norm():
     assert_matches_eager(eager, injected, torch.bfloat16, "plain bf16 cast")
     # norm2 is an Identity: attn1's residual is gated_residual alone
     assert count_ltx_ops(lambda: call(model)) == {
-        "layernorm_modulate": LAYERS, "qk_rmsnorm_rope": 2 * LAYERS,
-        "add_layernorm_modulate": LAYERS, "linear_gelu": LAYERS, "gated_residual": 2 * LAYERS}
+        "layernorm_modulate": LAYERS,
+        "qk_rmsnorm_rope": 2 * LAYERS,
+        "add_layernorm_modulate": LAYERS,
+        "linear_gelu": LAYERS,
+        "gated_residual": 2 * LAYERS,
+    }
 
 
 def test_fused_qkv_projections():
@@ -100,16 +134,19 @@ def test_fused_qkv_projections():
 
 
 def test_vace():
-    model = tiny_model(torch.bfloat16, WanVACETransformer3DModel, vace_layers=[0, 1],
-                       vace_in_channels=6)
+    model = tiny_model(
+        torch.bfloat16, WanVACETransformer3DModel, vace_layers=[0, 1], vace_in_channels=6
+    )
     inputs = tiny_inputs(torch.bfloat16)
-    inputs["control_hidden_states"] = torch.randn(2, 6, FRAMES, HEIGHT, WIDTH,
-                                                  dtype=torch.bfloat16)
+    inputs["control_hidden_states"] = torch.randn(2, 6, FRAMES, HEIGHT, WIDTH, dtype=torch.bfloat16)
     call = caller(inputs)
     eager, injected, report = eager_and_injected(model, call)
     assert_matches_eager(eager, injected, torch.bfloat16, "VACE")
-    assert dict(report.patched) == {"WanTransformerBlock": LAYERS, "WanVACETransformerBlock": 2,
-                                    **{kind: 2 * n for kind, n in BLOCK_KINDS.items()}}
+    assert dict(report.patched) == {
+        "WanTransformerBlock": LAYERS,
+        "WanVACETransformerBlock": 2,
+        **{kind: 2 * n for kind, n in BLOCK_KINDS.items()},
+    }
     assert list(report.skipped) == ["WanVACETransformer3DModel (output norm)"]
     assert count_ltx_ops(lambda: call(model)) == expected_counts(layers=LAYERS + 2)
     assert_remove_restores(model, call, eager)
@@ -197,8 +234,11 @@ def test_inject_then_leaf_offload_falls_back_where_hooked():
     # Hooked: the Linear layers (FF), norm2 (affine) and the q/k norms. Not hooked: norm1, norm3
     # (no parameters), so their fused steps stay.
     assert count_ltx_ops(lambda: call(model)) == {
-        "layernorm_modulate": LAYERS, "add_layernorm_modulate": LAYERS,
-        "gated_residual": 2 * LAYERS, "rope": 2 * LAYERS}
+        "layernorm_modulate": LAYERS,
+        "add_layernorm_modulate": LAYERS,
+        "gated_residual": 2 * LAYERS,
+        "rope": 2 * LAYERS,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,18 +249,29 @@ def test_wan_1_3b_layers_gpu():
     # Wan 2.1 1.3B dimensions (2 of its 30 layers), 81 frames at 480x832: 32760 tokens.
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = randomize(WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128,
-                                                in_channels=16, out_channels=16, text_dim=4096,
-                                                ffn_dim=8960, num_layers=2))
+        model = randomize(
+            WanTransformer3DModel(
+                num_attention_heads=12,
+                attention_head_dim=128,
+                in_channels=16,
+                out_channels=16,
+                text_dim=4096,
+                ffn_dim=8960,
+                num_layers=2,
+            )
+        )
     model = load_as(model, torch.bfloat16)
     generator = torch.Generator("cuda").manual_seed(0)
     inputs = dict(
-        hidden_states=torch.randn(1, 16, 21, 60, 104, generator=generator, device="cuda",
-                                  dtype=torch.bfloat16),
+        hidden_states=torch.randn(
+            1, 16, 21, 60, 104, generator=generator, device="cuda", dtype=torch.bfloat16
+        ),
         timestep=torch.tensor([500.0], device="cuda"),
-        encoder_hidden_states=torch.randn(1, 512, 4096, generator=generator, device="cuda",
-                                          dtype=torch.bfloat16),
-        return_dict=False)
+        encoder_hidden_states=torch.randn(
+            1, 512, 4096, generator=generator, device="cuda", dtype=torch.bfloat16
+        ),
+        return_dict=False,
+    )
     call = caller(inputs)
     eager, injected, report = eager_and_injected(model, call)
     assert dict(report.patched) == {"WanTransformerBlock": 2, **BLOCK_KINDS}

@@ -2,6 +2,7 @@
 metadata.json, and `kernels.get_local_kernel` (the `kernels` package from PyPI) loads it and runs an
 op on the CPU. The loading runs in a fresh interpreter: this one already holds ltx_kernels' library,
 and a second copy of it would abort the process (its TORCH_LIBRARY registers ltx_kernels again)."""
+
 import importlib.util
 import json
 import os
@@ -14,8 +15,9 @@ import torch
 
 import ltx_kernels
 
-kernels = pytest.importorskip("kernels", reason="the `kernels` package is not installed "
-                                                "(pip install kernels)")
+kernels = pytest.importorskip(
+    "kernels", reason="the `kernels` package is not installed (pip install kernels)"
+)
 from kernels.archs import _supports_cuda_capability  # noqa: E402  (get_kernel's arch check)
 from kernels.variants import get_variants_local, resolve_variant  # noqa: E402
 
@@ -47,7 +49,10 @@ def test_variant_is_the_one_kernels_picks(variant):
     assert picked is not None and picked.variant_str == variant.name, trace
     metadata = json.loads((variant / "metadata.json").read_text())
     assert (metadata["name"], metadata["id"], metadata["version"]) == (
-        "ltx-kernels", "ltx_kernels", 1)
+        "ltx-kernels",
+        "ltx_kernels",
+        1,
+    )
     assert metadata["backend"]["type"] == "cuda"
     # sm_90a machine code plus compute_90 PTX: kernels accepts Hopper and newer GPUs, not Ampere.
     archs = metadata["backend"]["archs"]
@@ -62,8 +67,9 @@ def test_get_local_kernel_runs_an_op_on_the_cpu(variant, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("LOCAL_KERNELS", None)
     command = [sys.executable, "-c", LOAD_AND_RUN, str(variant.parent.parent), str(io_path)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path,
-                            timeout=300)
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     loaded = json.loads(result.stdout.splitlines()[-1])
     assert loaded["name"] == "ltx_kernels" and loaded["load_error"] == "None"

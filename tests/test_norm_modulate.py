@@ -4,6 +4,7 @@ the same rounding points, on CPU and CUDA: every dtype, odd hidden sizes, 1/7/40
 broadcast form of scale/shift/gate, None operands, upcast False/True (fp32 modulation as Wan),
 strided and misaligned rows, empty tensors, 64-bit offsets, opcheck, torch.compile, CUDA graphs,
 bad inputs, and parity with diffusers' own blocks (LTX-Video, FLUX AdaLN, Wan)."""
+
 from dataclasses import dataclass
 
 import pytest
@@ -13,8 +14,16 @@ import ltx_kernels
 from ltx_kernels import reference
 
 from fused_helpers import (
-    BROADCASTS, DTYPES, FRAMES, LAYOUTS, assert_new_contiguous, assert_rounds_within,
-    make_modulation, rows_hidden_cases, skip_big_on_cpu, varied_rows,
+    BROADCASTS,
+    DTYPES,
+    FRAMES,
+    LAYOUTS,
+    assert_new_contiguous,
+    assert_rounds_within,
+    make_modulation,
+    rows_hidden_cases,
+    skip_big_on_cpu,
+    varied_rows,
 )
 from helpers import assert_compiles_once, capture_graph, make_activation, poison_allocator
 
@@ -28,6 +37,7 @@ OPTIONAL = ["scale", "shift", "gate", "weight", "bias"]
 @dataclass
 class NormCase:
     """The operands of one call of a fused norm op; None operands are skipped by the op."""
+
     op: str
     x: torch.Tensor
     y: torch.Tensor | None = None
@@ -65,13 +75,25 @@ class NormCase:
     def describe(self) -> str:
         def d(t):
             return "None" if t is None else f"{tuple(t.shape)}/{str(t.dtype)[6:]}"
-        return (f"{self.op} x {d(self.x)} scale {d(self.scale)} shift {d(self.shift)} "
-                f"gate {d(self.gate) if self.residual else '-'} weight {d(self.weight)} "
-                f"bias {d(self.bias) if self.kind == 'layer' else '-'} upcast={self.upcast}")
+
+        return (
+            f"{self.op} x {d(self.x)} scale {d(self.scale)} shift {d(self.shift)} "
+            f"gate {d(self.gate) if self.residual else '-'} weight {d(self.weight)} "
+            f"bias {d(self.bias) if self.kind == 'layer' else '-'} upcast={self.upcast}"
+        )
 
 
-def make_case(op, shape, dtype, device, precision="model", broadcast="D", layout="contiguous",
-              drop=(), eps=1e-6) -> NormCase:
+def make_case(
+    op,
+    shape,
+    dtype,
+    device,
+    precision="model",
+    broadcast="D",
+    layout="contiguous",
+    drop=(),
+    eps=1e-6,
+) -> NormCase:
     """Random operands for `op` on x of `shape` = [B, S, D] (or [rows, D] with broadcast "D"):
     modulation of the broadcast form `broadcast`, operands named in `drop` set to None."""
     hidden = shape[-1]
@@ -130,26 +152,48 @@ def exact_n(case: NormCase, h: torch.Tensor) -> torch.Tensor:
     reference, as the add_* references compute n from h."""
     base = reference.rmsnorm_modulate if case.kind == "rms" else reference.layernorm_modulate
     params = (case.weight,) + ((case.bias,) if case.kind == "layer" else ())
-    return base(h, case.scale, case.shift, *params, case.eps, upcast=case.upcast,
-                compute_dtype=torch.float64, round_output=False)
+    return base(
+        h,
+        case.scale,
+        case.shift,
+        *params,
+        case.eps,
+        upcast=case.upcast,
+        compute_dtype=torch.float64,
+        round_output=False,
+    )
 
 
 def check_h(case: NormCase, h: torch.Tensor, what: str) -> None:
     """h = round_T(x + R(y * gate)) (x + y without gate)."""
-    exact = getattr(reference, case.op)(*case.args(), upcast=case.upcast,
-                                         compute_dtype=torch.float64, round_output=False)[0]
+    exact = getattr(reference, case.op)(
+        *case.args(), upcast=case.upcast, compute_dtype=torch.float64, round_output=False
+    )[0]
     product = case.y.double().abs() * (case.gate.double().abs() if case.gate is not None else 1)
     gated_in_model_dtype = case.gate is not None and not case.upcast
-    assert_rounds_within(h, exact, f"{what}: h", roundings=int(gated_in_model_dtype),
-                         magnitude=product, slop_magnitude=case.x.double().abs() + product)
+    assert_rounds_within(
+        h,
+        exact,
+        f"{what}: h",
+        roundings=int(gated_in_model_dtype),
+        magnitude=product,
+        slop_magnitude=case.x.double().abs() + product,
+    )
 
 
 def check_n(case: NormCase, n: torch.Tensor, h: torch.Tensor, what: str) -> None:
     """n against the float64 reference evaluated from the op's own h (a one-ulp flip of h is
     judged by check_h; here it would only blur the bound)."""
     roundings, magnitude, slop, later = norm_bounds(case, h)
-    assert_rounds_within(n, exact_n(case, h), f"{what}: n", roundings=roundings,
-                         magnitude=magnitude, slop_magnitude=slop, intermediate_scale=later)
+    assert_rounds_within(
+        n,
+        exact_n(case, h),
+        f"{what}: n",
+        roundings=roundings,
+        magnitude=magnitude,
+        slop_magnitude=slop,
+        intermediate_scale=later,
+    )
 
 
 def run_and_check(case: NormCase, what: str = ""):
@@ -195,8 +239,7 @@ def test_broadcast_forms(device, op, dtype, broadcast, precision, hidden):
 def test_broadcast_forms_many_rows(op, broadcast):
     # Multi-wave grids (per-channel vectors staged in shared memory) with every broadcast form.
     for precision in ("model", "upcast_fp32"):
-        run_and_check(make_case(op, (2, 2049, 2048), torch.bfloat16, "cuda", precision,
-                                broadcast))
+        run_and_check(make_case(op, (2, 2049, 2048), torch.bfloat16, "cuda", precision, broadcast))
 
 
 @pytest.mark.parametrize("hidden", [111, 2048])
@@ -215,12 +258,16 @@ def test_rows_of_a_fused_projection(device):
     x, _, y = base.chunk(3, dim=-1)
     shift, scale, gate = make_modulation("token_unbind6", 2, 9, 256, torch.bfloat16, device, 3)
     run_and_check(NormCase("add_layernorm_modulate", x, y, scale, shift, gate))
-    run_and_check(NormCase("rmsnorm_modulate", base[:, ::2, 256:512], None, scale[:, ::2],
-                           shift[:, ::2]))
+    run_and_check(
+        NormCase("rmsnorm_modulate", base[:, ::2, 256:512], None, scale[:, ::2], shift[:, ::2])
+    )
 
 
-@pytest.mark.parametrize("drop", [*[(name,) for name in OPTIONAL], tuple(OPTIONAL)],
-                         ids=lambda d: "all" if len(d) > 1 else d[0])
+@pytest.mark.parametrize(
+    "drop",
+    [*[(name,) for name in OPTIONAL], tuple(OPTIONAL)],
+    ids=lambda d: "all" if len(d) > 1 else d[0],
+)
 @pytest.mark.parametrize("precision", ["model", "upcast_fp32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
@@ -294,8 +341,10 @@ def test_64bit_offsets(device):
 # ------------------------------------------------------------------------------------------------
 def _fp32_rmsnorm_modulate(x, scale, shift, weight, eps, round_y, round_product, round_one_plus):
     """rmsnorm_modulate in fp32 with each intermediate rounding optional (a wrong kernel)."""
+
     def r(v, on):
         return v.to(x.dtype).float() if on else v
+
     h = x.float()
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     n = r(r(y, round_y) * weight.float(), True)
@@ -339,35 +388,64 @@ def test_errors_name_the_argument(device, op):
     x, scale = c.x, c.scale
     _raises(_case(op, device, x=x.double()), "x must be float32, float16 or bfloat16, got Double")
     _raises(_case(op, device, x=x.int()), "x must be float32, float16 or bfloat16, got Int")
-    _raises(_case(op, device, x=x.transpose(1, 2).contiguous().transpose(1, 2)),
-            "x must have a contiguous last dimension")
-    _raises(_case(op, device, x=x[0, 0, 0], scale=None, shift=None, gate=None, weight=None,
-                  bias=None, y=None if c.y is None else c.y[0, 0, 0]),
-            "x must have at least 1 dimension")
-    _raises(_case(op, device, scale=scale.double()),
-            "scale must be float32, float16 or bfloat16, got Double")
-    _raises(_case(op, device, shift=torch.zeros(2, 1, 64, 2, device=device,
-                                                dtype=torch.bfloat16)[..., 0]),
-            "shift must have a contiguous last dimension")
-    _raises(_case(op, device, scale=scale[0, 0, 0]),
-            r"scale must have last dimension 64, got shape \[\]")  # a 0-d scale
+    _raises(
+        _case(op, device, x=x.transpose(1, 2).contiguous().transpose(1, 2)),
+        "x must have a contiguous last dimension",
+    )
+    _raises(
+        _case(
+            op,
+            device,
+            x=x[0, 0, 0],
+            scale=None,
+            shift=None,
+            gate=None,
+            weight=None,
+            bias=None,
+            y=None if c.y is None else c.y[0, 0, 0],
+        ),
+        "x must have at least 1 dimension",
+    )
+    _raises(
+        _case(op, device, scale=scale.double()),
+        "scale must be float32, float16 or bfloat16, got Double",
+    )
+    _raises(
+        _case(
+            op, device, shift=torch.zeros(2, 1, 64, 2, device=device, dtype=torch.bfloat16)[..., 0]
+        ),
+        "shift must have a contiguous last dimension",
+    )
+    _raises(
+        _case(op, device, scale=scale[0, 0, 0]),
+        r"scale must have last dimension 64, got shape \[\]",
+    )  # a 0-d scale
     _raises(_case(op, device, scale=scale[..., :32]), "scale must have last dimension 64")
-    _raises(_case(op, device, shift=torch.zeros(3, 1, 64, device=device, dtype=torch.bfloat16)),
-            r"shift with shape \[3, 1, 64\] does not broadcast to x's shape")
-    _raises(_case(op, device, scale=torch.zeros(2, 6, 1, 64, device=device,
-                                                dtype=torch.bfloat16)),
-            r"scale with shape \[2, 6, 1, 64\] does not broadcast to x's shape")
-    _raises(_case(op, device, weight=torch.ones(32, device=device, dtype=torch.bfloat16)),
-            r"weight must have shape \[hidden\] = \[64\]")
-    _raises(_case(op, device, weight=torch.ones(1, 64, device=device, dtype=torch.bfloat16)),
-            r"weight must have shape \[hidden\] = \[64\]")
+    _raises(
+        _case(op, device, shift=torch.zeros(3, 1, 64, device=device, dtype=torch.bfloat16)),
+        r"shift with shape \[3, 1, 64\] does not broadcast to x's shape",
+    )
+    _raises(
+        _case(op, device, scale=torch.zeros(2, 6, 1, 64, device=device, dtype=torch.bfloat16)),
+        r"scale with shape \[2, 6, 1, 64\] does not broadcast to x's shape",
+    )
+    _raises(
+        _case(op, device, weight=torch.ones(32, device=device, dtype=torch.bfloat16)),
+        r"weight must have shape \[hidden\] = \[64\]",
+    )
+    _raises(
+        _case(op, device, weight=torch.ones(1, 64, device=device, dtype=torch.bfloat16)),
+        r"weight must have shape \[hidden\] = \[64\]",
+    )
     _raises(_case(op, device, eps=-1.0), "eps must be finite and >= 0")
     # upcast=False: every operand in x's dtype.
     _raises(_case(op, device, scale=scale.float()), "scale must have x's dtype")
     _raises(_case(op, device, weight=c.weight.float()), "weight must have x's dtype")
     if c.kind == "layer":
-        _raises(_case(op, device, bias=torch.ones(63, device=device, dtype=torch.bfloat16)),
-                r"bias must have shape \[hidden\] = \[64\]")
+        _raises(
+            _case(op, device, bias=torch.ones(63, device=device, dtype=torch.bfloat16)),
+            r"bias must have shape \[hidden\] = \[64\]",
+        )
         _raises(_case(op, device, bias=c.bias.float()), "bias must have x's dtype")
     if c.residual:
         _raises(_case(op, device, y=c.y[:, :5]), "y must have x's shape")
@@ -375,24 +453,31 @@ def test_errors_name_the_argument(device, op):
         _raises(_case(op, device, y=c.y.half()), "y must have x's dtype")
         _raises(_case(op, device, gate=c.gate.float()), "gate must have x's dtype")
         _raises(_case(op, device, gate=c.gate[..., :32]), "gate must have last dimension 64")
-        _raises(_case(op, device, gate=torch.zeros(2, 5, 64, device=device,
-                                                   dtype=torch.bfloat16)),
-                r"gate with shape \[2, 5, 64\] does not broadcast to x's shape")
+        _raises(
+            _case(op, device, gate=torch.zeros(2, 5, 64, device=device, dtype=torch.bfloat16)),
+            r"gate with shape \[2, 5, 64\] does not broadcast to x's shape",
+        )
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_upcast_dtype_errors(device, op):
     # upcast=True: modulation tensors share one dtype, x's or fp32; weight/bias x's dtype or fp32.
     c = _case(op, device, upcast=True)
-    _raises(_case(op, device, upcast=True, scale=c.scale.half()),
-            "scale must be (BFloat16|bfloat16) or float32")
-    _raises(_case(op, device, upcast=True, weight=c.weight.half()),
-            "weight must be (BFloat16|bfloat16) or float32")
-    _raises(_case(op, device, upcast=True, scale=c.scale.float()),
-            "shift must have the dtype of scale")
+    _raises(
+        _case(op, device, upcast=True, scale=c.scale.half()),
+        "scale must be (BFloat16|bfloat16) or float32",
+    )
+    _raises(
+        _case(op, device, upcast=True, weight=c.weight.half()),
+        "weight must be (BFloat16|bfloat16) or float32",
+    )
+    _raises(
+        _case(op, device, upcast=True, scale=c.scale.float()), "shift must have the dtype of scale"
+    )
     if c.residual:
-        _raises(_case(op, device, upcast=True, gate=c.gate.float()),
-                "gate must have the dtype of scale")
+        _raises(
+            _case(op, device, upcast=True, gate=c.gate.float()), "gate must have the dtype of scale"
+        )
 
 
 @pytest.mark.gpu
@@ -400,8 +485,10 @@ def test_upcast_dtype_errors(device, op):
 def test_device_mismatch_raises(op):
     c = _case(op, "cuda")
     for name in ("scale", "shift", "weight") + (("gate", "y") if c.residual else ()):
-        _raises(_case(op, "cuda", **{name: getattr(c, name).cpu()}),
-                f"{name} is on cpu but x is on cuda:0")
+        _raises(
+            _case(op, "cuda", **{name: getattr(c, name).cpu()}),
+            f"{name} is on cpu but x is on cuda:0",
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -415,8 +502,15 @@ def test_opcheck(device, op, case_kind):
     case = make_case(op, (2, 6, 96), dtype, device, precision, "unbind6", "row_strided")
     overload = getattr(torch.ops.ltx_kernels, op).default
     torch.library.opcheck(overload, case.args(), {"upcast": case.upcast})
-    bare = make_case(op, (2, 6, 96), dtype, device, precision, "D",
-                     drop=("scale", "shift", "gate", "weight", "bias"))
+    bare = make_case(
+        op,
+        (2, 6, 96),
+        dtype,
+        device,
+        precision,
+        "D",
+        drop=("scale", "shift", "gate", "weight", "bias"),
+    )
     torch.library.opcheck(overload, bare.args(), {"upcast": bare.upcast})
 
 
@@ -436,15 +530,25 @@ def test_compile_fullgraph_no_recompile(device):
     weight = (1 + 0.5 * torch.randn(128, device=device)).to(bf16)
     bias = torch.randn(128, device=device).to(bf16)
     modulation = (0.5 * torch.randn(2, 1, 6, 128, device=device)).to(bf16)
-    assert_compiles_once(_block, lambda seq: (
-        torch.randn(2, seq, 128, device=device).to(bf16),
-        torch.randn(2, seq, 128, device=device).to(bf16), modulation, weight, bias))
+    assert_compiles_once(
+        _block,
+        lambda seq: (
+            torch.randn(2, seq, 128, device=device).to(bf16),
+            torch.randn(2, seq, 128, device=device).to(bf16),
+            modulation,
+            weight,
+            bias,
+        ),
+    )
 
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_and_replay():
-    cases = [make_case(op, (2, 64, 2048), torch.bfloat16, "cuda", precision, "unbind6")
-             for op in OPS for precision in ("model", "upcast_fp32")]
+    cases = [
+        make_case(op, (2, 64, 2048), torch.bfloat16, "cuda", precision, "unbind6")
+        for op in OPS
+        for precision in ("model", "upcast_fp32")
+    ]
     graph, results = capture_graph(lambda: [case.run() for case in cases])
     for _ in range(2):  # new data in the captured inputs, then replay
         for case in cases:
@@ -505,8 +609,9 @@ def test_matches_diffusers_adaln_zero(device):
     expected, *_ = module(x, emb=emb)
     assert isinstance(module.norm, torch.nn.LayerNorm) and module.norm.weight is None
     shift, scale, *_ = module.linear(module.silu(emb)).chunk(6, dim=1)
-    out = ltx_kernels.layernorm_modulate(x, scale[:, None], shift[:, None], None, None,
-                                         module.norm.eps)
+    out = ltx_kernels.layernorm_modulate(
+        x, scale[:, None], shift[:, None], None, None, module.norm.eps
+    )
     _assert_matches_model(out, expected, "AdaLayerNormZero")
 
 
@@ -528,8 +633,9 @@ def test_matches_diffusers_wan_block(device):
 
     expected_h = (hidden.float() + attn * gate).type_as(hidden)
     expected_n = (norm(expected_h.float()) * (1 + c_scale) + c_shift).type_as(hidden)
-    h, n = ltx_kernels.add_layernorm_modulate(hidden, attn, c_scale, c_shift, gate, None, None,
-                                              1e-6, upcast=True)
+    h, n = ltx_kernels.add_layernorm_modulate(
+        hidden, attn, c_scale, c_shift, gate, None, None, 1e-6, upcast=True
+    )
     _assert_matches_model(h, expected_h, "gated residual")
     _assert_matches_model(n, expected_n, "norm3 modulation")
 
@@ -540,6 +646,7 @@ def test_matches_diffusers_wan_block(device):
         affine.weight.copy_(1 + 0.3 * torch.randn(dim))
         affine.bias.copy_(0.3 * torch.randn(dim))
     expected = affine(hidden.float()).type_as(hidden)
-    out = ltx_kernels.layernorm_modulate(hidden, None, None, affine.weight, affine.bias, 1e-6,
-                                         upcast=True)
+    out = ltx_kernels.layernorm_modulate(
+        hidden, None, None, affine.weight, affine.bias, 1e-6, upcast=True
+    )
     _assert_matches_model(out, expected, "norm2")

@@ -1,6 +1,7 @@
 """The op list (`ltx_kernels._op_names.OPS`) is the one list of ops: the compiled library registers
 exactly those ops, and every piece that exists per op (wrapper, reference, fake, environment-report
 inputs) has each op and no other."""
+
 import inspect
 
 import pytest
@@ -14,15 +15,21 @@ from ltx_kernels.integration import FUSIONS
 
 def _functions_defined_in(module, but=()) -> set:
     """The public functions `module` itself defines (not the ones it imports), less `but`."""
-    return {name for name, value in vars(module).items()
-            if inspect.isfunction(value) and value.__module__ == module.__name__
-            and not name.startswith("_")} - set(but)
+    return {
+        name
+        for name, value in vars(module).items()
+        if inspect.isfunction(value)
+        and value.__module__ == module.__name__
+        and not name.startswith("_")
+    } - set(but)
 
 
 def test_ops_are_the_registered_ops():
-    registered = {name.split("::")[1].split(".")[0]
-                  for name in torch._C._dispatch_get_all_op_names()
-                  if name.startswith("ltx_kernels::")}
+    registered = {
+        name.split("::")[1].split(".")[0]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("ltx_kernels::")
+    }
     assert len(set(OPS)) == len(OPS)
     assert set(OPS) == registered
 

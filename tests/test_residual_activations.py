@@ -3,6 +3,7 @@ the same rounding points, on CPU and CUDA: every dtype, odd hidden sizes, 1/7/40
 broadcast form of the gate, upcast False/True (fp32 gate as Wan), strided and misaligned rows,
 empty tensors, opcheck, torch.compile, CUDA graphs, bad inputs, and parity with diffusers' GELU /
 GEGLU modules and the residual expressions of the LTX-Video and Wan blocks."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,10 +12,24 @@ import ltx_kernels
 from ltx_kernels import reference
 
 from fused_helpers import (
-    BROADCASTS, DTYPES, FRAMES, LAYOUTS, assert_new_contiguous, assert_rounds_within,
-    make_modulation, rows_hidden_cases, skip_big_on_cpu, varied_rows,
+    BROADCASTS,
+    DTYPES,
+    FRAMES,
+    LAYOUTS,
+    assert_new_contiguous,
+    assert_rounds_within,
+    make_modulation,
+    rows_hidden_cases,
+    skip_big_on_cpu,
+    varied_rows,
 )
-from helpers import MANTISSA_BITS, assert_compiles_once, capture_graph, make_activation, poison_allocator
+from helpers import (
+    MANTISSA_BITS,
+    assert_compiles_once,
+    capture_graph,
+    make_activation,
+    poison_allocator,
+)
 
 PRECISIONS = ["model", "upcast", "upcast_fp32"]  # as in test_norm_modulate.py
 APPROXIMATE = ["none", "tanh"]
@@ -24,16 +39,25 @@ APPROXIMATE = ["none", "tanh"]
 # gated_residual: out = round_T(x + R(y * gate)), or round_T(x + y)
 # ------------------------------------------------------------------------------------------------
 def check_gated_residual(x, y, gate, upcast, what=""):
-    what = (f"{what} gated_residual x {tuple(x.shape)}/{x.dtype} gate "
-            f"{None if gate is None else (tuple(gate.shape), gate.dtype)} upcast={upcast}")
+    what = (
+        f"{what} gated_residual x {tuple(x.shape)}/{x.dtype} gate "
+        f"{None if gate is None else (tuple(gate.shape), gate.dtype)} upcast={upcast}"
+    )
     poison_allocator(x.device.type, x.numel() * x.element_size())
     out = ltx_kernels.gated_residual(x, y, gate, upcast=upcast)
     assert_new_contiguous([out], [x, y, gate], x.dtype, x.shape, what)
-    exact = reference.gated_residual(x, y, gate, upcast=upcast, compute_dtype=torch.float64,
-                                     round_output=False)
+    exact = reference.gated_residual(
+        x, y, gate, upcast=upcast, compute_dtype=torch.float64, round_output=False
+    )
     product = y.double().abs() * (gate.double().abs() if gate is not None else 1)
-    assert_rounds_within(out, exact, what, roundings=int(gate is not None and not upcast),
-                         magnitude=product, slop_magnitude=x.double().abs() + product)
+    assert_rounds_within(
+        out,
+        exact,
+        what,
+        roundings=int(gate is not None and not upcast),
+        magnitude=product,
+        slop_magnitude=x.double().abs() + product,
+    )
     return out
 
 
@@ -70,8 +94,9 @@ def test_gated_residual_broadcast_forms(device, dtype, broadcast, precision, hid
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gated_residual_strided_rows(device, dtype, layout, hidden):
     for precision in ("model", "upcast_fp32"):
-        check_gated_residual(*make_residual((3, 5, hidden), dtype, device, precision, "unbind6",
-                                            layout))
+        check_gated_residual(
+            *make_residual((3, 5, hidden), dtype, device, precision, "unbind6", layout)
+        )
 
 
 @pytest.mark.parametrize("precision", ["model", "upcast"])
@@ -108,11 +133,19 @@ def test_gated_residual_errors(device):
     raises("y must have x's shape", x, x[:1], gate)  # y never broadcasts
     raises("y must have x's dtype", x, x.half(), gate)
     raises("gate must be float32, float16 or bfloat16, got Double", x, x, gate.double())
-    raises("gate must have a contiguous last dimension", x, x,
-           torch.zeros(2, 1, 64, 2, device=device, dtype=bf16)[..., 0])
+    raises(
+        "gate must have a contiguous last dimension",
+        x,
+        x,
+        torch.zeros(2, 1, 64, 2, device=device, dtype=bf16)[..., 0],
+    )
     raises("gate must have last dimension 64", x, x, gate[..., :32])
-    raises(r"gate with shape \[2, 5, 64\] does not broadcast to x's shape", x, x,
-           torch.zeros(2, 5, 64, device=device, dtype=bf16))
+    raises(
+        r"gate with shape \[2, 5, 64\] does not broadcast to x's shape",
+        x,
+        x,
+        torch.zeros(2, 5, 64, device=device, dtype=bf16),
+    )
     raises("gate must have x's dtype", x, x, gate.float())  # upcast=False
     raises("gate must be (BFloat16|bfloat16) or float32", x, x, gate.half(), upcast=True)
 
@@ -132,8 +165,9 @@ def test_gated_residual_matches_ltx_and_wan_blocks(device):
     bf16 = torch.bfloat16
     hidden = torch.randn(2, 64, 2048, device=device).to(bf16)
     attn = torch.randn(2, 64, 2048, device=device).to(bf16)
-    ada = (torch.randn(6, 2048, device=device) / 45)[None, None].to(bf16) + \
-        (0.3 * torch.randn(2, 1, 6, 2048, device=device)).to(bf16)
+    ada = (torch.randn(6, 2048, device=device) / 45)[None, None].to(bf16) + (
+        0.3 * torch.randn(2, 1, 6, 2048, device=device)
+    ).to(bf16)
     gate = ada.unbind(dim=2)[2]
     expected = hidden + attn * gate
     out = ltx_kernels.gated_residual(hidden, attn, gate)
@@ -143,8 +177,9 @@ def test_gated_residual_matches_ltx_and_wan_blocks(device):
     # WanTransformerBlock: `(hidden_states.float() + attn_output * gate_msa).type_as(...)` with
     # the gate an fp32 [B, 1, D] chunk of `scale_shift_table + temb.float()`.
     table = torch.randn(1, 6, 2048, device=device) / 45
-    gate32 = (table + (0.3 * torch.randn(2, 6, 2048, device=device)).to(bf16).float()
-              ).chunk(6, dim=1)[2]
+    gate32 = (table + (0.3 * torch.randn(2, 6, 2048, device=device)).to(bf16).float()).chunk(
+        6, dim=1
+    )[2]
     expected = (hidden.float() + attn * gate32).type_as(hidden)
     out = ltx_kernels.gated_residual(hidden, attn, gate32, upcast=True)
     assert (out == expected).float().mean() > 0.99, "differs from the Wan block"
@@ -174,9 +209,15 @@ def check_geglu(x, approximate, what=""):
     exact = reference.geglu(x, approximate, compute_dtype=torch.float64, round_output=False)
     hidden, gate = (t.double() for t in x.chunk(2, dim=-1))
     magnitude = (hidden * F.gelu(gate, approximate=approximate)).abs()
-    assert_rounds_within(out, exact, what, roundings=1, magnitude=magnitude,
-                         slop_magnitude=magnitude + hidden.abs() * gate.abs(),
-                         intermediate_scale=float(hidden.abs().max()))
+    assert_rounds_within(
+        out,
+        exact,
+        what,
+        roundings=1,
+        magnitude=magnitude,
+        slop_magnitude=magnitude + hidden.abs() * gate.abs(),
+        intermediate_scale=float(hidden.abs().max()),
+    )
     return out
 
 
@@ -201,12 +242,19 @@ def test_geglu_matches_reference(device, dtype, rows, hidden, approximate):
 def test_gelu_over_the_whole_range(device, dtype, approximate):
     # Every regime: deep negative tail (cancellation in 1 + erf), around 0, large positive,
     # subnormal inputs, signed zeros.
-    values = torch.cat([torch.linspace(-12, 12, 4801), torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
-                        torch.logspace(-7, 1, 200), -torch.logspace(-7, 1, 200)])
+    values = torch.cat(
+        [
+            torch.linspace(-12, 12, 4801),
+            torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
+            torch.logspace(-7, 1, 200),
+            -torch.logspace(-7, 1, 200),
+        ]
+    )
     x = values.to(device).to(dtype).reshape(1, -1)
     check_gelu(x, approximate)
-    check_geglu(torch.cat([torch.randn_like(x, dtype=torch.float32).to(dtype), x], dim=-1),
-                approximate)
+    check_geglu(
+        torch.cat([torch.randn_like(x, dtype=torch.float32).to(dtype), x], dim=-1), approximate
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -293,8 +341,10 @@ def rel_l2(out, expected):
 
 
 def check_linear_gelu(x, weight, bias, what=""):
-    what = (f"{what} linear_gelu x {tuple(x.shape)}/{x.dtype} weight {tuple(weight.shape)} "
-            f"bias {None if bias is None else tuple(bias.shape)}")
+    what = (
+        f"{what} linear_gelu x {tuple(x.shape)}/{x.dtype} weight {tuple(weight.shape)} "
+        f"bias {None if bias is None else tuple(bias.shape)}"
+    )
     out_shape = (*x.shape[:-1], weight.shape[0])
     poison_allocator(x.device.type, x.numel() // x.shape[-1] * weight.shape[0] * x.element_size())
     out = ltx_kernels.linear_gelu(x, weight, bias)
@@ -302,8 +352,7 @@ def check_linear_gelu(x, weight, bias, what=""):
     if out.numel() == 0:
         return out
     assert torch.isfinite(out).all(), f"{what}: non-finite values"
-    exact = reference.linear_gelu(x, weight, bias, compute_dtype=torch.float64,
-                                  round_output=False)
+    exact = reference.linear_gelu(x, weight, bias, compute_dtype=torch.float64, round_output=False)
     assert rel_l2(out, exact) <= REL_L2[x.dtype], f"{what}: rel. L2 error {rel_l2(out, exact):.3g}"
     # Per element: the output rounding, a rounding of the GEMM result before the GELU
     # (|gelu'| <= 1.13), and fp32 accumulation over K (far below 2^-20 of sum |x_k w_k|).
@@ -314,8 +363,10 @@ def check_linear_gelu(x, weight, bias, what=""):
     # allow_{bf16,fp16}_reduced_precision_reduction): 16-bit inputs get one 16-bit ulp of
     # sum |x_k w_k| for the accumulation.
     accumulation = 2.0**-20 if x.dtype == torch.float32 else 2.0 ** -MANTISSA_BITS[x.dtype]
-    allowed = (2.0 ** -MANTISSA_BITS[x.dtype] * (1.2 * linear.abs() + exact.abs())
-               + accumulation * accumulated)
+    allowed = (
+        2.0 ** -MANTISSA_BITS[x.dtype] * (1.2 * linear.abs() + exact.abs())
+        + accumulation * accumulated
+    )
     excess = ((out.double() - exact).abs() / allowed).max().item()
     assert excess <= 1.0, f"{what}: an element is {excess:.2f}x over the GEMM error bound"
     return out
@@ -329,8 +380,9 @@ def make_linear(rows, k, n, dtype, device, with_bias=True, layout="contiguous"):
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("rows,k,n", [(1, 111, 96), (7, 769, 333), (7, 2048, 256),
-                                      (300, 1536, 512), (4096, 512, 384)])
+@pytest.mark.parametrize(
+    "rows,k,n", [(1, 111, 96), (7, 769, 333), (7, 2048, 256), (300, 1536, 512), (4096, 512, 384)]
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_gelu_matches_reference(device, dtype, rows, k, n, with_bias):
     check_linear_gelu(*make_linear(rows, k, n, dtype, device, with_bias))
@@ -360,8 +412,7 @@ def test_linear_gelu_errors(device):
         with pytest.raises(RuntimeError, match=f"ltx_kernels.linear_gelu: {pattern}"):
             ltx_kernels.linear_gelu(*args)
 
-    raises("x must be float32, float16 or bfloat16, got Double", x.double(), weight.double(),
-           None)
+    raises("x must be float32, float16 or bfloat16, got Double", x.double(), weight.double(), None)
     raises(r"weight must have shape \[N, K\] with K = x.shape\[-1\]", x, weight[:, :63], bias)
     raises(r"weight must have shape \[N, K\] with K = x.shape\[-1\]", x, weight[0], bias)
     raises(r"bias must have shape \[N\]", x, weight, bias[:31])
@@ -402,9 +453,16 @@ def test_compile_fullgraph_no_recompile(device):
     modulation = torch.randn(2, 1, 6, 128, device=device).to(bf16)
     weight = (torch.randn(256, 128, device=device) / 12).to(bf16)
     bias = torch.randn(256, device=device).to(bf16)
-    assert_compiles_once(_block, lambda seq: (
-        torch.randn(2, seq, 128, device=device).to(bf16),
-        torch.randn(2, seq, 128, device=device).to(bf16), modulation, weight, bias))
+    assert_compiles_once(
+        _block,
+        lambda seq: (
+            torch.randn(2, seq, 128, device=device).to(bf16),
+            torch.randn(2, seq, 128, device=device).to(bf16),
+            modulation,
+            weight,
+            bias,
+        ),
+    )
 
 
 @pytest.mark.gpu
@@ -415,10 +473,13 @@ def test_cuda_graph_capture_and_replay():
     xl, weight, bias = make_linear(128, 2048, 512, bf16, "cuda")
 
     def step():
-        return (ltx_kernels.gated_residual(x, y, gate),
-                ltx_kernels.gated_residual(x, y, gate32, upcast=True),
-                ltx_kernels.gelu(x, "tanh"), ltx_kernels.geglu(x, "none"),
-                ltx_kernels.linear_gelu(xl, weight, bias))
+        return (
+            ltx_kernels.gated_residual(x, y, gate),
+            ltx_kernels.gated_residual(x, y, gate32, upcast=True),
+            ltx_kernels.gelu(x, "tanh"),
+            ltx_kernels.geglu(x, "none"),
+            ltx_kernels.linear_gelu(xl, weight, bias),
+        )
 
     graph, outs = capture_graph(step)
     for _ in range(2):  # new data in the captured inputs, then replay

@@ -1,14 +1,20 @@
 """ltx_kernels.rmsnorm against a float64 reference with diffusers' rounding points, on CPU and
 CUDA: every dtype, odd hidden sizes, weight None / same dtype / fp32, strided and misaligned rows,
 empty tensors, opcheck, torch.compile, CUDA graphs, 64-bit offsets and bad inputs."""
+
 import pytest
 import torch
 
 import ltx_kernels
 from ltx_kernels import reference
 
-from helpers import (assert_compiles_once, assert_rounds_exact, capture_graph, make_activation,
-                     poison_allocator)
+from helpers import (
+    assert_compiles_once,
+    assert_rounds_exact,
+    capture_graph,
+    make_activation,
+    poison_allocator,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HIDDEN = [64, 111, 769, 2048, 3072, 5125]
@@ -98,7 +104,9 @@ def test_empty(device, shape, weight_kind):
     x = torch.randn(shape, device=device).to(torch.bfloat16)
     w = make_weight(weight_kind, shape[-1], torch.bfloat16, device)
     out = ltx_kernels.rmsnorm(x, w)
-    assert out.shape == x.shape and out.dtype == (torch.float32 if w is not None else torch.bfloat16)
+    assert out.shape == x.shape and out.dtype == (
+        torch.float32 if w is not None else torch.bfloat16
+    )
 
 
 def test_eps_is_used(device):
@@ -169,8 +177,9 @@ def test_compile_fullgraph_no_recompile(device):
         return ltx_kernels.rmsnorm(x, w) * 2 + 1
 
     w = torch.randn(128, device=device).to(torch.bfloat16)
-    assert_compiles_once(block, lambda seq: (
-        torch.randn(2, seq, 128, device=device).to(torch.bfloat16), w))
+    assert_compiles_once(
+        block, lambda seq: (torch.randn(2, seq, 128, device=device).to(torch.bfloat16), w)
+    )
 
 
 @pytest.mark.gpu

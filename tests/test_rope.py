@@ -5,6 +5,7 @@ halves / split (half-width) tables, cos/sin in fp32 and in x's dtype, every tabl
 (head-split and transposed) q/k, views of a fused QKV projection, cross-attention (q and k of
 different lengths), empty tensors, opcheck, torch.compile, CUDA graphs, bad inputs, and parity with
 diffusers' apply_rotary_emb (LTX-Video, LTX-2 split, FLUX pairs and halves) and torch.nn.RMSNorm."""
+
 import math
 
 import pytest
@@ -14,8 +15,13 @@ import ltx_kernels
 from ltx_kernels import reference
 
 from fused_helpers import (
-    DTYPES, LAYOUTS, assert_new_contiguous, assert_rounds_within, rows_hidden_cases,
-    skip_big_on_cpu, varied_rows,
+    DTYPES,
+    LAYOUTS,
+    assert_new_contiguous,
+    assert_rounds_within,
+    rows_hidden_cases,
+    skip_big_on_cpu,
+    varied_rows,
 )
 from helpers import assert_compiles_once, capture_graph, make_activation, poison_allocator
 
@@ -51,64 +57,91 @@ def tables_for(kind, x_shape, mode, table_dtype, x_dtype, device):
         cos, sin = make_tables((batch, heads, seq, width), dtype, device, width)
         return cos.transpose(1, 2), sin.transpose(1, 2)
     shape = {
-        "SD": (seq, width), "BSD": (batch, seq, width), "1SD": (1, seq, width),
-        "S_Dh": (seq, width), "1S1Dh": (1, seq, 1, width), "BS1Dh": (batch, seq, 1, width),
-        "BSHDh": (*x_shape[:3], width), "11SDh": (1, 1, x_shape[2], width),
+        "SD": (seq, width),
+        "BSD": (batch, seq, width),
+        "1SD": (1, seq, width),
+        "S_Dh": (seq, width),
+        "1S1Dh": (1, seq, 1, width),
+        "BS1Dh": (batch, seq, 1, width),
+        "BSHDh": (*x_shape[:3], width),
+        "11SDh": (1, 1, x_shape[2], width),
     }[kind]
     return make_tables(shape, dtype, device, width)
 
 
 def exact_rope(v, cos, sin, interleaved):
-    return reference.rope(v, cos, sin, interleaved, compute_dtype=torch.float64,
-                          round_output=False)
+    return reference.rope(v, cos, sin, interleaved, compute_dtype=torch.float64, round_output=False)
 
 
 def rope_magnitude(v, cos, sin, interleaved):
     """|v| * |cos| + |rotate(v)| * |sin| per element (float64): what the fp32 products sum."""
     v = v.double().abs()
     cos, sin = cos.double().abs(), sin.double().abs()
-    return (exact_rope(v, cos, torch.zeros_like(sin), interleaved)
-            + exact_rope(v, torch.zeros_like(cos), sin, interleaved).abs())
+    return (
+        exact_rope(v, cos, torch.zeros_like(sin), interleaved)
+        + exact_rope(v, torch.zeros_like(cos), sin, interleaved).abs()
+    )
 
 
 def check_rope(x, cos, sin, interleaved, what=""):
-    what = (f"{what} rope x {tuple(x.shape)}/{x.dtype} cos {tuple(cos.shape)}/{cos.dtype} "
-            f"interleaved={interleaved}")
+    what = (
+        f"{what} rope x {tuple(x.shape)}/{x.dtype} cos {tuple(cos.shape)}/{cos.dtype} "
+        f"interleaved={interleaved}"
+    )
     poison_allocator(x.device.type, x.numel() * x.element_size())
     out = ltx_kernels.rope(x, cos, sin, interleaved)
     assert_new_contiguous([out], [x, cos, sin], x.dtype, x.shape, what)
-    assert_rounds_within(out, exact_rope(x, cos, sin, interleaved), what,
-                         slop_magnitude=rope_magnitude(x, cos, sin, interleaved))
+    assert_rounds_within(
+        out,
+        exact_rope(x, cos, sin, interleaved),
+        what,
+        slop_magnitude=rope_magnitude(x, cos, sin, interleaved),
+    )
     return out
 
 
-def check_qk(q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=True, interleaved=True,
-             what=""):
+def check_qk(
+    q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=True, interleaved=True, what=""
+):
     """Both outputs against the float64 reference. With a rotation the normalized v is rounded
     to T first (one intermediate rounding, carried by |cos| + |sin|)."""
-    what = (f"{what} qk_rmsnorm_rope q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} weights "
-            f"{None if q_weight is None else q_weight.dtype}/"
-            f"{None if k_weight is None else k_weight.dtype} cos "
-            f"{None if cos is None else (tuple(cos.shape), cos.dtype)} across_heads="
-            f"{across_heads} interleaved={interleaved}")
+    what = (
+        f"{what} qk_rmsnorm_rope q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} weights "
+        f"{None if q_weight is None else q_weight.dtype}/"
+        f"{None if k_weight is None else k_weight.dtype} cos "
+        f"{None if cos is None else (tuple(cos.shape), cos.dtype)} across_heads="
+        f"{across_heads} interleaved={interleaved}"
+    )
     for t in (q, k):
         poison_allocator(q.device.type, t.numel() * t.element_size())
-    outs = ltx_kernels.qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps, across_heads,
-                                       interleaved)
+    outs = ltx_kernels.qk_rmsnorm_rope(
+        q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved
+    )
     args = (q, k, q_weight, k_weight)
-    exact = reference.qk_rmsnorm_rope(*args, cos, sin, eps, across_heads, interleaved,
-                                      compute_dtype=torch.float64, round_output=False)
-    normalized = reference.qk_rmsnorm_rope(*args, None, None, eps, across_heads,
-                                           compute_dtype=torch.float64, round_output=False)
+    exact = reference.qk_rmsnorm_rope(
+        *args,
+        cos,
+        sin,
+        eps,
+        across_heads,
+        interleaved,
+        compute_dtype=torch.float64,
+        round_output=False,
+    )
+    normalized = reference.qk_rmsnorm_rope(
+        *args, None, None, eps, across_heads, compute_dtype=torch.float64, round_output=False
+    )
     for name, x, out, ex, v in zip("qk", (q, k), outs, exact, normalized):
-        assert_new_contiguous([out], [q, k, q_weight, k_weight, cos, sin], q.dtype, x.shape,
-                              f"{what}: {name}")
+        assert_new_contiguous(
+            [out], [q, k, q_weight, k_weight, cos, sin], q.dtype, x.shape, f"{what}: {name}"
+        )
         if cos is None:
             assert_rounds_within(out, ex, f"{what}: {name}")
         else:
             magnitude = rope_magnitude(v, cos, sin, interleaved)
-            assert_rounds_within(out, ex, f"{what}: {name}", roundings=1, magnitude=magnitude,
-                                 intermediate_scale=2.0)
+            assert_rounds_within(
+                out, ex, f"{what}: {name}", roundings=1, magnitude=magnitude, intermediate_scale=2.0
+            )
     return outs
 
 
@@ -116,7 +149,8 @@ def norm_weight(kind, size, dtype, device):
     if kind == "none":
         return None
     return (1 + 0.5 * torch.randn(size, device=device)).to(
-        torch.float32 if kind == "fp32" else dtype)
+        torch.float32 if kind == "fp32" else dtype
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,9 +162,13 @@ def norm_weight(kind, size, dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_matches_reference(device, dtype, rows, hidden, mode, table_dtype):
     # LTX-Video: rotation over the whole hidden dim of [B, S, D], tables [S, D].
-    skip_big_on_cpu(device, rows, hidden, keep=(mode, table_dtype) in {("pairs", "fp32"),
-                                                                       ("split", "same")},
-                    cpu_hidden=(770, 1536))
+    skip_big_on_cpu(
+        device,
+        rows,
+        hidden,
+        keep=(mode, table_dtype) in {("pairs", "fp32"), ("split", "same")},
+        cpu_hidden=(770, 1536),
+    )
     x = varied_rows((1, rows, hidden), dtype, device)
     cos, sin = tables_for("SD", x.shape, mode, table_dtype, dtype, device)
     check_rope(x, cos, sin, MODES[mode][0])
@@ -194,23 +232,33 @@ def test_rope_errors(device):
             ltx_kernels.rope(*args)
 
     raises("x must be float32, float16 or bfloat16, got Double", x.double(), cos, sin)
-    raises("x must have a contiguous last dimension", x.transpose(1, 2), cos[:, :12],
-           sin[:, :12])
+    raises("x must have a contiguous last dimension", x.transpose(1, 2), cos[:, :12], sin[:, :12])
     raises("x must have at least 1 dimension", x[0, 0, 0], cos, sin)
     raises("cos and sin must have the same shape", x, cos, sin[:1])
     raises("cos must have last dimension 64", x, cos[:, :32], sin[:, :32])
     raises("cos must have last dimension 64 or 32", x, cos[:, :48], sin[:, :48], False)
-    raises("rotation needs an even last dimension, got 63", x[..., :63], cos[:, :63],
-           sin[:, :63])
+    raises("rotation needs an even last dimension, got 63", x[..., :63], cos[:, :63], sin[:, :63])
     raises("cos must be (BFloat16|bfloat16) or float32", x, cos.half(), sin.half())
     raises("cos must be float32, float16 or bfloat16, got Double", x, cos.double(), sin.double())
     raises("sin must have the dtype of cos", x, cos, sin.to(bf16))
-    raises(r"cos with shape \[3, 12, 64\] does not broadcast to x's shape", x,
-           cos.expand(3, 12, 64), sin.expand(3, 12, 64))
-    raises(r"cos with shape \[13, 64\] does not broadcast to x's shape", x,
-           torch.ones(13, 64, device=device), torch.ones(13, 64, device=device))
-    raises("cos must have a contiguous last dimension", x, cos.t().contiguous().t(),
-           sin.t().contiguous().t())
+    raises(
+        r"cos with shape \[3, 12, 64\] does not broadcast to x's shape",
+        x,
+        cos.expand(3, 12, 64),
+        sin.expand(3, 12, 64),
+    )
+    raises(
+        r"cos with shape \[13, 64\] does not broadcast to x's shape",
+        x,
+        torch.ones(13, 64, device=device),
+        torch.ones(13, 64, device=device),
+    )
+    raises(
+        "cos must have a contiguous last dimension",
+        x,
+        cos.t().contiguous().t(),
+        sin.t().contiguous().t(),
+    )
 
 
 @pytest.mark.gpu
@@ -245,17 +293,20 @@ def test_rope_matches_diffusers_ltx2(device):
     ltx2 = pytest.importorskip("diffusers.models.transformers.transformer_ltx2")
     batch, seq, heads, head_dim = 2, 40, 8, 128
     x = torch.randn(batch, seq, heads * head_dim, device=device).to(torch.bfloat16)
-    cos, sin = make_tables((batch, heads, seq, head_dim // 2), torch.float32, device,
-                           head_dim // 2)
+    cos, sin = make_tables((batch, heads, seq, head_dim // 2), torch.float32, device, head_dim // 2)
     expected = ltx2.apply_split_rotary_emb(x, (cos, sin))
-    out = ltx_kernels.rope(x.unflatten(-1, (heads, head_dim)), cos.transpose(1, 2),
-                           sin.transpose(1, 2), interleaved=False)
+    out = ltx_kernels.rope(
+        x.unflatten(-1, (heads, head_dim)),
+        cos.transpose(1, 2),
+        sin.transpose(1, 2),
+        interleaved=False,
+    )
     _assert_matches_model(out.flatten(-2), expected, "LTX-2 apply_split_rotary_emb")
-    cos, sin = make_tables((batch, seq, heads * head_dim), torch.float32, device,
-                           heads * head_dim)
+    cos, sin = make_tables((batch, seq, heads * head_dim), torch.float32, device, heads * head_dim)
     expected = ltx2.apply_interleaved_rotary_emb(x, (cos, sin))
-    _assert_matches_model(ltx_kernels.rope(x, cos, sin), expected,
-                          "LTX-2 apply_interleaved_rotary_emb")
+    _assert_matches_model(
+        ltx_kernels.rope(x, cos, sin), expected, "LTX-2 apply_interleaved_rotary_emb"
+    )
 
 
 @pytest.mark.parametrize("unbind_dim", [-1, -2])
@@ -269,9 +320,9 @@ def test_rope_matches_diffusers_apply_rotary_emb(device, unbind_dim, sequence_di
     if sequence_dim == 2:
         x = x.transpose(1, 2)
     cos, sin = make_tables((77, 128), torch.float32, device, 128)
-    expected = embeddings.apply_rotary_emb(x, (cos, sin), use_real=True,
-                                           use_real_unbind_dim=unbind_dim,
-                                           sequence_dim=sequence_dim)
+    expected = embeddings.apply_rotary_emb(
+        x, (cos, sin), use_real=True, use_real_unbind_dim=unbind_dim, sequence_dim=sequence_dim
+    )
     tables = (cos, sin) if sequence_dim == 1 else (cos[None, None], sin[None, None])
     out = ltx_kernels.rope(x, *tables, interleaved=unbind_dim == -1)
     _assert_matches_model(out, expected, f"apply_rotary_emb(unbind_dim={unbind_dim})")
@@ -308,9 +359,16 @@ def test_qk_matches_reference(device, dtype, kind, mode, table_dtype, weight_kin
     q, k, across_heads = make_qk(kind, dtype, device)
     cos, sin = tables_for(QK_TABLES[kind], q.shape, mode, table_dtype, dtype, device)
     size = q.shape[-1] * (q.shape[-2] if across_heads and q.dim() == 4 else 1)
-    check_qk(q, k, norm_weight(weight_kind, size, dtype, device),
-             norm_weight(weight_kind, size, dtype, device), cos, sin,
-             across_heads=across_heads, interleaved=MODES[mode][0])
+    check_qk(
+        q,
+        k,
+        norm_weight(weight_kind, size, dtype, device),
+        norm_weight(weight_kind, size, dtype, device),
+        cos,
+        sin,
+        across_heads=across_heads,
+        interleaved=MODES[mode][0],
+    )
 
 
 @pytest.mark.parametrize("rows,hidden", rows_hidden_cases(ROPE_HIDDEN))
@@ -319,8 +377,14 @@ def test_qk_hidden_sizes(device, dtype, rows, hidden):
     skip_big_on_cpu(device, rows, hidden, cpu_hidden=(770, 1536))
     q, k = (varied_rows((1, rows, hidden), dtype, device) for _ in range(2))
     cos, sin = tables_for("SD", q.shape, "pairs", "fp32", dtype, device)
-    check_qk(q, k, norm_weight("same", hidden, dtype, device),
-             norm_weight("same", hidden, dtype, device), cos, sin)
+    check_qk(
+        q,
+        k,
+        norm_weight("same", hidden, dtype, device),
+        norm_weight("same", hidden, dtype, device),
+        cos,
+        sin,
+    )
 
 
 @pytest.mark.parametrize("kind", ["ltx", "wan", "flux"])
@@ -330,8 +394,10 @@ def test_qk_norm_only_and_cross_attention(device, dtype, kind):
     q, _, across_heads = make_qk(kind, dtype, device, seq=12)
     _, k, _ = make_qk(kind, dtype, device, seq=29)
     size = q.shape[-1] * (q.shape[-2] if across_heads and q.dim() == 4 else 1)
-    for weights in ((None, None), (norm_weight("same", size, dtype, device),
-                                   norm_weight("fp32", size, dtype, device))):
+    for weights in (
+        (None, None),
+        (norm_weight("same", size, dtype, device), norm_weight("fp32", size, dtype, device)),
+    ):
         check_qk(q, k, *weights, None, None, across_heads=across_heads)
         check_qk(q, q, *weights, None, None, across_heads=across_heads)  # same tensor twice
 
@@ -350,8 +416,16 @@ def test_qk_views_of_a_fused_qkv_projection(device, dtype, kind):
     for mode, (interleaved, _) in MODES.items():
         cos, sin = tables_for(table_kind, q.shape, mode, "fp32", dtype, device)
         size = q.shape[-1] * (heads if across_heads and q.dim() == 4 else 1)
-        check_qk(q, k, norm_weight("same", size, dtype, device), None, cos, sin,
-                 across_heads=across_heads, interleaved=interleaved)
+        check_qk(
+            q,
+            k,
+            norm_weight("same", size, dtype, device),
+            None,
+            cos,
+            sin,
+            across_heads=across_heads,
+            interleaved=interleaved,
+        )
 
 
 @pytest.mark.parametrize("layout", ["row_strided", "misaligned"])
@@ -392,31 +466,63 @@ def test_qk_errors(device):
         with pytest.raises(RuntimeError, match=f"ltx_kernels.qk_rmsnorm_rope: {pattern}"):
             ltx_kernels.qk_rmsnorm_rope(*args)
 
-    raises("q must be float32, float16 or bfloat16, got Double", q.double(), k.double(), None,
-           None, None, None)
-    raises("k must be float32, float16 or bfloat16, got Double", q, k.double(), None, None,
-           None, None)
+    raises(
+        "q must be float32, float16 or bfloat16, got Double",
+        q.double(),
+        k.double(),
+        None,
+        None,
+        None,
+        None,
+    )
+    raises(
+        "k must be float32, float16 or bfloat16, got Double", q, k.double(), None, None, None, None
+    )
     raises("k must have q's dtype", q, k.half(), None, None, None, None)
-    raises("q must have a contiguous last dimension", q.transpose(-1, -2), k.transpose(-1, -2),
-           None, None, None, None, 1e-6, False)
+    raises(
+        "q must have a contiguous last dimension",
+        q.transpose(-1, -2),
+        k.transpose(-1, -2),
+        None,
+        None,
+        None,
+        None,
+        1e-6,
+        False,
+    )
     # across_heads=True with a 4-D q whose heads are strided ([B, H, S, Dh] transposed).
-    raises("with across_heads=True the q heads must be contiguous", q.transpose(1, 2),
-           k.transpose(1, 2), None, None, None, None, 1e-6, True)
+    raises(
+        "with across_heads=True the q heads must be contiguous",
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        None,
+        None,
+        None,
+        None,
+        1e-6,
+        True,
+    )
     raises(r"q_weight must have shape \[hidden\] = \[192\]", q, k, w[:64], None, cos, sin)
-    raises(r"k_weight must have shape \[hidden\] = \[64\]", q, k, None, w, cos, sin, 1e-6,
-           False)
+    raises(r"k_weight must have shape \[hidden\] = \[64\]", q, k, None, w, cos, sin, 1e-6, False)
     raises("q_weight must be (BFloat16|bfloat16) or float32", q, k, w.half(), None, cos, sin)
     raises("eps must be finite and >= 0", q, k, None, None, cos, sin, -1.0)
     raises("cos and sin must have the same shape", q, k, None, None, cos, sin[:, :5])
     raises("cos must have last dimension 64", q, k, None, None, cos[..., :32], sin[..., :32])
-    raises("cos must be (BFloat16|bfloat16) or float32", q, k, None, None, cos.half(),
-           sin.half())
-    raises("rotation needs an even last dimension, got 63", q[..., :63], k[..., :63], None, None,
-           cos[..., :63], sin[..., :63], 1e-6, False)
+    raises("cos must be (BFloat16|bfloat16) or float32", q, k, None, None, cos.half(), sin.half())
+    raises(
+        "rotation needs an even last dimension, got 63",
+        q[..., :63],
+        k[..., :63],
+        None,
+        None,
+        cos[..., :63],
+        sin[..., :63],
+        1e-6,
+        False,
+    )
     # Cross-attention lengths with one table: the table does not fit k.
     _, k_text, _ = make_qk("wan", bf16, device, seq=29)
-    raises(r"cos with shape \[1, 12, 1, 64\] does not broadcast", q, k_text, None, None, cos,
-           sin)
+    raises(r"cos with shape \[1, 12, 1, 64\] does not broadcast", q, k_text, None, None, cos, sin)
 
 
 @pytest.mark.gpu
@@ -447,8 +553,9 @@ def test_qk_matches_ltx_attention(device):
     cos, sin = (t.repeat_interleave(2, dim=-1) for t in (theta.cos(), theta.sin()))
     expected_q = ltx.apply_rotary_emb(norm_q(q), (cos, sin))
     expected_k = ltx.apply_rotary_emb(norm_k(k), (cos, sin))
-    out_q, out_k = ltx_kernels.qk_rmsnorm_rope(q, k, norm_q.weight, norm_k.weight, cos, sin,
-                                               1e-5, True, True)
+    out_q, out_k = ltx_kernels.qk_rmsnorm_rope(
+        q, k, norm_q.weight, norm_k.weight, cos, sin, 1e-5, True, True
+    )
     _assert_matches_model(out_q, expected_q, "LTX q")
     _assert_matches_model(out_k, expected_k, "LTX k")
 
@@ -461,8 +568,10 @@ def test_qk_matches_flux_attention(device):
     norm = torch.nn.RMSNorm(head_dim, eps=1e-6).to(device, bf16)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.3 * torch.randn(head_dim))
-    q, k = (torch.randn(2, 77, heads * head_dim, device=device).to(bf16)
-            .unflatten(-1, (heads, -1)) for _ in range(2))
+    q, k = (
+        torch.randn(2, 77, heads * head_dim, device=device).to(bf16).unflatten(-1, (heads, -1))
+        for _ in range(2)
+    )
     cos, sin = make_tables((77, head_dim), torch.float32, device, head_dim)
     expected = [embeddings.apply_rotary_emb(norm(t), (cos, sin), sequence_dim=1) for t in (q, k)]
     outs = ltx_kernels.qk_rmsnorm_rope(q, k, norm.weight, norm.weight, cos, sin, 1e-6, False)
@@ -489,8 +598,16 @@ def test_qk_matches_wan_attention(device):
     cos, sin = (t.repeat_interleave(2, dim=-1) for t in (theta.cos(), theta.sin()))
     q, k = (torch.randn(2, 50, dim, device=device).to(bf16) for _ in range(2))
     expected = [wan_rotary(norm(t).unflatten(2, (heads, -1)), cos, sin) for t in (q, k)]
-    outs = ltx_kernels.qk_rmsnorm_rope(q.unflatten(2, (heads, -1)), k.unflatten(2, (heads, -1)),
-                                       norm.weight, norm.weight, cos, sin, 1e-6, True)
+    outs = ltx_kernels.qk_rmsnorm_rope(
+        q.unflatten(2, (heads, -1)),
+        k.unflatten(2, (heads, -1)),
+        norm.weight,
+        norm.weight,
+        cos,
+        sin,
+        1e-6,
+        True,
+    )
     for out, exp, name in zip(outs, expected, "qk"):
         _assert_matches_model(out, exp, f"Wan {name}")
 
@@ -509,8 +626,9 @@ def test_opcheck(device, dtype):
     cos, sin = tables_for("1S1Dh", q.shape, "pairs", "same", dtype, device)
     w = norm_weight("fp32", 192, dtype, device)
     torch.library.opcheck(ops.qk_rmsnorm_rope.default, (q, k, w, w, cos, sin, 1e-6, True, True))
-    torch.library.opcheck(ops.qk_rmsnorm_rope.default,
-                          (q, k[:, :5], None, None, None, None, 1e-6, False, True))
+    torch.library.opcheck(
+        ops.qk_rmsnorm_rope.default, (q, k[:, :5], None, None, None, None, 1e-6, False, True)
+    )
 
 
 def _attention_inputs(x, qk_weight, table):
@@ -524,9 +642,14 @@ def _attention_inputs(x, qk_weight, table):
 def test_compile_fullgraph_no_recompile(device):
     bf16 = torch.bfloat16
     weight = (1 + 0.3 * torch.randn(128, device=device)).to(bf16)
-    assert_compiles_once(_attention_inputs, lambda seq: (
-        torch.randn(2, seq, 3 * 128, device=device).to(bf16), weight,
-        torch.rand(seq, 2 * 128, device=device) * 6 - 3))
+    assert_compiles_once(
+        _attention_inputs,
+        lambda seq: (
+            torch.randn(2, seq, 3 * 128, device=device).to(bf16),
+            weight,
+            torch.rand(seq, 2 * 128, device=device) * 6 - 3,
+        ),
+    )
 
 
 @pytest.mark.gpu
@@ -539,8 +662,10 @@ def test_cuda_graph_capture_and_replay():
     cos3, sin3 = tables_for("SD", x.shape, "split", "fp32", bf16, "cuda")
 
     def step():
-        return (*ltx_kernels.qk_rmsnorm_rope(q, k, w, w, cos, sin),
-                ltx_kernels.rope(x, cos3, sin3, False))
+        return (
+            *ltx_kernels.qk_rmsnorm_rope(q, k, w, w, cos, sin),
+            ltx_kernels.rope(x, cos3, sin3, False),
+        )
 
     graph, outs = capture_graph(step)
     for _ in range(2):  # new data in the captured inputs, then replay

@@ -3,12 +3,20 @@ diffusers gives it (full fine-tuning and peft LoRA adapters on the attention and
 projections), with and without gradient checkpointing, and under torch.compile; tiny LTX-Video,
 FLUX, Wan and SD3.5 models on the CPU. While autograd records, fused steps use only the ops with a
 fused backward (integration.FUSED_BACKWARD); forward passes without gradients use every op."""
+
 import pytest
 import torch
 
 import ltx_kernels
-from inject_helpers import (REL_L2_TOLERANCE, OpCounter, caller, clone, count_ltx_ops, output_of,
-                            rel_l2)
+from inject_helpers import (
+    REL_L2_TOLERANCE,
+    OpCounter,
+    caller,
+    clone,
+    count_ltx_ops,
+    output_of,
+    rel_l2,
+)
 from ltx_kernels.integration import FUSED_BACKWARD
 from model_zoo import MODELS, ltx
 
@@ -42,7 +50,7 @@ def _recorded_ops(root) -> set:
         seen.add(node)
         name = type(node).__name__
         if name.startswith(prefix):
-            found.add(name[len(prefix):].rsplit("_default", 1)[0])
+            found.add(name[len(prefix) :].rsplit("_default", 1)[0])
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
@@ -79,8 +87,9 @@ def _stock_and_injected(model_name, lora=False, checkpointing=False, inject_firs
 def _add_lora(model):
     peft = pytest.importorskip("peft", reason="peft is not installed")
     torch.manual_seed(7)
-    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS,
-                                      init_lora_weights=False))
+    model.add_adapter(
+        peft.LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS, init_lora_weights=False)
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
@@ -150,8 +159,10 @@ def test_full_size_ltx_bf16_gradients_gpu(lora):
     injected = clone(stock)
     ltx_kernels.inject_optimized_kernels(injected, verbose=False)
     inputs = ltx.full_inputs(2, 4, 16, 24, "cuda", dtype=torch.float32)
-    bf16_inputs = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
-                   for k, v in inputs.items()}
+    bf16_inputs = {
+        k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
     _train_step(reference_model, lambda m: m(**inputs))
     _train_step(stock, lambda m: m(**bf16_inputs))
     _train_step(injected, lambda m: m(**bf16_inputs))
@@ -166,5 +177,6 @@ def test_full_size_ltx_bf16_gradients_gpu(lora):
         stock_error, our_error = rel_l2(p.grad, want), rel_l2(ours[name].grad, want)
         worst = max(worst, our_error / max(stock_error, 1e-3))
         assert our_error <= 1.5 * stock_error + 1e-3, (
-            f"{name}: injected bf16 gradient error {our_error:.3g} vs stock bf16 {stock_error:.3g}")
+            f"{name}: injected bf16 gradient error {our_error:.3g} vs stock bf16 {stock_error:.3g}"
+        )
     print(f"full-size LTX bf16 lora={lora}: worst gradient error ratio injected/stock {worst:.2f}")

@@ -4,6 +4,9 @@
 // turned into a message naming the argument, then the CUDA launcher or its C twin.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
 #include <atomic>
 #include <cstdio>
 #include <initializer_list>
@@ -12,9 +15,6 @@
 #include <string_view>
 #include <utility>
 #include <vector>
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #if defined(CUDA_KERNEL)
 #include <ATen/cuda/CUDAContext.h>
@@ -56,11 +56,11 @@ std::string cat(const Parts&... parts) {
 }
 
 // TORCH_CHECK whose message (built only on failure) is cat(parts...).
-#define LTX_CHECK(cond, ...)                                            \
-  do {                                                                  \
-    if (C10_UNLIKELY(!(cond))) {                                        \
-      TORCH_CHECK(false, ::ltx_binding::cat(__VA_ARGS__));              \
-    }                                                                   \
+#define LTX_CHECK(cond, ...)                               \
+  do {                                                     \
+    if (C10_UNLIKELY(!(cond))) {                           \
+      TORCH_CHECK(false, ::ltx_binding::cat(__VA_ARGS__)); \
+    }                                                      \
   } while (0)
 
 inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
@@ -89,17 +89,17 @@ inline bool is_supported_float(at::ScalarType type) {
 inline void check_activation(const char* op, const char* name, const at::Tensor& t) {
   LTX_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");
   LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+            " must be float32, float16 or bfloat16, got ", t.scalar_type());
   LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", name,
-              " must have a contiguous last dimension (stride 1), got strides ", t.strides(),
-              " for shape ", t.sizes());
+            " must have a contiguous last dimension (stride 1), got strides ", t.strides(),
+            " for shape ", t.sizes());
 }
 
 // Every tensor of an op lives on the device of its first activation.
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
                               const char* ref_name, const at::Tensor& ref) {
   LTX_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name,
-              " is on ", ref.device(), "; all tensors must be on the same device");
+            " is on ", ref.device(), "; all tensors must be on the same device");
 }
 
 // A per-channel parameter: 1-D with `hidden` contiguous float elements on x's device.
@@ -107,11 +107,11 @@ inline void check_channel_vector(const char* op, const char* name, const at::Ten
                                  int64_t hidden, const at::Tensor& x) {
   check_same_device(op, name, t, "x", x);
   LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  LTX_CHECK(t.dim() == 1 && t.size(0) == hidden, op, ": ", name,
-              " must have shape [hidden] = [", hidden, "] (x.shape[-1]), got ", t.sizes());
-  LTX_CHECK(t.stride(0) == 1 || hidden <= 1, op, ": ", name,
-              " must be contiguous, got stride ", t.stride(0));
+            " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  LTX_CHECK(t.dim() == 1 && t.size(0) == hidden, op, ": ", name, " must have shape [hidden] = [",
+            hidden, "] (x.shape[-1]), got ", t.sizes());
+  LTX_CHECK(t.stride(0) == 1 || hidden <= 1, op, ": ", name, " must be contiguous, got stride ",
+            t.stride(0));
 }
 
 // The address of a present operand for the launchers: t's data, and not NULL (which means absent)
@@ -144,8 +144,8 @@ inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t)
       levels.emplace_back(size, stride);
   }
   LTX_CHECK(levels.size() <= LTX_MAX_ROW_DIMS, op, ": ", name, " with shape ", t.sizes(),
-              " and strides ", t.strides(), " has rows spread over more than ", LTX_MAX_ROW_DIMS,
-              " unmergeable dimensions; pass ", name, ".contiguous() instead");
+            " and strides ", t.strides(), " has rows spread over more than ", LTX_MAX_ROW_DIMS,
+            " unmergeable dimensions; pass ", name, ".contiguous() instead");
   ltx_rows_t rows;
   rows.data = const_cast<void*>(t.data_ptr());
   rows.dtype = to_ltx_dtype(t.scalar_type());
@@ -224,12 +224,9 @@ inline std::string check_message(const char* op, const ltx_check_t& c, ArgNames 
   const std::string arg = op_arg_name(c.arg, names), ref = op_arg_name(c.ref, names);
   const at::ScalarType dtype = to_scalar_type(c.arg_dtype), ref_dtype = to_scalar_type(c.ref_dtype);
   switch (c.rule) {
-    case LTX_RULE_ROW_COUNT:
-      return cat(op, ": ", arg, " must have as many rows as ", ref);
-    case LTX_RULE_REQUIRES:
-      return cat(op, ": ", arg, " is only allowed with ", ref);
-    case LTX_RULE_FLOAT_DTYPE:
-      return cat(op, ": ", arg, " must be float32, float16 or bfloat16");
+    case LTX_RULE_ROW_COUNT: return cat(op, ": ", arg, " must have as many rows as ", ref);
+    case LTX_RULE_REQUIRES: return cat(op, ": ", arg, " is only allowed with ", ref);
+    case LTX_RULE_FLOAT_DTYPE: return cat(op, ": ", arg, " must be float32, float16 or bfloat16");
     case LTX_RULE_DTYPE_OF:
       return cat(op, ": ", arg, " must have ", ref, "'s dtype ", ref_dtype, ", got ", dtype);
     case LTX_RULE_MODEL_DTYPE:
@@ -239,8 +236,7 @@ inline std::string check_message(const char* op, const ltx_check_t& c, ArgNames 
       return cat(op, ": ", arg, " must be ", ref_dtype, " or float32, got ", dtype);
     case LTX_RULE_SAME_DTYPE_AS:
       return cat(op, ": ", arg, " must have the dtype of ", ref, " (", ref_dtype, "), got ", dtype);
-    case LTX_RULE_EPS:
-      return cat(op, ": eps must be finite and >= 0, got ", c.value);
+    case LTX_RULE_EPS: return cat(op, ": eps must be finite and >= 0, got ", c.value);
     case LTX_RULE_EVEN_HEAD_DIM:
       return cat(op, ": rotation needs an even last dimension, got ", c.value);
     case LTX_RULE_ROT_DIM:
@@ -248,8 +244,7 @@ inline std::string check_message(const char* op, const ltx_check_t& c, ArgNames 
     case LTX_RULE_ROT_DIM_OR_HALF:
       return cat(op, ": ", arg, " must have last dimension ", c.expected, " or ", c.expected / 2,
                  " (both halves share it), got ", c.value);
-    default:
-      return cat(op, ": invalid launcher argument ", arg);
+    default: return cat(op, ": invalid launcher argument ", arg);
   }
 }
 

@@ -20,8 +20,7 @@ at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
       op, ltx_check_gated_residual(&out_rows, &x_rows, &y_rows, &gate_rows, hidden, upcast), x,
       out.numel() / std::max<int64_t>(hidden, 1), hidden,
       [&](ltx_stream_t stream) {
-        return ltx_gated_residual_cuda(out_rows, x_rows, y_rows, gate_rows, hidden, upcast,
-                                       stream);
+        return ltx_gated_residual_cuda(out_rows, x_rows, y_rows, gate_rows, hidden, upcast, stream);
       },
       [&](int64_t b, int64_t e) {
         return ltx_gated_residual_cpu(out_rows, x_rows, y_rows, gate_rows, hidden, upcast, b, e);
@@ -44,8 +43,8 @@ static at::Tensor gelu_impl(const char* op, const at::Tensor& x, c10::string_vie
   const ltx_gelu_approximate_t kind = gelu_approximate(op, approximate);
   int64_t hidden = x.size(-1);
   if (gated) {
-    LTX_CHECK(hidden % 2 == 0, op, ": x must have an even last dimension (hidden and gate halves), got ",
-              x.sizes());
+    LTX_CHECK(hidden % 2 == 0, op,
+              ": x must have an even last dimension (hidden and gate halves), got ", x.sizes());
     hidden /= 2;
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -104,8 +103,8 @@ at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   };
   const int64_t elems_per_16_bytes = 16 / x.element_size();
-  const bool fused = x.is_cuda() && x2.is_contiguous() && weight.is_contiguous() &&
-                     aligned(x2) && aligned(weight) && (!bias || aligned(*bias)) &&
+  const bool fused = x.is_cuda() && x2.is_contiguous() && weight.is_contiguous() && aligned(x2) &&
+                     aligned(weight) && (!bias || aligned(*bias)) &&
                      in_features % elems_per_16_bytes == 0 &&
                      out_features % elems_per_16_bytes == 0 && x2.size(0) > 1;
   at::Tensor out;

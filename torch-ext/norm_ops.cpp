@@ -11,8 +11,8 @@ at::Tensor rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
   const int64_t hidden = x.size(-1);
   const ltx_vector_t w = optional_vector(op, "weight", weight, x, hidden);
   // Of weight's dtype when there is a weight (x's otherwise), as diffusers' RMSNorm returns.
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(weight ? weight->scalar_type()
-                                                                  : x.scalar_type()));
+  at::Tensor out =
+      at::empty(x.sizes(), x.options().dtype(weight ? weight->scalar_type() : x.scalar_type()));
   const ltx_rows_t out_rows = rows_of(op, "out", out), x_rows = rows_of(op, "x", x);
   const float eps_ = static_cast<float>(eps);
   run_launcher(
@@ -88,19 +88,23 @@ at::Tensor layernorm_modulate(const at::Tensor& x, const std::optional<at::Tenso
                                    upcast));
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rmsnorm_modulate(
-    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
-    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
-    const std::optional<at::Tensor>& weight, double eps, bool upcast) {
+std::tuple<at::Tensor, at::Tensor> add_rmsnorm_modulate(const at::Tensor& x, const at::Tensor& y,
+                                                        const std::optional<at::Tensor>& scale,
+                                                        const std::optional<at::Tensor>& shift,
+                                                        const std::optional<at::Tensor>& gate,
+                                                        const std::optional<at::Tensor>& weight,
+                                                        double eps, bool upcast) {
   return norm_modulate("ltx_kernels.add_rmsnorm_modulate", LTX_NORM_RMS, x, y, scale, shift, gate,
                        weight, std::nullopt, eps, upcast);
 }
 
-std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(
-    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
-    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    bool upcast) {
+std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(const at::Tensor& x, const at::Tensor& y,
+                                                          const std::optional<at::Tensor>& scale,
+                                                          const std::optional<at::Tensor>& shift,
+                                                          const std::optional<at::Tensor>& gate,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          double eps, bool upcast) {
   return norm_modulate("ltx_kernels.add_layernorm_modulate", LTX_NORM_LAYER, x, y, scale, shift,
                        gate, weight, bias, eps, upcast);
 }

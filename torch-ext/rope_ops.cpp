@@ -111,15 +111,20 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       op, ltx_check_qk_norm_rope(&args), x, out.numel() / std::max<int64_t>(row_len, 1), row_len,
       [&](ltx_stream_t stream) { return ltx_qk_norm_rope_cuda(&args, stream); },
       [&](int64_t b, int64_t e) { return ltx_qk_norm_rope_cpu(&args, 0, b, e); },
-      {{"tensors[0].x", "x"}, {"tensors[0].cos", "cos"}, {"tensors[0].sin", "sin"},
-       {"tensors[0].out", "out"}, {"rot_dim", "cos"}});
+      {{"tensors[0].x", "x"},
+       {"tensors[0].cos", "cos"},
+       {"tensors[0].sin", "sin"},
+       {"tensors[0].out", "out"},
+       {"rot_dim", "cos"}});
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(
-    const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& q_weight,
-    const std::optional<at::Tensor>& k_weight, const std::optional<at::Tensor>& cos,
-    const std::optional<at::Tensor>& sin, double eps, bool across_heads, bool interleaved) {
+std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at::Tensor& k,
+                                                   const std::optional<at::Tensor>& q_weight,
+                                                   const std::optional<at::Tensor>& k_weight,
+                                                   const std::optional<at::Tensor>& cos,
+                                                   const std::optional<at::Tensor>& sin, double eps,
+                                                   bool across_heads, bool interleaved) {
   const char* op = "ltx_kernels.qk_rmsnorm_rope";
   check_activation(op, "q", q);
   check_activation(op, "k", k);
@@ -136,9 +141,10 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(
             k.sizes(), ")");
   if (layout.token_rows) {
     for (const at::Tensor* t : {&q, &k})
-      LTX_CHECK(t->stride(-2) == layout.head_dim || layout.heads == 1, op, ": with across_heads=True the ",
-                t == &q ? "q" : "k", " heads must be contiguous (stride(-2) == ", layout.head_dim,
-                "), got strides ", t->strides());
+      LTX_CHECK(t->stride(-2) == layout.head_dim || layout.heads == 1, op,
+                ": with across_heads=True the ", t == &q ? "q" : "k",
+                " heads must be contiguous (stride(-2) == ", layout.head_dim, "), got strides ",
+                t->strides());
   }
   const int64_t row_len = layout.heads * layout.head_dim;
   for (const auto* w : {&q_weight, &k_weight})
@@ -163,9 +169,16 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(
           status = ltx_qk_norm_rope_cpu(&args, 1, std::max(b, q_rows) - q_rows, e - q_rows);
         return status;
       },
-      {{"tensors[0].x", "q"}, {"tensors[1].x", "k"}, {"tensors[0].weight", "q_weight"},
-       {"tensors[1].weight", "k_weight"}, {"tensors[0].cos", "cos"}, {"tensors[1].cos", "cos"},
-       {"tensors[0].sin", "sin"}, {"tensors[1].sin", "sin"}, {"tensors[0].out", "q_out"},
-       {"tensors[1].out", "k_out"}, {"rot_dim", "cos"}});
+      {{"tensors[0].x", "q"},
+       {"tensors[1].x", "k"},
+       {"tensors[0].weight", "q_weight"},
+       {"tensors[1].weight", "k_weight"},
+       {"tensors[0].cos", "cos"},
+       {"tensors[1].cos", "cos"},
+       {"tensors[0].sin", "sin"},
+       {"tensors[1].sin", "sin"},
+       {"tensors[0].out", "q_out"},
+       {"tensors[1].out", "k_out"},
+       {"rot_dim", "cos"}});
   return {q_out, k_out};
 }

@@ -2,9 +2,9 @@
 // CUDA): torch's checks, output allocation, then the C launchers of kernel_src/ltx_kernels.h.
 #pragma once
 
-#include <optional>
-
 #include <torch/library.h>
+
+#include <optional>
 
 // norm_ops.cpp
 at::Tensor rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps);
@@ -15,22 +15,28 @@ at::Tensor layernorm_modulate(const at::Tensor& x, const std::optional<at::Tenso
                               const std::optional<at::Tensor>& shift,
                               const std::optional<at::Tensor>& weight,
                               const std::optional<at::Tensor>& bias, double eps, bool upcast);
-std::tuple<at::Tensor, at::Tensor> add_rmsnorm_modulate(
-    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
-    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
-    const std::optional<at::Tensor>& weight, double eps, bool upcast);
-std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(
-    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
-    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    bool upcast);
+std::tuple<at::Tensor, at::Tensor> add_rmsnorm_modulate(const at::Tensor& x, const at::Tensor& y,
+                                                        const std::optional<at::Tensor>& scale,
+                                                        const std::optional<at::Tensor>& shift,
+                                                        const std::optional<at::Tensor>& gate,
+                                                        const std::optional<at::Tensor>& weight,
+                                                        double eps, bool upcast);
+std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(const at::Tensor& x, const at::Tensor& y,
+                                                          const std::optional<at::Tensor>& scale,
+                                                          const std::optional<at::Tensor>& shift,
+                                                          const std::optional<at::Tensor>& gate,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          double eps, bool upcast);
 // rope_ops.cpp
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                 bool interleaved);
-std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(
-    const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& q_weight,
-    const std::optional<at::Tensor>& k_weight, const std::optional<at::Tensor>& cos,
-    const std::optional<at::Tensor>& sin, double eps, bool across_heads, bool interleaved);
+std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at::Tensor& k,
+                                                   const std::optional<at::Tensor>& q_weight,
+                                                   const std::optional<at::Tensor>& k_weight,
+                                                   const std::optional<at::Tensor>& cos,
+                                                   const std::optional<at::Tensor>& sin, double eps,
+                                                   bool across_heads, bool interleaved);
 // elementwise_ops.cpp
 at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
                           const std::optional<at::Tensor>& gate, bool upcast);

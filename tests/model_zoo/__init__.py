@@ -2,6 +2,7 @@
 family (`ltx`, `flux`, `wan`, `sd3`: config, model, inputs, the ltx_kernels ops one injected
 forward runs), and MODELS, the table of model variants that the tests parametrized over models
 (test_inject_models.py, test_training.py) take."""
+
 import dataclasses
 import functools
 from typing import Callable
@@ -40,22 +41,35 @@ def _sd3(variant: dict, processor: str | None) -> TinyModel:
     # op this model matches eager within REL_L2_TOLERANCE
     # (test_inject_sd3.py::test_tiny_sd3_matches_eager_and_restores).
     config = {**sd3.TINY, **variant}
-    return TinyModel(functools.partial(sd3.tiny_model, **variant), sd3.tiny_inputs,
-                     lambda disabled: sd3.expected_ops(_every_op_but(disabled), config),
-                     processor, bit_identical_without=("rmsnorm",))
+    return TinyModel(
+        functools.partial(sd3.tiny_model, **variant),
+        sd3.tiny_inputs,
+        lambda disabled: sd3.expected_ops(_every_op_but(disabled), config),
+        processor,
+        bit_identical_without=("rmsnorm",),
+    )
 
 
 _WAN = TinyModel(wan.tiny_model, wan.tiny_inputs, wan.expected_counts, "WanKernelsAttnProcessor")
 
 MODELS = {
-    "ltx": TinyModel(ltx.tiny_model, ltx.tiny_inputs, ltx.expected_counts,
-                     "LTXKernelsAttnProcessor", compile_backend="inductor"),
-    "flux": TinyModel(flux.tiny_model, flux.tiny_inputs,
-                      lambda disabled: flux.expected_ops(_every_op_but(disabled), 1, 1),
-                      "FluxKernelsAttnProcessor"),
+    "ltx": TinyModel(
+        ltx.tiny_model,
+        ltx.tiny_inputs,
+        ltx.expected_counts,
+        "LTXKernelsAttnProcessor",
+        compile_backend="inductor",
+    ),
+    "flux": TinyModel(
+        flux.tiny_model,
+        flux.tiny_inputs,
+        lambda disabled: flux.expected_ops(_every_op_but(disabled), 1, 1),
+        "FluxKernelsAttnProcessor",
+    ),
     "wan": _WAN,
-    "wan_ti2v": dataclasses.replace(_WAN, inputs=functools.partial(wan.tiny_inputs,
-                                                                   variant="ti2v")),
+    "wan_ti2v": dataclasses.replace(
+        _WAN, inputs=functools.partial(wan.tiny_inputs, variant="ti2v")
+    ),
     "sd35": _sd3(sd3.SD35, "SD3KernelsAttnProcessor"),
     "sd3": _sd3(sd3.SD3, None),  # no q/k norm: the attention is left as it is
 }

@@ -1,14 +1,23 @@
 """FLUX.1: the tiny transformer (as diffusers' own model tests build it) with its inputs and the
 ltx_kernels ops one injected forward runs."""
+
 import torch
 from diffusers import FluxTransformer2DModel
 
 from inject_helpers import randomize_norms
 from ltx_kernels.integration import FUSIONS
 
-TINY = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-            axes_dims_rope=[4, 4, 8])
+TINY = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=[4, 4, 8],
+)
 HEIGHT, WIDTH, TEXT = 4, 4, 5
 
 
@@ -49,8 +58,9 @@ def tiny_model(dtype, **config):
 
 
 def image_ids(height, width, device="cpu"):
-    rows, cols = torch.meshgrid(torch.arange(height, device=device),
-                                torch.arange(width, device=device), indexing="ij")
+    rows, cols = torch.meshgrid(
+        torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij"
+    )
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
 
 
@@ -63,4 +73,5 @@ def tiny_inputs(dtype, batch=2):
         img_ids=image_ids(HEIGHT, WIDTH),
         # Text positions that differ, so text rows of the RoPE tables matter (FLUX uses zeros).
         txt_ids=torch.randint(0, 8, (TEXT, 3)).float(),
-        return_dict=False)
+        return_dict=False,
+    )

@@ -1,16 +1,29 @@
 """LTX-Video: the tiny transformer (as diffusers' own model tests build it) with its inputs and the
 ltx_kernels ops one injected forward runs; the inputs of the full-size transformer."""
+
 import torch
 from diffusers import LTXVideoTransformer3DModel
 
 from inject_helpers import block_op_counts, randomize_norms
 
-TINY = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-            cross_attention_dim=16, num_layers=2, caption_channels=16)
+TINY = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=8,
+    cross_attention_dim=16,
+    num_layers=2,
+    caption_channels=16,
+)
 FRAMES, HEIGHT, WIDTH, TEXT = 2, 4, 4, 6
 # Per block: norm1, q/k of attn1 and attn2, two gated residuals, attn2 residual + norm2, FF.
-OPS_PER_BLOCK = {"rmsnorm_modulate": 1, "qk_rmsnorm_rope": 2, "gated_residual": 2,
-                 "add_rmsnorm_modulate": 1, "linear_gelu": 1}
+OPS_PER_BLOCK = {
+    "rmsnorm_modulate": 1,
+    "qk_rmsnorm_rope": 2,
+    "gated_residual": 2,
+    "add_rmsnorm_modulate": 1,
+    "linear_gelu": 1,
+}
 # The counts of a block that change when one op is disabled.
 FALLBACKS = {
     # x + attn2 (gated_residual without a gate), then norm2 + modulation
@@ -26,15 +39,24 @@ def tiny_model(dtype, **config):
 
 
 def tiny_inputs(dtype, device="cpu", batch=2):
-    hidden = torch.randn(batch, FRAMES * HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype,
-                         device=device)
+    hidden = torch.randn(
+        batch, FRAMES * HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype, device=device
+    )
     text = torch.randn(batch, TEXT, TINY["caption_channels"], dtype=dtype, device=device)
     mask = torch.ones(batch, TEXT, dtype=torch.bool, device=device)
-    mask[0, TEXT - 2:] = False
+    mask[0, TEXT - 2 :] = False
     timestep = torch.randint(0, 1000, (batch,), device=device)
-    return dict(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep,
-                encoder_attention_mask=mask, num_frames=FRAMES, height=HEIGHT, width=WIDTH,
-                rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+    return dict(
+        hidden_states=hidden,
+        encoder_hidden_states=text,
+        timestep=timestep,
+        encoder_attention_mask=mask,
+        num_frames=FRAMES,
+        height=HEIGHT,
+        width=WIDTH,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )
 
 
 def expected_counts(disabled=None):
@@ -48,12 +70,20 @@ def expected_counts(disabled=None):
 def full_inputs(batch, frames, height, width, device, dtype=torch.bfloat16, text=128):
     """Inputs of the full-size transformer (LTXVideoTransformer3DModel())."""
     generator = torch.Generator(device).manual_seed(0)
-    hidden = torch.randn(batch, frames * height * width, 128, generator=generator, device=device,
-                         dtype=dtype)
+    hidden = torch.randn(
+        batch, frames * height * width, 128, generator=generator, device=device, dtype=dtype
+    )
     prompt = torch.randn(batch, text, 4096, generator=generator, device=device, dtype=dtype)
     mask = torch.ones(batch, text, dtype=torch.bool, device=device)
-    mask[:, text // 2:] = False
-    return dict(hidden_states=hidden, encoder_hidden_states=prompt,
-                timestep=torch.full((batch,), 500.0, device=device), encoder_attention_mask=mask,
-                num_frames=frames, height=height, width=width,
-                rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+    mask[:, text // 2 :] = False
+    return dict(
+        hidden_states=hidden,
+        encoder_hidden_states=prompt,
+        timestep=torch.full((batch,), 500.0, device=device),
+        encoder_attention_mask=mask,
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )

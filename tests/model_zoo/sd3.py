@@ -1,16 +1,27 @@
 """SD3 / SD3.5: the tiny transformer (as diffusers' own model tests build it: a dual-attention
 layer, a plain layer, the context-pre-only last layer) with its inputs and the ltx_kernels ops one
 injected forward runs."""
+
 import torch
 from diffusers import SD3Transformer2DModel
 
 from inject_helpers import randomize_norms
 from ltx_kernels.integration import FUSIONS
 
-TINY = dict(sample_size=8, patch_size=1, in_channels=4, num_layers=3, attention_head_dim=8,
-            num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
-            pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16,
-            dual_attention_layers=(0,))
+TINY = dict(
+    sample_size=8,
+    patch_size=1,
+    in_channels=4,
+    num_layers=3,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    caption_projection_dim=32,
+    joint_attention_dim=32,
+    pooled_projection_dim=64,
+    out_channels=4,
+    pos_embed_max_size=16,
+    dual_attention_layers=(0,),
+)
 SD35 = dict(qk_norm="rms_norm")
 SD3 = dict(qk_norm=None)
 TEXT = 5
@@ -62,8 +73,10 @@ def tiny_model(dtype, **config):
 
 def tiny_inputs(dtype, batch=2):
     size = TINY["sample_size"]
-    return dict(hidden_states=torch.randn(batch, TINY["in_channels"], size, size, dtype=dtype),
-                encoder_hidden_states=torch.randn(batch, TEXT, TINY["joint_attention_dim"],
-                                                  dtype=dtype),
-                pooled_projections=torch.randn(batch, TINY["pooled_projection_dim"], dtype=dtype),
-                timestep=torch.randint(0, 1000, (batch,)), return_dict=False)
+    return dict(
+        hidden_states=torch.randn(batch, TINY["in_channels"], size, size, dtype=dtype),
+        encoder_hidden_states=torch.randn(batch, TEXT, TINY["joint_attention_dim"], dtype=dtype),
+        pooled_projections=torch.randn(batch, TINY["pooled_projection_dim"], dtype=dtype),
+        timestep=torch.randint(0, 1000, (batch,)),
+        return_dict=False,
+    )

@@ -1,22 +1,39 @@
 """Wan 2.x: the tiny transformer (diffusers' own test config), as users load it (bf16 with
 `_keep_in_fp32_modules` kept fp32), with its inputs (T2V, I2V, Wan 2.2 TI2V) and the ltx_kernels
 ops one injected forward runs."""
+
 import torch
 from diffusers import WanTransformer3DModel
 
 from inject_helpers import block_op_counts, randomize_norms
 
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-            out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
-            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+TINY = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
 I2V = dict(image_dim=8, added_kv_proj_dim=24)  # added_kv_proj_dim = inner dim, as the real config
 LAYERS = TINY["num_layers"]
 FRAMES, HEIGHT, WIDTH = 2, 8, 8
 TOKENS = FRAMES * HEIGHT * WIDTH // 4
 # Per block: norm1; q/k of attn1 (+ RoPE) and attn2; attn1 residual + norm2; attn2 residual +
 # norm3; FF; FF residual.
-OPS_PER_BLOCK = {"layernorm_modulate": 1, "qk_rmsnorm_rope": 2, "add_layernorm_modulate": 2,
-                 "linear_gelu": 1, "gated_residual": 1}
+OPS_PER_BLOCK = {
+    "layernorm_modulate": 1,
+    "qk_rmsnorm_rope": 2,
+    "add_layernorm_modulate": 2,
+    "linear_gelu": 1,
+    "gated_residual": 1,
+}
 # The counts of a block that change when one op is disabled.
 FALLBACKS = {
     # gated residual + norm2, x + a2 (eager) + norm3
@@ -53,13 +70,14 @@ def tiny_model(dtype, cls=WanTransformer3DModel, **config):
 
 def tiny_inputs(dtype, variant="t2v", batch=2):
     text = 512 if variant == "i2v" else 12  # I2V splits the context at 512 - image tokens
-    inputs = dict(hidden_states=torch.randn(batch, 4, FRAMES, HEIGHT, WIDTH, dtype=dtype),
-                  timestep=torch.randint(0, 1000, (batch,)),
-                  encoder_hidden_states=torch.randn(batch, text, 16, dtype=dtype),
-                  return_dict=False)
+    inputs = dict(
+        hidden_states=torch.randn(batch, 4, FRAMES, HEIGHT, WIDTH, dtype=dtype),
+        timestep=torch.randint(0, 1000, (batch,)),
+        encoder_hidden_states=torch.randn(batch, text, 16, dtype=dtype),
+        return_dict=False,
+    )
     if variant == "i2v":
-        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, I2V["image_dim"],
-                                                            dtype=dtype)
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, I2V["image_dim"], dtype=dtype)
     if variant == "ti2v":  # Wan 2.2 TI2V: one timestep per token
         inputs["timestep"] = torch.randint(0, 1000, (batch, TOKENS))
     return inputs

@@ -4,14 +4,22 @@ Every op is a torch custom op (`torch.ops.ltx_kernels.<op>`) with a CUDA kernel,
 implementation, a fake implementation for torch.compile/export, and a pure-PyTorch reference in
 `ltx_kernels.reference`. `python -m ltx_kernels` prints an environment report for bug reports.
 """
+
 import torch
 
 from . import reference
 from ._op_names import OPS  # the names of the ops this build registers under torch.ops.ltx_kernels
 
 __version__ = "0.1.0"
-__all__ = [*OPS, "reference", "OPS", "load_error", "inject_optimized_kernels",
-           "remove_optimized_kernels", "InjectionReport"]
+__all__ = [
+    *OPS,
+    "reference",
+    "OPS",
+    "load_error",
+    "inject_optimized_kernels",
+    "remove_optimized_kernels",
+    "InjectionReport",
+]
 
 #: Why the compiled extension failed to load, or None. When set, calling an op raises.
 load_error: Exception | None = None
@@ -22,7 +30,10 @@ try:
 
     _fake.register(OPS)
     _autograd.register(OPS)
-except (ImportError, RuntimeError) as error:  # missing or stale build: stay importable for the report
+except (
+    ImportError,
+    RuntimeError,
+) as error:  # missing or stale build: stay importable for the report
     load_error = error
     ops = None
 
@@ -66,25 +77,38 @@ def rmsnorm_modulate(x, scale, shift, weight=None, eps: float = 1e-6, *, upcast:
     return _library().rmsnorm_modulate(x, scale, shift, weight, eps, upcast=upcast)
 
 
-def layernorm_modulate(x, scale, shift, weight=None, bias=None, eps: float = 1e-6, *,
-                       upcast: bool = False):
+def layernorm_modulate(
+    x, scale, shift, weight=None, bias=None, eps: float = 1e-6, *, upcast: bool = False
+):
     """`LayerNorm(x) * (1 + scale) + shift` in one pass (AdaLayerNorm; weight/bias optional)."""
     return _library().layernorm_modulate(x, scale, shift, weight, bias, eps, upcast=upcast)
 
 
-def add_rmsnorm_modulate(x, y, scale, shift, gate=None, weight=None, eps: float = 1e-6, *,
-                         upcast: bool = False):
+def add_rmsnorm_modulate(
+    x, y, scale, shift, gate=None, weight=None, eps: float = 1e-6, *, upcast: bool = False
+):
     """`h = x + y * gate` (gate optional), `n = RMSNorm(h) * (1 + scale) + shift`, one pass.
     Returns (h, n)."""
     return _library().add_rmsnorm_modulate(x, y, scale, shift, gate, weight, eps, upcast=upcast)
 
 
-def add_layernorm_modulate(x, y, scale, shift, gate=None, weight=None, bias=None,
-                           eps: float = 1e-6, *, upcast: bool = False):
+def add_layernorm_modulate(
+    x,
+    y,
+    scale,
+    shift,
+    gate=None,
+    weight=None,
+    bias=None,
+    eps: float = 1e-6,
+    *,
+    upcast: bool = False,
+):
     """`h = x + y * gate` (gate optional), `n = LayerNorm(h) * (1 + scale) + shift`, one pass.
     Returns (h, n)."""
-    return _library().add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps,
-                                             upcast=upcast)
+    return _library().add_layernorm_modulate(
+        x, y, scale, shift, gate, weight, bias, eps, upcast=upcast
+    )
 
 
 def gated_residual(x, y, gate=None, *, upcast: bool = False):
@@ -101,14 +125,24 @@ def rope(x, cos, sin, interleaved: bool = True):
     return _library().rope(x, cos, sin, interleaved)
 
 
-def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6,
-                    across_heads: bool = True, interleaved: bool = True):
+def qk_rmsnorm_rope(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps: float = 1e-6,
+    across_heads: bool = True,
+    interleaved: bool = True,
+):
     """torch.nn.RMSNorm of q and k, then RoPE (cos=None: norm only), both in one launch.
     across_heads=True: norm over the token ([B, S, D], or [B, S, H, Dh] with heads contiguous),
     weight [D]; False: per head ([..., Dh]), weight [Dh]. q/k may be row-strided views of a fused
     QKV projection. Returns new (q, k)."""
-    return _library().qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps, across_heads,
-                                      interleaved)
+    return _library().qk_rmsnorm_rope(
+        q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved
+    )
 
 
 def gelu(x, approximate: str = "tanh"):
@@ -128,5 +162,8 @@ def linear_gelu(x, weight, bias=None):
     return _library().linear_gelu(x, weight, bias)
 
 
-from .integration import (InjectionReport, inject_optimized_kernels,  # noqa: E402
-                          remove_optimized_kernels)
+from .integration import (  # noqa: E402  (integration imports the op wrappers above)
+    InjectionReport,
+    inject_optimized_kernels,
+    remove_optimized_kernels,
+)

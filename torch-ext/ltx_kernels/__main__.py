@@ -4,6 +4,7 @@ Prints the Python, torch and CUDA versions, each visible GPU with its compute ca
 extension was built (torch and nvcc versions, compiled architectures), and whether every op loads
 and agrees with its reference on a small random input on each available device.
 """
+
 import platform
 import sys
 
@@ -41,9 +42,15 @@ def _check_op(op: str, device: str) -> str:
         outs = getattr(ltx_kernels, op)(*args)
         refs = getattr(reference, op)(*args, compute_dtype=torch.float64)
         outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
-        err = max(((o.double() - r.double()).norm() / r.double().norm()).item()
-                  for o, r in zip(outs, refs))
-        return f"ok (rel. L2 error vs reference {err:.1e})" if err < 1e-2 else f"WRONG (rel. L2 {err:.1e})"
+        err = max(
+            ((o.double() - r.double()).norm() / r.double().norm()).item()
+            for o, r in zip(outs, refs)
+        )
+        return (
+            f"ok (rel. L2 error vs reference {err:.1e})"
+            if err < 1e-2
+            else f"WRONG (rel. L2 {err:.1e})"
+        )
     except Exception as error:  # the report must finish whatever fails
         return f"FAILED: {type(error).__name__}: {str(error).splitlines()[0]}"
 
@@ -52,10 +59,13 @@ def main() -> int:
     print("ltx_kernels environment report")
     print(f"  ltx_kernels      {ltx_kernels.__version__} ({ltx_kernels.__file__})")
     print(f"  python           {sys.version.split()[0]} ({platform.platform()})")
-    print(f"  torch            {torch.__version__} (CUDA {torch.version.cuda}, "
-          f"cuDNN {torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None})")
+    print(
+        f"  torch            {torch.__version__} (CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None})"
+    )
     try:
         from ltx_kernels import _build_info as build
+
         print(f"  built against    torch {build.TORCH_VERSION}, nvcc {build.NVCC_VERSION}")
         print(f"  compiled archs   {build.CUDA_ARCHS}  ({' '.join(build.GENCODE_FLAGS)})")
         if build.TORCH_VERSION != torch.__version__:
@@ -66,10 +76,14 @@ def main() -> int:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            print(f"  cuda:{i}           {p.name}, compute capability {p.major}.{p.minor}, "
-                  f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
+            print(
+                f"  cuda:{i}           {p.name}, compute capability {p.major}.{p.minor}, "
+                f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB"
+            )
             if (p.major, p.minor) < (9, 0):
-                print("                   this GPU predates Hopper: the kernels are built for sm_90a")
+                print(
+                    "                   this GPU predates Hopper: the kernels are built for sm_90a"
+                )
         devices.append("cuda")
     else:
         print("  cuda             no CUDA device visible")

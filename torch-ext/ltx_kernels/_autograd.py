@@ -14,6 +14,7 @@ with the forward's GEMM and runs the three gradient GEMMs through cuBLAS, as PyT
 Fused backward kernels (CUDA C + C CPU twins behind functional backward ops) replace these one op
 at a time; each keeps this registration's contract.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,10 @@ def _reference_backward(name: str):
 
     def backward(ctx, *grads):
         # needs_input_grad covers the arguments the caller passed (defaulted ones are left out).
-        needs = [i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]
-                 for i in range(len(positional))]
+        needs = [
+            i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]
+            for i in range(len(positional))
+        ]
         # create_graph=True (double backward) runs this in grad mode: differentiate through the
         # saved tensors themselves, so the returned gradients stay connected to the inputs.
         create_graph = torch.is_grad_enabled()
@@ -61,8 +64,12 @@ def _reference_backward(name: str):
         result = [None] * len(positional)
         if pairs and wanted:
             computed = torch.autograd.grad(
-                [o for o, _ in pairs], [values[i] for i in wanted], [g for _, g in pairs],
-                allow_unused=True, create_graph=create_graph)
+                [o for o, _ in pairs],
+                [values[i] for i in wanted],
+                [g for _, g in pairs],
+                allow_unused=True,
+                create_graph=create_graph,
+            )
             for i, g in zip(wanted, computed):
                 result[i] = g if g is not None else torch.zeros_like(values[i])
         return tuple(result)
@@ -94,5 +101,6 @@ def register(names) -> None:
             setup_context, backward = _linear_gelu_setup_context, _linear_gelu_backward
         else:
             setup_context, backward = _reference_backward(name)
-        torch.library.register_autograd(add_op_namespace_prefix(name), backward,
-                                        setup_context=setup_context)
+        torch.library.register_autograd(
+            add_op_namespace_prefix(name), backward, setup_context=setup_context
+        )

@@ -2,6 +2,7 @@
 without touching data. The fake of op <op> is the function `<op>` of this module; `register`
 registers them. Each mirrors its C++ op: same output shapes, dtypes and (contiguous) strides, and
 the same shape checks, as torch._check errors."""
+
 import torch
 
 from ._op_namespace import add_op_namespace_prefix
@@ -18,17 +19,23 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
     if weight is not None:
         torch._check(
             weight.dim() == 1 and weight.shape[0] == x.shape[-1],
-            lambda: f"ltx_kernels.rmsnorm: weight must have shape [hidden] = [{x.shape[-1]}], "
-            f"got {list(weight.shape)}",
+            lambda: (
+                f"ltx_kernels.rmsnorm: weight must have shape [hidden] = [{x.shape[-1]}], "
+                f"got {list(weight.shape)}"
+            ),
         )
     return x.new_empty(x.shape, dtype=weight.dtype if weight is not None else x.dtype)
 
 
 def _check_last_dim(op: str, name: str, t, hidden: int):
     if t is not None:
-        torch._check(t.dim() >= 1 and t.shape[-1] == hidden,
-                     lambda: f"ltx_kernels.{op}: {name} must have last dimension {hidden}, "
-                     f"got shape {list(t.shape)}")
+        torch._check(
+            t.dim() >= 1 and t.shape[-1] == hidden,
+            lambda: (
+                f"ltx_kernels.{op}: {name} must have last dimension {hidden}, "
+                f"got shape {list(t.shape)}"
+            ),
+        )
 
 
 def rmsnorm_modulate(x, scale, shift, weight=None, eps=1e-6, *, upcast=False):
@@ -51,14 +58,23 @@ def _add_norm_modulate_fake(op, x, y, operands):
 
 
 def add_rmsnorm_modulate(x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False):
-    return _add_norm_modulate_fake("add_rmsnorm_modulate", x, y, (
-        ("scale", scale), ("shift", shift), ("gate", gate), ("weight", weight)))
+    return _add_norm_modulate_fake(
+        "add_rmsnorm_modulate",
+        x,
+        y,
+        (("scale", scale), ("shift", shift), ("gate", gate), ("weight", weight)),
+    )
 
 
-def add_layernorm_modulate(x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *,
-                           upcast=False):
-    return _add_norm_modulate_fake("add_layernorm_modulate", x, y, (
-        ("scale", scale), ("shift", shift), ("gate", gate), ("weight", weight), ("bias", bias)))
+def add_layernorm_modulate(
+    x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *, upcast=False
+):
+    return _add_norm_modulate_fake(
+        "add_layernorm_modulate",
+        x,
+        y,
+        (("scale", scale), ("shift", shift), ("gate", gate), ("weight", weight), ("bias", bias)),
+    )
 
 
 def gated_residual(x, y, gate=None, *, upcast=False):
@@ -71,8 +87,9 @@ def rope(x, cos, sin, interleaved=True):
     return x.new_empty(x.shape)
 
 
-def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=True,
-                    interleaved=True):
+def qk_rmsnorm_rope(
+    q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=True, interleaved=True
+):
     torch._check(k.dtype == q.dtype, lambda: "ltx_kernels.qk_rmsnorm_rope: k must have q's dtype")
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
@@ -82,13 +99,15 @@ def gelu(x, approximate="tanh"):
 
 
 def geglu(x, approximate="none"):
-    torch._check(x.shape[-1] % 2 == 0,
-                 lambda: "ltx_kernels.geglu: x must have an even last dimension")
+    torch._check(
+        x.shape[-1] % 2 == 0, lambda: "ltx_kernels.geglu: x must have an even last dimension"
+    )
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
 def linear_gelu(x, weight, bias=None):
-    torch._check(weight.dim() == 2 and weight.shape[1] == x.shape[-1],
-                 lambda: "ltx_kernels.linear_gelu: weight must have shape [N, K] with "
-                 "K = x.shape[-1]")
+    torch._check(
+        weight.dim() == 2 and weight.shape[1] == x.shape[-1],
+        lambda: "ltx_kernels.linear_gelu: weight must have shape [N, K] with K = x.shape[-1]",
+    )
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

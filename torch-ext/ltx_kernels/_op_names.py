@@ -12,7 +12,15 @@ piece has every op and no other. No imports, so that any module of the package c
 """
 
 OPS = (
-    "rmsnorm", "rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate",
-    "add_layernorm_modulate", "gated_residual", "rope", "qk_rmsnorm_rope", "gelu", "geglu",
+    "rmsnorm",
+    "rmsnorm_modulate",
+    "layernorm_modulate",
+    "add_rmsnorm_modulate",
+    "add_layernorm_modulate",
+    "gated_residual",
+    "rope",
+    "qk_rmsnorm_rope",
+    "gelu",
+    "geglu",
     "linear_gelu",
 )

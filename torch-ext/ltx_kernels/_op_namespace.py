@@ -6,6 +6,7 @@ kernel-builder's templates/torch/_ops.py.in, which imports the build's extension
 per-build namespace. `_ops.py` is therefore not committed (.gitignore), or kernel-builder would
 overwrite it.
 """
+
 import importlib.util
 
 import torch
@@ -22,5 +23,7 @@ if importlib.util.find_spec(f"{__package__}._C") is not None:
 elif importlib.util.find_spec(f"{__package__}._ops") is not None:
     from ._ops import add_op_namespace_prefix, ops  # noqa: F401
 else:
-    raise ImportError("no compiled op library: neither the setuptools extension _C nor the _ops "
-                      "module of a kernel-builder build is present")
+    raise ImportError(
+        "no compiled op library: neither the setuptools extension _C nor the _ops "
+        "module of a kernel-builder build is present"
+    )

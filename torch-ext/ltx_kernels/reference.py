@@ -8,6 +8,7 @@ Uses:
   kernel (and the diffusers code it replaces) rounds; `round_output=False` also skips the final
   rounding, giving the exact value the kernel's output is a rounding of.
 """
+
 import torch
 
 from ._op_names import OPS
@@ -88,8 +89,17 @@ def _finish(v, dtype, round_output):
     return v.to(dtype) if round_output else v
 
 
-def rmsnorm_modulate(x, scale, shift, weight=None, eps=1e-6, *, upcast=False,
-                     compute_dtype=torch.float32, round_output=True):
+def rmsnorm_modulate(
+    x,
+    scale,
+    shift,
+    weight=None,
+    eps=1e-6,
+    *,
+    upcast=False,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
     """`RMSNorm(x) * (1 + scale) + shift` with diffusers' RMSNorm (weight optional); with
     upcast=True `(RMSNorm(x.float()) * (1 + scale) + shift).type_as(x)` computed in fp32.
     scale/shift broadcast to x (None skips that step). Output dtype x.dtype."""
@@ -97,34 +107,70 @@ def rmsnorm_modulate(x, scale, shift, weight=None, eps=1e-6, *, upcast=False,
     return _finish(n, x.dtype, round_output)
 
 
-def layernorm_modulate(x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False,
-                       compute_dtype=torch.float32, round_output=True):
+def layernorm_modulate(
+    x,
+    scale,
+    shift,
+    weight=None,
+    bias=None,
+    eps=1e-6,
+    *,
+    upcast=False,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
     """`F.layer_norm(x, weight, bias, eps) * (1 + scale) + shift` (AdaLayerNorm); with upcast=True
     `(FP32LayerNorm(x.float()) * (1 + scale) + shift).type_as(x)` (Wan)."""
     n = _norm_modulate(x, scale, shift, weight, bias, eps, "layer", upcast, compute_dtype, x.dtype)
     return _finish(n, x.dtype, round_output)
 
 
-def add_rmsnorm_modulate(x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False,
-                         compute_dtype=torch.float32, round_output=True):
+def add_rmsnorm_modulate(
+    x,
+    y,
+    scale,
+    shift,
+    gate=None,
+    weight=None,
+    eps=1e-6,
+    *,
+    upcast=False,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
     """h = x + y * gate (x + y without gate); n = rmsnorm_modulate(h, ...). Returns (h, n)."""
     h = _residual(x, y, gate, upcast, compute_dtype)
-    n = _norm_modulate(h.to(x.dtype), scale, shift, weight, None, eps, "rms", upcast,
-                       compute_dtype, x.dtype)
+    n = _norm_modulate(
+        h.to(x.dtype), scale, shift, weight, None, eps, "rms", upcast, compute_dtype, x.dtype
+    )
     return _finish(h, x.dtype, round_output), _finish(n, x.dtype, round_output)
 
 
-def add_layernorm_modulate(x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *,
-                           upcast=False, compute_dtype=torch.float32, round_output=True):
+def add_layernorm_modulate(
+    x,
+    y,
+    scale,
+    shift,
+    gate=None,
+    weight=None,
+    bias=None,
+    eps=1e-6,
+    *,
+    upcast=False,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
     """h = x + y * gate (x + y without gate); n = layernorm_modulate(h, ...). Returns (h, n)."""
     h = _residual(x, y, gate, upcast, compute_dtype)
-    n = _norm_modulate(h.to(x.dtype), scale, shift, weight, bias, eps, "layer", upcast,
-                       compute_dtype, x.dtype)
+    n = _norm_modulate(
+        h.to(x.dtype), scale, shift, weight, bias, eps, "layer", upcast, compute_dtype, x.dtype
+    )
     return _finish(h, x.dtype, round_output), _finish(n, x.dtype, round_output)
 
 
-def gated_residual(x, y, gate=None, *, upcast=False, compute_dtype=torch.float32,
-                   round_output=True):
+def gated_residual(
+    x, y, gate=None, *, upcast=False, compute_dtype=torch.float32, round_output=True
+):
     """`x + y * gate` (`x + y` without gate) as PyTorch rounds it in x.dtype; with upcast=True
     `(x.float() + y * gate.float()).type_as(x)`."""
     return _finish(_residual(x, y, gate, upcast, compute_dtype), x.dtype, round_output)
@@ -165,8 +211,20 @@ def rope(x, cos, sin, interleaved=True, *, compute_dtype=torch.float32, round_ou
     return _finish(_rotate(x, cos, sin, interleaved, compute_dtype), x.dtype, round_output)
 
 
-def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=True,
-                    interleaved=True, *, compute_dtype=torch.float32, round_output=True):
+def qk_rmsnorm_rope(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps=1e-6,
+    across_heads=True,
+    interleaved=True,
+    *,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
     """torch.nn.RMSNorm of q and k (weight optional, one rounding to the input dtype), then RoPE
     (skipped when cos is None), as attention processors do:
     - across_heads=True: the norm spans the whole token: the last dim of a [B, S, D] tensor (LTX,
@@ -174,13 +232,14 @@ def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=T
       head); weight [D].
     - across_heads=False: the norm spans one head, the last dim of [..., Dh] (FLUX); weight [Dh].
     Returns (q_out, k_out) of q's and k's shapes and dtype."""
+
     def one(x, weight):
         c = compute_dtype
         dims = (-2, -1) if across_heads and x.dim() == 4 else (-1,)
         xc = x.to(c)
         v = xc * torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + eps)
         if weight is not None:
-            v = v * weight.to(c).reshape(x.shape[dims[0]:])
+            v = v * weight.to(c).reshape(x.shape[dims[0] :])
         if cos is None:
             return _finish(v, x.dtype, round_output)
         v = v.to(x.dtype)
@@ -193,8 +252,11 @@ def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, across_heads=T
 
 def gelu(x, approximate="tanh", *, compute_dtype=torch.float32, round_output=True):
     """`F.gelu(x, approximate=approximate)`: computed in compute_dtype, rounded once."""
-    return _finish(torch.nn.functional.gelu(x.to(compute_dtype), approximate=approximate),
-                   x.dtype, round_output)
+    return _finish(
+        torch.nn.functional.gelu(x.to(compute_dtype), approximate=approximate),
+        x.dtype,
+        round_output,
+    )
 
 
 def geglu(x, approximate="none", *, compute_dtype=torch.float32, round_output=True):

@@ -20,6 +20,7 @@ comma-separated names in the environment variable LTX_KERNELS_DISABLE. A disable
 the diffusers code for that step only, so kernels can be taken out one at a time when hunting a
 numerical difference.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,7 +61,9 @@ class InjectionReport:
         return sum(self.patched.values())
 
     def __str__(self) -> str:
-        lines = [f"ltx_kernels: {self.total_patched} modules patched; ops: {', '.join(self.ops) or 'none'}"]
+        lines = [
+            f"ltx_kernels: {self.total_patched} modules patched; ops: {', '.join(self.ops) or 'none'}"
+        ]
         disabled = [name for name in FUSIONS if name not in self.ops]
         if disabled:
             lines.append(f"  disabled: {', '.join(disabled)}")
@@ -88,8 +91,10 @@ def has_forward_hook(module: torch.nn.Module) -> bool:
 
 
 def _is_own_forward(module: torch.nn.Module, forward) -> bool:
-    return (getattr(forward, "__self__", None) is module
-            and getattr(forward, "__func__", None) is type(module).forward)
+    return (
+        getattr(forward, "__self__", None) is module
+        and getattr(forward, "__func__", None) is type(module).forward
+    )
 
 
 class FusedAttnProcessor:
@@ -108,20 +113,24 @@ class Injector:
         self.ops = ops
         self.report = report
 
-    def swap_forward(self, name: str, module: torch.nn.Module, forward, kind: str,
-                     required: bool = True) -> bool:
+    def swap_forward(
+        self, name: str, module: torch.nn.Module, forward, kind: str, required: bool = True
+    ) -> bool:
         """Gives `module` a same-named subclass of its class whose forward is `forward`.
         required=False: a hooked module is skipped (reported) instead of raising."""
         if has_forward_hook(module):
-            reason = ("its forward is wrapped by a hook (offloading, caching or layerwise casting "
-                      "applied before inject_optimized_kernels)")
+            reason = (
+                "its forward is wrapped by a hook (offloading, caching or layerwise casting "
+                "applied before inject_optimized_kernels)"
+            )
             if required:
                 raise RuntimeError(
                     f"inject_optimized_kernels: cannot patch {name or '<root>'} "
                     f"({type(module).__name__}): {reason}, which would keep calling the unpatched "
                     "forward. Call inject_optimized_kernels before enable_model_cpu_offload / "
                     "enable_group_offload / enable_layerwise_casting / enable_cache, or remove "
-                    "those hooks first (pipe.remove_all_hooks(), model.disable_cache()).")
+                    "those hooks first (pipe.remove_all_hooks(), model.disable_cache())."
+                )
             self.report.skipped[kind].append((name, reason + "; inject before adding hooks"))
             return False
         if "forward" in vars(module):  # a stale bound forward would bypass the patched class
@@ -131,15 +140,24 @@ class Injector:
         self.report.patched[kind] += 1
         return True
 
-    def has_stock_processor(self, name: str, attn: torch.nn.Module, stock: str, kind: str,
-                            custom_sources: str, is_stock=None) -> bool:
+    def has_stock_processor(
+        self,
+        name: str,
+        attn: torch.nn.Module,
+        stock: str,
+        kind: str,
+        custom_sources: str,
+        is_stock=None,
+    ) -> bool:
         """True when `attn` runs diffusers' processor class named `stock` (and is_stock(processor),
         when given); otherwise its custom processor is kept, and the skip is reported with what
         usually installs one (`custom_sources`)."""
         processor = attn.processor
         if type(processor).__name__ == stock and (is_stock is None or is_stock(processor)):
             return True
-        self.skip(kind, name, f"custom processor {type(processor).__name__} kept ({custom_sources})")
+        self.skip(
+            kind, name, f"custom processor {type(processor).__name__} kept ({custom_sources})"
+        )
         return False
 
     def set_processor(self, name: str, attn: torch.nn.Module, processor, kind: str) -> None:
@@ -163,11 +181,17 @@ _PATCHED_CLASSES: dict = {}
 def _patched_class(cls: type, forward) -> type:
     key = (cls, forward)
     if key not in _PATCHED_CLASSES:
-        _PATCHED_CLASSES[key] = type(cls.__name__, (cls,), {
-            "forward": forward, _ORIGINAL_CLASS: cls,
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__doc__": f"{cls.__name__} running on ltx_kernels fused ops (`{forward.__module__}`).",
-        })
+        _PATCHED_CLASSES[key] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "forward": forward,
+                _ORIGINAL_CLASS: cls,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": f"{cls.__name__} running on ltx_kernels fused ops (`{forward.__module__}`).",
+            },
+        )
     return _PATCHED_CLASSES[key]
 
 
@@ -188,8 +212,10 @@ def _resolve_ops(ops) -> frozenset[str]:
     for source, names in (("ops", chosen), (DISABLE_ENV, disabled)):
         unknown = sorted(set(names) - set(FUSIONS))
         if unknown:
-            raise ValueError(f"inject_optimized_kernels: unknown op(s) {unknown} in {source}; "
-                             f"valid names: {', '.join(FUSIONS)}")
+            raise ValueError(
+                f"inject_optimized_kernels: unknown op(s) {unknown} in {source}; "
+                f"valid names: {', '.join(FUSIONS)}"
+            )
     return frozenset(chosen) - frozenset(disabled)
 
 
@@ -221,8 +247,10 @@ def _models(target) -> list[tuple[str, torch.nn.Module]]:
         return [("", target)]
     components = getattr(target, "components", None)
     if not isinstance(components, dict):
-        raise TypeError("inject_optimized_kernels expects a diffusers pipeline or a torch.nn.Module "
-                        f"(a transformer or one of its blocks), got {type(target).__name__}")
+        raise TypeError(
+            "inject_optimized_kernels expects a diffusers pipeline or a torch.nn.Module "
+            f"(a transformer or one of its blocks), got {type(target).__name__}"
+        )
     return [(key, value) for key, value in components.items() if isinstance(value, torch.nn.Module)]
 
 
@@ -245,8 +273,10 @@ def inject_optimized_kernels(pipe_or_model, ops=None, verbose: bool = True) -> I
         modules = list(model.named_modules())
         for name, module in modules:
             if hasattr(module, _ORIGINAL_CLASS) or hasattr(module, _ORIGINAL_PROCESSOR):
-                raise RuntimeError(f"inject_optimized_kernels: {prefix}.{name} is already injected; "
-                                   "call remove_optimized_kernels first")
+                raise RuntimeError(
+                    f"inject_optimized_kernels: {prefix}.{name} is already injected; "
+                    "call remove_optimized_kernels first"
+                )
         for name, module in modules:
             patch = patchers.get(type(module).__name__)
             if patch is not None:
@@ -269,7 +299,8 @@ def remove_optimized_kernels(pipe_or_model) -> int:
                     f"remove_optimized_kernels: {'.'.join(p for p in (prefix, name) if p) or '<root>'}"
                     f" ({type(module).__name__}) got a forward hook after injection, which holds the "
                     "patched forward; remove the hooks first (pipe.remove_all_hooks(), "
-                    "model.disable_cache(), ...)")
+                    "model.disable_cache(), ...)"
+                )
         for _, module in modules:
             original_class = getattr(type(module), _ORIGINAL_CLASS, None)
             if original_class is not None:

@@ -6,6 +6,7 @@ AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous: norm + modul
 SD35AdaLayerNormZeroX (SD3.5's dual-attention layers): the one norm with its two modulations
                                 -> layernorm_modulate twice
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,14 @@ def _modulate(module, x, emb, scale, shift):
     return steps.norm_modulate(ops, module.norm, x, scale[:, None], shift[:, None])
 
 
-def ada_norm_zero_forward(self, x: torch.Tensor, timestep: torch.Tensor | None = None,
-                          class_labels: torch.LongTensor | None = None,
-                          hidden_dtype: torch.dtype | None = None, emb: torch.Tensor | None = None):
+def ada_norm_zero_forward(
+    self,
+    x: torch.Tensor,
+    timestep: torch.Tensor | None = None,
+    class_labels: torch.LongTensor | None = None,
+    hidden_dtype: torch.dtype | None = None,
+    emb: torch.Tensor | None = None,
+):
     """`AdaLayerNormZero.forward` with the norm and modulation fused."""
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
@@ -49,16 +55,33 @@ def ada_norm_continuous_forward(self, x: torch.Tensor, conditioning_embedding: t
     return _modulate(self, x, emb, scale, shift)
 
 
-def sd35_ada_norm_zero_x_forward(self, hidden_states: torch.Tensor,
-                                 emb: torch.Tensor | None = None):
+def sd35_ada_norm_zero_x_forward(
+    self, hidden_states: torch.Tensor, emb: torch.Tensor | None = None
+):
     """`SD35AdaLayerNormZeroX.forward`: both modulations of the one norm fused."""
     emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, \
-        gate_msa2 = emb.chunk(9, dim=1)
+    (
+        shift_msa,
+        scale_msa,
+        gate_msa,
+        shift_mlp,
+        scale_mlp,
+        gate_mlp,
+        shift_msa2,
+        scale_msa2,
+        gate_msa2,
+    ) = emb.chunk(9, dim=1)
     norm_hidden_states = _modulate(self, hidden_states, emb, scale_msa, shift_msa)
     norm_hidden_states2 = _modulate(self, hidden_states, emb, scale_msa2, shift_msa2)
-    return (norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2,
-            gate_msa2)
+    return (
+        norm_hidden_states,
+        gate_msa,
+        shift_mlp,
+        scale_mlp,
+        gate_mlp,
+        norm_hidden_states2,
+        gate_msa2,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,21 +97,26 @@ def norm_unfusable(norm) -> str | None:
 def ada_norm_patcher(forward, kind: str):
     """Patch function for an AdaLN module class whose forward is `forward`. A hooked AdaLN module
     is skipped (reported): diffusers' own forward is always a correct fallback."""
+
     def patch(name: str, module, injector) -> None:
         reason = norm_unfusable(module.norm)
         if reason:
             injector.skip(kind, name, reason)
         else:
             injector.swap_forward(name, module, forward, kind, required=False)
+
     return patch
 
 
 PATCHERS = {
     "AdaLayerNormZero": ada_norm_patcher(ada_norm_zero_forward, "AdaLayerNormZero"),
-    "AdaLayerNormZeroSingle": ada_norm_patcher(ada_norm_zero_single_forward,
-                                               "AdaLayerNormZeroSingle"),
-    "AdaLayerNormContinuous": ada_norm_patcher(ada_norm_continuous_forward,
-                                               "AdaLayerNormContinuous"),
-    "SD35AdaLayerNormZeroX": ada_norm_patcher(sd35_ada_norm_zero_x_forward,
-                                              "SD35AdaLayerNormZeroX"),
+    "AdaLayerNormZeroSingle": ada_norm_patcher(
+        ada_norm_zero_single_forward, "AdaLayerNormZeroSingle"
+    ),
+    "AdaLayerNormContinuous": ada_norm_patcher(
+        ada_norm_continuous_forward, "AdaLayerNormContinuous"
+    ),
+    "SD35AdaLayerNormZeroX": ada_norm_patcher(
+        sd35_ada_norm_zero_x_forward, "SD35AdaLayerNormZeroX"
+    ),
 }

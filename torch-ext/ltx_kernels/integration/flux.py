@@ -12,6 +12,7 @@ Single block (`FluxSingleTransformerBlock`):
   attention: q/k RMSNorm + RoPE       -> qk_rmsnorm_rope
   x + gate * proj_out(cat(attn, mlp)) -> gated_residual
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,9 +34,13 @@ def _diffusers_rope(x, cos_sin):
 def _rope_rows(cos_sin, text_len: int, total: int):
     """(text rows, image rows) of FLUX's [S_txt + S_img, Dh] cos/sin tables, as views; None when
     the tables are absent or in another form (RoPE is then applied after the concatenation)."""
-    if (cos_sin is None or len(cos_sin) != 2
-            or not all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == total
-                       for t in cos_sin)):
+    if (
+        cos_sin is None
+        or len(cos_sin) != 2
+        or not all(
+            isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == total for t in cos_sin
+        )
+    ):
         return None
     cos, sin = cos_sin
     return (cos[:text_len], sin[:text_len]), (cos[text_len:], sin[text_len:])
@@ -46,47 +51,82 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
     signature (FluxAttention filters its kwargs by it); backend and parallel config are copied
     from the replaced processor."""
 
-    def __call__(self, attn, hidden_states: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
         query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states)
+            attn, hidden_states, encoder_hidden_states
+        )
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
         joint = attn.added_kv_proj_dim is not None
         text_len = encoder_query.shape[1] if joint else 0
         rows = _rope_rows(image_rotary_emb, text_len, text_len + query.shape[1])
         text_rope, image_rope = rows if rows is not None else (None, None)
 
-        query, key = steps.qk_norm_rope(self.ops, attn.norm_q, attn.norm_k, query, key,
-                                        image_rope, _diffusers_rope, across_heads=False)
+        query, key = steps.qk_norm_rope(
+            self.ops,
+            attn.norm_q,
+            attn.norm_k,
+            query,
+            key,
+            image_rope,
+            _diffusers_rope,
+            across_heads=False,
+        )
         if joint:
             encoder_query, encoder_key, encoder_value = (
                 t.unflatten(-1, (-1, attn.head_dim))
-                for t in (encoder_query, encoder_key, encoder_value))
+                for t in (encoder_query, encoder_key, encoder_value)
+            )
             encoder_query, encoder_key = steps.qk_norm_rope(
-                self.ops, attn.norm_added_q, attn.norm_added_k, encoder_query, encoder_key,
-                text_rope, _diffusers_rope, across_heads=False)
+                self.ops,
+                attn.norm_added_q,
+                attn.norm_added_k,
+                encoder_query,
+                encoder_key,
+                text_rope,
+                _diffusers_rope,
+                across_heads=False,
+            )
             query = torch.cat([encoder_query, query], dim=1)
             key = torch.cat([encoder_key, key], dim=1)
             value = torch.cat([encoder_value, value], dim=1)
         if rows is None and image_rotary_emb is not None:  # tables not split: rotate the whole
-            query, key = steps.qk_norm_rope(self.ops, None, None, query, key, image_rotary_emb,
-                                            _diffusers_rope, across_heads=False)
+            query, key = steps.qk_norm_rope(
+                self.ops,
+                None,
+                None,
+                query,
+                key,
+                image_rotary_emb,
+                _diffusers_rope,
+                across_heads=False,
+            )
 
         hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-            parallel_config=self._parallel_config)
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         if encoder_hidden_states is None:
             return hidden_states
         text_len = encoder_hidden_states.shape[1]
         encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-            [text_len, hidden_states.shape[1] - text_len], dim=1)
+            [text_len, hidden_states.shape[1] - text_len], dim=1
+        )
         hidden_states = attn.to_out[0](hidden_states.contiguous())
         hidden_states = attn.to_out[1](hidden_states)
         encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
@@ -100,43 +140,69 @@ def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
-def double_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                         temb: torch.Tensor,
-                         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         joint_attention_kwargs: dict[str, Any] | None = None):
+def double_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+):
     """`FluxTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
     ops = self._ltx_kernels_ops
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states,
-                                                                               emb=temb)
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = \
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
+        hidden_states, emb=temb
+    )
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
         self.norm1_context(encoder_hidden_states, emb=temb)
+    )
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attention_outputs = self.attn(hidden_states=norm_hidden_states,
-                                  encoder_hidden_states=norm_encoder_hidden_states,
-                                  image_rotary_emb=image_rotary_emb, **joint_attention_kwargs)
+    attention_outputs = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
     attn_output, context_attn_output = attention_outputs[:2]  # a third: IP-adapter output
 
     hidden_states, norm_hidden_states = steps.add_norm_modulate(
-        ops, self.norm2, hidden_states, attn_output, scale_mlp[:, None], shift_mlp[:, None],
-        gate_msa[:, None])
+        ops,
+        self.norm2,
+        hidden_states,
+        attn_output,
+        scale_mlp[:, None],
+        shift_mlp[:, None],
+        gate_msa[:, None],
+    )
     ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
     hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp[:, None])
     if len(attention_outputs) == 3:
         hidden_states = hidden_states + attention_outputs[2]
 
     encoder_hidden_states, norm_encoder_hidden_states = steps.add_norm_modulate(
-        ops, self.norm2_context, encoder_hidden_states, context_attn_output,
-        c_scale_mlp[:, None], c_shift_mlp[:, None], c_gate_msa[:, None])
+        ops,
+        self.norm2_context,
+        encoder_hidden_states,
+        context_attn_output,
+        c_scale_mlp[:, None],
+        c_shift_mlp[:, None],
+        c_gate_msa[:, None],
+    )
     context_ff_output = steps.feed_forward(ops, self.ff_context, norm_encoder_hidden_states)
-    encoder_hidden_states = steps.residual(ops, encoder_hidden_states, context_ff_output,
-                                           c_gate_mlp[:, None])
+    encoder_hidden_states = steps.residual(
+        ops, encoder_hidden_states, context_ff_output, c_gate_mlp[:, None]
+    )
     return _clip_fp16(encoder_hidden_states), hidden_states
 
 
-def single_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                         temb: torch.Tensor,
-                         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         joint_attention_kwargs: dict[str, Any] | None = None):
+def single_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+):
     """`FluxSingleTransformerBlock.forward` on the fused ops (same arguments and rounding)."""
     ops = self._ltx_kernels_ops
     text_seq_len = encoder_hidden_states.shape[1]
@@ -146,8 +212,11 @@ def single_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_state
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
     mlp_hidden_states = steps.linear_act(ops, self.proj_mlp, self.act_mlp, norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
-                            **joint_attention_kwargs)
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
 
     hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
     hidden_states = steps.residual(ops, residual, self.proj_out(hidden_states), gate[:, None])
@@ -163,7 +232,9 @@ SINGLE_ATTN = "FluxAttention (single: q/k norm + RoPE)"
 
 
 def _patch_attention(name: str, attn, kind: str, injector) -> None:
-    if injector.has_stock_processor(name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code"):
+    if injector.has_stock_processor(
+        name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code"
+    ):
         injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
 
 

@@ -10,6 +10,7 @@ Per block (`LTXVideoTransformerBlock`), with t = scale_shift_table + temb split 
   x + ff * gate_mlp             -> gated_residual
 Model (`LTXVideoTransformer3DModel`): output LayerNorm + modulation -> layernorm_modulate.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,81 +30,129 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
     """`LTXVideoAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature (LTXAttention
     filters its kwargs by it); backend and parallel config are copied from the replaced processor."""
 
-    def __call__(self, attn, hidden_states: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
         batch_size, sequence_length, _ = (
-            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape)
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
         if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+            attention_mask = attn.prepare_attention_mask(
+                attention_mask, sequence_length, batch_size
+            )
+            attention_mask = attention_mask.view(
+                batch_size, attn.heads, -1, attention_mask.shape[-1]
+            )
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
 
         query = attn.to_q(hidden_states)
         key = attn.to_k(encoder_hidden_states)
         value = attn.to_v(encoder_hidden_states)
-        query, key = steps.qk_norm_rope(self.ops, attn.norm_q, attn.norm_k, query, key,
-                                        image_rotary_emb, _diffusers_rope, across_heads=True)
+        query, key = steps.qk_norm_rope(
+            self.ops,
+            attn.norm_q,
+            attn.norm_k,
+            query,
+            key,
+            image_rotary_emb,
+            _diffusers_rope,
+            across_heads=True,
+        )
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
 
         hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config)
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
 
 
-def block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                  temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  encoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`LTXVideoTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
     ops = self._ltx_kernels_ops
     batch_size = hidden_states.size(0)
     num_ada_params = self.scale_shift_table.shape[0]
     ada_values = self.scale_shift_table[None, None].to(temb.device) + temb.reshape(
-        batch_size, temb.size(1), num_ada_params, -1)
+        batch_size, temb.size(1), num_ada_params, -1
+    )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
 
     norm_hidden_states = steps.norm_modulate(ops, self.norm1, hidden_states, scale_msa, shift_msa)
-    attn_hidden_states = self.attn1(hidden_states=norm_hidden_states, encoder_hidden_states=None,
-                                    image_rotary_emb=image_rotary_emb)
+    attn_hidden_states = self.attn1(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=None,
+        image_rotary_emb=image_rotary_emb,
+    )
     hidden_states = steps.residual(ops, hidden_states, attn_hidden_states, gate_msa)
 
-    attn_hidden_states = self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
-                                    image_rotary_emb=None, attention_mask=encoder_attention_mask)
+    attn_hidden_states = self.attn2(
+        hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
+        image_rotary_emb=None,
+        attention_mask=encoder_attention_mask,
+    )
     hidden_states, norm_hidden_states = steps.add_norm_modulate(
-        ops, self.norm2, hidden_states, attn_hidden_states, scale_mlp, shift_mlp)
+        ops, self.norm2, hidden_states, attn_hidden_states, scale_mlp, shift_mlp
+    )
 
     ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
     return steps.residual(ops, hidden_states, ff_output, gate_mlp)
 
 
-def _model_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                   timestep: torch.LongTensor, encoder_attention_mask: torch.Tensor,
-                   num_frames: int | None = None, height: int | None = None,
-                   width: int | None = None, rope_interpolation_scale=None,
-                   video_coords: torch.Tensor | None = None,
-                   attention_kwargs: dict[str, Any] | None = None, return_dict: bool = True):
+def _model_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.LongTensor,
+    encoder_attention_mask: torch.Tensor,
+    num_frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    rope_interpolation_scale=None,
+    video_coords: torch.Tensor | None = None,
+    attention_kwargs: dict[str, Any] | None = None,
+    return_dict: bool = True,
+):
     """`LTXVideoTransformer3DModel.forward` (diffusers 0.36-0.42) with the output norm fused."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-    image_rotary_emb = self.rope(hidden_states, num_frames, height, width,
-                                 rope_interpolation_scale, video_coords)
+    image_rotary_emb = self.rope(
+        hidden_states, num_frames, height, width, rope_interpolation_scale, video_coords
+    )
     if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
         encoder_attention_mask = (1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0
         encoder_attention_mask = encoder_attention_mask.unsqueeze(1)
 
     batch_size = hidden_states.size(0)
     hidden_states = self.proj_in(hidden_states)
-    temb, embedded_timestep = self.time_embed(timestep.flatten(), batch_size=batch_size,
-                                              hidden_dtype=hidden_states.dtype)
+    temb, embedded_timestep = self.time_embed(
+        timestep.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype
+    )
     temb = temb.view(batch_size, -1, temb.size(-1))
     embedded_timestep = embedded_timestep.view(batch_size, -1, embedded_timestep.size(-1))
     encoder_hidden_states = self.caption_projection(encoder_hidden_states)
@@ -112,18 +161,27 @@ def _model_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: tor
     for block in self.transformer_blocks:
         if torch.is_grad_enabled() and self.gradient_checkpointing:
             hidden_states = self._gradient_checkpointing_func(
-                block, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                encoder_attention_mask)
+                block,
+                hidden_states,
+                encoder_hidden_states,
+                temb,
+                image_rotary_emb,
+                encoder_attention_mask,
+            )
         else:
-            hidden_states = block(hidden_states=hidden_states,
-                                  encoder_hidden_states=encoder_hidden_states, temb=temb,
-                                  image_rotary_emb=image_rotary_emb,
-                                  encoder_attention_mask=encoder_attention_mask)
+            hidden_states = block(
+                hidden_states=hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                temb=temb,
+                image_rotary_emb=image_rotary_emb,
+                encoder_attention_mask=encoder_attention_mask,
+            )
 
     scale_shift_values = self.scale_shift_table[None, None] + embedded_timestep[:, :, None]
     shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
-    hidden_states = steps.norm_modulate(self._ltx_kernels_ops, self.norm_out, hidden_states,
-                                        scale, shift)
+    hidden_states = steps.norm_modulate(
+        self._ltx_kernels_ops, self.norm_out, hidden_states, scale, shift
+    )
     output = self.proj_out(hidden_states)
     if not return_dict:
         return (output,)
@@ -143,11 +201,18 @@ model_forward = _lora_scaled(_model_forward)
 
 def patch_block(name: str, block, injector) -> None:
     injector.swap_forward(name, block, block_forward, "LTXVideoTransformerBlock")
-    for attn_name, kind in (("attn1", "LTXAttention (self: q/k norm + RoPE)"),
-                            ("attn2", "LTXAttention (cross: q/k norm)")):
+    for attn_name, kind in (
+        ("attn1", "LTXAttention (self: q/k norm + RoPE)"),
+        ("attn2", "LTXAttention (cross: q/k norm)"),
+    ):
         attn = getattr(block, attn_name)
-        if injector.has_stock_processor(f"{name}.{attn_name}", attn, "LTXVideoAttnProcessor", kind,
-                                        "LoRA/IP adapters or user code"):
+        if injector.has_stock_processor(
+            f"{name}.{attn_name}",
+            attn,
+            "LTXVideoAttnProcessor",
+            kind,
+            "LoRA/IP adapters or user code",
+        ):
             injector.set_processor(f"{name}.{attn_name}", attn, LTXKernelsAttnProcessor(), kind)
     reason = steps.feed_forward_fusable(block.ff)
     if reason:
@@ -155,8 +220,9 @@ def patch_block(name: str, block, injector) -> None:
 
 
 def patch_model(name: str, model, injector) -> None:
-    injector.swap_forward(name, model, model_forward, "LTXVideoTransformer3DModel (output norm)",
-                          required=False)
+    injector.swap_forward(
+        name, model, model_forward, "LTXVideoTransformer3DModel (output norm)", required=False
+    )
 
 
 PATCHERS = {

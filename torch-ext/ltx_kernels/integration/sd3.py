@@ -11,6 +11,7 @@ Per block, for the image stream (and the text stream unless context_pre_only):
 Attention (SD3.5, qk_norm="rms_norm"): the per-head diffusers RMSNorm of q, k, added q, added k on
 the [B, H, S, Dh] view -> rmsnorm; F.scaled_dot_product_attention is called as SD3 does.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,9 +35,15 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
     def _norm(self, norm, x):
         return x if norm is None else steps.diffusers_rmsnorm(self.ops, norm, x)
 
-    def __call__(self, attn, hidden_states: torch.FloatTensor,
-                 encoder_hidden_states: torch.FloatTensor = None,
-                 attention_mask: torch.FloatTensor | None = None, *args, **kwargs):
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.FloatTensor,
+        encoder_hidden_states: torch.FloatTensor = None,
+        attention_mask: torch.FloatTensor | None = None,
+        *args,
+        **kwargs,
+    ):
         residual = hidden_states
         batch_size = hidden_states.shape[0]
 
@@ -51,21 +58,25 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
         if encoder_hidden_states is not None:
             context_query, context_key, context_value = (
                 _split_heads(projection(encoder_hidden_states), attn.heads, head_dim)
-                for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+                for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            )
             context_query = self._norm(attn.norm_added_q, context_query)
             context_key = self._norm(attn.norm_added_k, context_key)
             query = torch.cat([query, context_query], dim=2)
             key = torch.cat([key, context_key], dim=2)
             value = torch.cat([value, context_value], dim=2)
 
-        hidden_states = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0,
-                                                       is_causal=False)
+        hidden_states = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=0.0, is_causal=False
+        )
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = hidden_states.to(query.dtype)
 
         if encoder_hidden_states is not None:
-            hidden_states, encoder_hidden_states = (hidden_states[:, :residual.shape[1]],
-                                                    hidden_states[:, residual.shape[1]:])
+            hidden_states, encoder_hidden_states = (
+                hidden_states[:, : residual.shape[1]],
+                hidden_states[:, residual.shape[1] :],
+            )
             if not attn.context_pre_only:
                 encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         hidden_states = attn.to_out[0](hidden_states)
@@ -85,8 +96,13 @@ def _feed_forward(block, ff, x):
     return _chunked_feed_forward(fused, x, block._chunk_dim, block._chunk_size)
 
 
-def block_forward(self, hidden_states: torch.FloatTensor, encoder_hidden_states: torch.FloatTensor,
-                  temb: torch.FloatTensor, joint_attention_kwargs: dict[str, Any] | None = None):
+def block_forward(
+    self,
+    hidden_states: torch.FloatTensor,
+    encoder_hidden_states: torch.FloatTensor,
+    temb: torch.FloatTensor,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+):
     """`JointTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
     ops = self._ltx_kernels_ops
     joint_attention_kwargs = joint_attention_kwargs or {}
@@ -95,12 +111,15 @@ def block_forward(self, hidden_states: torch.FloatTensor, encoder_hidden_states:
     if self.context_pre_only:
         norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states, temb)
     else:
-        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = \
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
             self.norm1_context(encoder_hidden_states, emb=temb)
+        )
 
-    attn_output, context_attn_output = self.attn(hidden_states=norm_hidden_states,
-                                                 encoder_hidden_states=norm_encoder_hidden_states,
-                                                 **joint_attention_kwargs)
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        **joint_attention_kwargs,
+    )
     if self.use_dual_attention:  # x + gate*attn, then + gate2*attn2 fused with norm2 below
         norm_hidden_states2, gate_msa2 = norm_outputs[5:]
         hidden_states = steps.residual(ops, hidden_states, attn_output, gate_msa[:, None])
@@ -108,19 +127,32 @@ def block_forward(self, hidden_states: torch.FloatTensor, encoder_hidden_states:
         gate_msa = gate_msa2
 
     hidden_states, norm_hidden_states = steps.add_norm_modulate(
-        ops, self.norm2, hidden_states, attn_output, scale_mlp[:, None], shift_mlp[:, None],
-        gate_msa[:, None])
+        ops,
+        self.norm2,
+        hidden_states,
+        attn_output,
+        scale_mlp[:, None],
+        shift_mlp[:, None],
+        gate_msa[:, None],
+    )
     ff_output = _feed_forward(self, self.ff, norm_hidden_states)
     hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp[:, None])
 
     if self.context_pre_only:
         return None, hidden_states
     encoder_hidden_states, norm_encoder_hidden_states = steps.add_norm_modulate(
-        ops, self.norm2_context, encoder_hidden_states, context_attn_output,
-        c_scale_mlp[:, None], c_shift_mlp[:, None], c_gate_msa[:, None])
+        ops,
+        self.norm2_context,
+        encoder_hidden_states,
+        context_attn_output,
+        c_scale_mlp[:, None],
+        c_shift_mlp[:, None],
+        c_gate_msa[:, None],
+    )
     context_ff_output = _feed_forward(self, self.ff_context, norm_encoder_hidden_states)
-    encoder_hidden_states = steps.residual(ops, encoder_hidden_states, context_ff_output,
-                                           c_gate_mlp[:, None])
+    encoder_hidden_states = steps.residual(
+        ops, encoder_hidden_states, context_ff_output, c_gate_mlp[:, None]
+    )
     return encoder_hidden_states, hidden_states
 
 
@@ -129,8 +161,9 @@ DUAL_ATTN = "Attention (SD3.5 dual self-attention: per-head q/k RMSNorm)"
 
 
 def _patch_attention(name: str, attn, kind: str, injector) -> None:
-    if not injector.has_stock_processor(name, attn, "JointAttnProcessor2_0", kind,
-                                        "IP-adapter, fused QKV, PAG or user code"):
+    if not injector.has_stock_processor(
+        name, attn, "JointAttnProcessor2_0", kind, "IP-adapter, fused QKV, PAG or user code"
+    ):
         return
     norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
     norms = [n for n in norms if n is not None]

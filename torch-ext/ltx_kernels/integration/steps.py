@@ -6,14 +6,25 @@ code: model-dtype steps round every operation (upcast=False), Wan's fp32 steps r
 
 While autograd records through a step (training), the step uses only ops in FUSED_BACKWARD and
 runs the diffusers code for the others, so training gets stock gradients at stock speed."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .. import (add_layernorm_modulate, add_rmsnorm_modulate, gated_residual, geglu, gelu,
-                layernorm_modulate, linear_gelu, qk_rmsnorm_rope, rmsnorm, rmsnorm_modulate,
-                rope)
+from .. import (
+    add_layernorm_modulate,
+    add_rmsnorm_modulate,
+    gated_residual,
+    geglu,
+    gelu,
+    layernorm_modulate,
+    linear_gelu,
+    qk_rmsnorm_rope,
+    rmsnorm,
+    rmsnorm_modulate,
+    rope,
+)
 from . import FUSED_BACKWARD, has_forward_hook
 
 
@@ -49,8 +60,11 @@ def _same_dtype(x: torch.Tensor, *tensors) -> bool:
 
 
 def is_diffusers_rmsnorm(norm) -> bool:
-    return type(norm).__name__ == "RMSNorm" and not isinstance(norm, torch.nn.RMSNorm) \
+    return (
+        type(norm).__name__ == "RMSNorm"
+        and not isinstance(norm, torch.nn.RMSNorm)
         and getattr(norm, "bias", None) is None
+    )
 
 
 def is_plain_layernorm(norm) -> bool:
@@ -61,8 +75,10 @@ def _modulation_ok(x, norm, scale, shift, gate=None, upcast=False) -> bool:
     """The operands the model-dtype form of an op accepts (upcast: fp32 or x's dtype)."""
     weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
     if upcast:
-        return all(t is None or t.dtype in (x.dtype, torch.float32)
-                   for t in (scale, shift, gate, weight, bias))
+        return all(
+            t is None or t.dtype in (x.dtype, torch.float32)
+            for t in (scale, shift, gate, weight, bias)
+        )
     return _same_dtype(x, scale, shift, gate, weight, bias)
 
 
@@ -96,8 +112,12 @@ def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
     """norm is a hook-free nn.LayerNorm (FP32LayerNorm) and the modulation tensors are None or of
     one dtype (fp32 or x's), as the upcast ops take them."""
     dtypes = {t.dtype for t in (scale, shift, gate) if t is not None}
-    return (_plain(norm) and is_plain_layernorm(norm) and len(dtypes) <= 1
-            and _modulation_ok(x, norm, scale, shift, gate, upcast=True))
+    return (
+        _plain(norm)
+        and is_plain_layernorm(norm)
+        and len(dtypes) <= 1
+        and _modulation_ok(x, norm, scale, shift, gate, upcast=True)
+    )
 
 
 def norm_modulate_fp32(ops, norm, x, scale=None, shift=None):
@@ -116,10 +136,14 @@ def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None):
     """The upcast twin of add_norm_modulate (Wan), each output rounded once. Returns (h, n):
     h = (x.float() + y * gate).type_as(x), or x + y without gate; n = norm_modulate_fp32(h)."""
     ops = ops_for_step(ops, x, y, norm, scale, shift, gate)
-    if ("add_layernorm_modulate" in ops and _same_dtype(x, y)
-            and _fp32_norm_fusable(norm, x, scale, shift, gate)):
-        return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps,
-                                      upcast=True)
+    if (
+        "add_layernorm_modulate" in ops
+        and _same_dtype(x, y)
+        and _fp32_norm_fusable(norm, x, scale, shift, gate)
+    ):
+        return add_layernorm_modulate(
+            x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps, upcast=True
+        )
     h = x + y if gate is None else residual_fp32(ops, x, y, gate)
     return h, norm_modulate_fp32(ops, norm, h, scale, shift)
 
@@ -131,8 +155,9 @@ def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None):
         if "add_rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
             return add_rmsnorm_modulate(x, y, scale, shift, gate, norm.weight, norm.eps)
         if "add_layernorm_modulate" in ops and is_plain_layernorm(norm):
-            return add_layernorm_modulate(x, y, scale, shift, gate, norm.weight, norm.bias,
-                                          norm.eps)
+            return add_layernorm_modulate(
+                x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps
+            )
     h = residual(ops, x, y, gate)
     return h, norm_modulate(ops, norm, h, scale, shift)
 
@@ -166,14 +191,29 @@ def _rmsnorm_eps(norm, x):
 def fuses_qk_norm(ops, norm_q, norm_k, q, k) -> bool:
     """Whether qk_norm_rope runs the q/k norms in our op: a hook-free torch.nn.RMSNorm pair with one
     eps, q and k of one dtype, weights in it or fp32."""
-    return ("qk_rmsnorm_rope" in ops and isinstance(norm_q, torch.nn.RMSNorm)
-            and isinstance(norm_k, torch.nn.RMSNorm) and _plain(norm_q, norm_k)
-            and _rmsnorm_eps(norm_q, q) == _rmsnorm_eps(norm_k, k)
-            and q.dtype == k.dtype and _weights_ok(q, norm_q.weight, norm_k.weight))
+    return (
+        "qk_rmsnorm_rope" in ops
+        and isinstance(norm_q, torch.nn.RMSNorm)
+        and isinstance(norm_k, torch.nn.RMSNorm)
+        and _plain(norm_q, norm_k)
+        and _rmsnorm_eps(norm_q, q) == _rmsnorm_eps(norm_k, k)
+        and q.dtype == k.dtype
+        and _weights_ok(q, norm_q.weight, norm_k.weight)
+    )
 
 
-def qk_norm_rope(ops, norm_q, norm_k, q, k, cos_sin, diffusers_rope, *, across_heads: bool,
-                 interleaved: bool = True):
+def qk_norm_rope(
+    ops,
+    norm_q,
+    norm_k,
+    q,
+    k,
+    cos_sin,
+    diffusers_rope,
+    *,
+    across_heads: bool,
+    interleaved: bool = True,
+):
     """q, k = norm_q(q), norm_k(k) (torch.nn.RMSNorm; None: no norm), then RoPE with
     cos_sin = (cos, sin) or None. diffusers_rope(t, cos_sin) is the model's own rotation, used when
     the rope op is disabled or cannot take the tables."""
@@ -182,8 +222,17 @@ def qk_norm_rope(ops, norm_q, norm_k, q, k, cos_sin, diffusers_rope, *, across_h
     fused_norm = fuses_qk_norm(ops, norm_q, norm_k, q, k)
     if fused_norm:
         cos, sin = cos_sin if rotate else (None, None)
-        q, k = qk_rmsnorm_rope(q, k, norm_q.weight, norm_k.weight, cos, sin,
-                               _rmsnorm_eps(norm_q, q), across_heads, interleaved)
+        q, k = qk_rmsnorm_rope(
+            q,
+            k,
+            norm_q.weight,
+            norm_k.weight,
+            cos,
+            sin,
+            _rmsnorm_eps(norm_q, q),
+            across_heads,
+            interleaved,
+        )
     else:
         if norm_q is not None:
             q = norm_q(q)
@@ -202,8 +251,12 @@ def _weights_ok(x, *weights) -> bool:
 
 def _same_rope_tables(x, cos_sin) -> bool:
     cos, sin = cos_sin
-    return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
-            and cos.dtype == sin.dtype and cos.dtype in (x.dtype, torch.float32))
+    return (
+        isinstance(cos, torch.Tensor)
+        and isinstance(sin, torch.Tensor)
+        and cos.dtype == sin.dtype
+        and cos.dtype in (x.dtype, torch.float32)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,7 +271,11 @@ def feed_forward(ops, ff, x):
     proj = getattr(act, "proj", None)
     ops = ops_for_step(ops, x, proj)
     h = None
-    if _plain(act, proj) and isinstance(proj, torch.nn.Linear) and _same_dtype(x, proj.weight, proj.bias):
+    if (
+        _plain(act, proj)
+        and isinstance(proj, torch.nn.Linear)
+        and _same_dtype(x, proj.weight, proj.bias)
+    ):
         if kind == "GELU" and act.approximate == "tanh" and "linear_gelu" in ops:
             h = linear_gelu(x, proj.weight, proj.bias)
         elif kind == "GELU" and "gelu" in ops:
@@ -243,8 +300,13 @@ def linear_act(ops, proj, act, x):
     MLP): GELU-tanh as one GEMM with a GELU epilogue, other GELUs as our gelu op."""
     ops = ops_for_step(ops, x, proj)
     if linear_act_fusable(act) is None and _plain(act):
-        if ("linear_gelu" in ops and act.approximate == "tanh" and _plain(proj)
-                and isinstance(proj, torch.nn.Linear) and _same_dtype(x, proj.weight, proj.bias)):
+        if (
+            "linear_gelu" in ops
+            and act.approximate == "tanh"
+            and _plain(proj)
+            and isinstance(proj, torch.nn.Linear)
+            and _same_dtype(x, proj.weight, proj.bias)
+        ):
             return linear_gelu(x, proj.weight, proj.bias)
         if "gelu" in ops:
             return gelu(proj(x), act.approximate)

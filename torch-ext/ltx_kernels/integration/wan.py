@@ -16,6 +16,7 @@ I2V's image-context attention runs as in diffusers (its K norm is one torch kern
 Not patched: the model's output norm is inline in `WanTransformer3DModel.forward`; fusing it means
 copying that whole forward for one LayerNorm per call (reported as skipped).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,15 @@ from . import FusedAttnProcessor, steps
 
 # Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
 # animate and ChronoEdit copies are verbatim). A same-named class from elsewhere is left alone.
-_WAN_MODULES = frozenset(f"diffusers.models.transformers.{name}" for name in (
-    "transformer_wan", "transformer_wan_animate", "transformer_chronoedit", "transformer_wan_vace"))
+_WAN_MODULES = frozenset(
+    f"diffusers.models.transformers.{name}"
+    for name in (
+        "transformer_wan",
+        "transformer_wan_animate",
+        "transformer_chronoedit",
+        "transformer_wan_vace",
+    )
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -53,8 +61,9 @@ def _rope_operands(ops, rotary_emb):
     if rotary_emb is None:
         return ops, None
     freqs_cos, freqs_sin = rotary_emb
-    if "rope" not in ops or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32
-                                    for t in rotary_emb):
+    if "rope" not in ops or not all(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in rotary_emb
+    ):
         return ops - {"rope"}, rotary_emb
     cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
     return ops, (torch.stack((cos, cos), -1).flatten(-2), torch.stack((sin, sin), -1).flatten(-2))
@@ -73,8 +82,16 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
     if not steps.fuses_qk_norm(ops, norm_q, norm_k, query, key):
         # The shared step would norm the head-split tensors; these norms span the whole token.
         query, key, norm_q, norm_k = norm_q(query), norm_k(key), None, None
-    return steps.qk_norm_rope(ops, norm_q, norm_k, _heads(attn, query), _heads(attn, key), tables,
-                              wan_rope, across_heads=True)
+    return steps.qk_norm_rope(
+        ops,
+        norm_q,
+        norm_k,
+        _heads(attn, query),
+        _heads(attn, key),
+        tables,
+        wan_rope,
+        across_heads=True,
+    )
 
 
 class WanKernelsAttnProcessor(FusedAttnProcessor):
@@ -82,18 +99,31 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
     parallel config are copied from the replaced processor and passed where diffusers passes
     them."""
 
-    def __call__(self, attn, hidden_states: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None,
-                 rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import (_get_added_kv_projections,
-                                                                   _get_qkv_projections)
+        from diffusers.models.transformers.transformer_wan import (
+            _get_added_kv_projections,
+            _get_qkv_projections,
+        )
 
         def attend(key, value, attn_mask, parallel_config):
-            out = dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
-                                        is_causal=False, backend=self._attention_backend,
-                                        parallel_config=parallel_config)
+            out = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=parallel_config,
+            )
             return out.flatten(2, 3).type_as(query)
 
         encoder_hidden_states_img = None
@@ -113,8 +143,12 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
             key_img = _heads(attn, attn.norm_added_k(key_img))
             hidden_states_img = attend(key_img, _heads(attn, value_img), None, None)
 
-        hidden_states = attend(key, value, attention_mask,
-                               self._parallel_config if encoder_hidden_states is None else None)
+        hidden_states = attend(
+            key,
+            value,
+            attention_mask,
+            self._parallel_config if encoder_hidden_states is None else None,
+        )
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
         hidden_states = attn.to_out[0](hidden_states)
@@ -131,41 +165,57 @@ def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb):
     if hidden_states.stride(-1) != 1:  # VACE and ChronoEdit pass the patch embedding transposed;
         hidden_states = hidden_states.contiguous()  # our ops read rows (same values)
 
-    norm_hidden_states = steps.norm_modulate_fp32(ops, self.norm1, hidden_states, scale_msa,
-                                                  shift_msa)
+    norm_hidden_states = steps.norm_modulate_fp32(
+        ops, self.norm1, hidden_states, scale_msa, shift_msa
+    )
     attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
     hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
-        ops, self.norm2, hidden_states, attn_output, gate=gate_msa)
+        ops, self.norm2, hidden_states, attn_output, gate=gate_msa
+    )
 
     attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
     hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
-        ops, self.norm3, hidden_states, attn_output, c_scale_msa, c_shift_msa)
+        ops, self.norm3, hidden_states, attn_output, c_scale_msa, c_shift_msa
+    )
 
     ff_output = steps.feed_forward(ops, self.ffn, norm_hidden_states)
     return steps.residual_fp32(ops, hidden_states, ff_output, c_gate_msa)
 
 
-def block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                  temb: torch.Tensor, rotary_emb: torch.Tensor) -> torch.Tensor:
+def block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+) -> torch.Tensor:
     """`WanTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
     if temb.ndim == 4:  # Wan 2.2 TI2V: temb [B, S, 6, D], modulation per token
-        modulation = [t.squeeze(2) for t in
-                      (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+        modulation = [
+            t.squeeze(2)
+            for t in (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        ]
     else:  # temb [B, 6, D]
         modulation = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
     return _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb)
 
 
-def vace_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                       control_hidden_states: torch.Tensor, temb: torch.Tensor,
-                       rotary_emb: torch.Tensor):
+def vace_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    control_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+):
     """`WanVACETransformerBlock.forward` on the fused ops: the Wan layer on the control stream."""
     if self.proj_in is not None:
         control_hidden_states = self.proj_in(control_hidden_states)
         control_hidden_states = control_hidden_states + hidden_states
     modulation = (self.scale_shift_table.to(temb.device) + temb.float()).chunk(6, dim=1)
-    control_hidden_states = _layer(self, control_hidden_states, encoder_hidden_states, modulation,
-                                   rotary_emb)
+    control_hidden_states = _layer(
+        self, control_hidden_states, encoder_hidden_states, modulation, rotary_emb
+    )
     conditioning_states = None
     if self.proj_out is not None:
         conditioning_states = self.proj_out(control_hidden_states)
@@ -188,31 +238,48 @@ def _block_patcher(forward):
     def patch(name: str, block, injector) -> None:
         kind = type(block).__name__
         if not _is_wan(block):
-            injector.skip(kind, name, f"class from {type(block).__module__}, not a diffusers Wan "
-                          "module; left unpatched")
+            injector.skip(
+                kind,
+                name,
+                f"class from {type(block).__module__}, not a diffusers Wan module; left unpatched",
+            )
             return
         injector.swap_forward(name, block, forward, kind)
         for attn_name, attn_kind in (("attn1", SELF_ATTENTION), ("attn2", CROSS_ATTENTION)):
             attn = getattr(block, attn_name)
-            if not injector.has_stock_processor(f"{name}.{attn_name}", attn, "WanAttnProcessor",
-                                                attn_kind, "LoRA/IP adapters or user code",
-                                                is_stock=_is_wan):
+            if not injector.has_stock_processor(
+                f"{name}.{attn_name}",
+                attn,
+                "WanAttnProcessor",
+                attn_kind,
+                "LoRA/IP adapters or user code",
+                is_stock=_is_wan,
+            ):
                 continue
-            injector.set_processor(f"{name}.{attn_name}", attn, WanKernelsAttnProcessor(),
-                                   attn_kind)
+            injector.set_processor(
+                f"{name}.{attn_name}", attn, WanKernelsAttnProcessor(), attn_kind
+            )
             if attn.add_k_proj is not None:
-                injector.skip(IMAGE_CONTEXT, f"{name}.{attn_name}", "norm_added_k stays "
-                              "torch.nn.RMSNorm (one kernel, no RoPE or partner norm to fuse)")
+                injector.skip(
+                    IMAGE_CONTEXT,
+                    f"{name}.{attn_name}",
+                    "norm_added_k stays "
+                    "torch.nn.RMSNorm (one kernel, no RoPE or partner norm to fuse)",
+                )
         reason = steps.feed_forward_fusable(block.ffn)
         if reason:
             injector.skip(f"{kind} feed-forward", f"{name}.ffn", reason)
+
     return patch
 
 
 def patch_model(name: str, model, injector) -> None:
-    injector.skip(f"{type(model).__name__} (output norm)", name,
-                  "inline in the model forward; fusing it would copy the whole forward for one "
-                  "LayerNorm per call")
+    injector.skip(
+        f"{type(model).__name__} (output norm)",
+        name,
+        "inline in the model forward; fusing it would copy the whole forward for one "
+        "LayerNorm per call",
+    )
 
 
 PATCHERS = {
