@@ -34,8 +34,15 @@ static ltx_check_t dtype_fail(int status, ltx_rule_t rule, const char* arg, ltx_
 
 /* arg is float32, float16 or bfloat16. */
 static ltx_check_t float_dtype(const char* arg, ltx_dtype_t dtype) {
-  if (ltx_valid_dtype(dtype)) return ok();
+  if (ltx_model_dtype(dtype)) return ok();
   return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_FLOAT_DTYPE, arg, dtype, NULL, dtype);
+}
+
+/* arg is a model dtype or float64 (ops whose C twin computes in double, for gradcheck). */
+static ltx_check_t float_or_float64_dtype(const char* arg, ltx_dtype_t dtype) {
+  if (ltx_valid_dtype(dtype)) return ok();
+  return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_FLOAT_OR_FLOAT64_DTYPE, arg, dtype, NULL,
+                    dtype);
 }
 
 /* arg has ref's dtype. */
@@ -258,7 +265,7 @@ ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
 
 ltx_check_t ltx_check_gelu(const ltx_rows_t* out, const ltx_rows_t* x, int64_t hidden,
                            ltx_gelu_approximate_t approximate, int gated) {
-  LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
+  LTX_RETURN_IF_FAILED(float_or_float64_dtype("x", x->dtype));
   LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "x", x->dtype));
   if (!ltx_valid_rows(x)) return malformed("x");
   LTX_RETURN_IF_FAILED(rows_like("out", out, "x", ltx_num_rows(x)));
@@ -266,4 +273,13 @@ ltx_check_t ltx_check_gelu(const ltx_rows_t* out, const ltx_rows_t* x, int64_t h
   if (approximate != LTX_GELU_NONE && approximate != LTX_GELU_TANH) return malformed("approximate");
   if (gated != 0 && gated != 1) return malformed("gated");
   return ok();
+}
+
+ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout,
+                                    const ltx_rows_t* x, int64_t hidden,
+                                    ltx_gelu_approximate_t approximate, int gated) {
+  /* The forward's rules with dx as its output, then dout: x's dtype and rows. */
+  LTX_RETURN_IF_FAILED(ltx_check_gelu(dx, x, hidden, approximate, gated));
+  LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "dout", dout->dtype, "x", x->dtype));
+  return rows_like("dout", dout, "x", ltx_num_rows(x));
 }

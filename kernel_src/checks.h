@@ -14,20 +14,21 @@ extern "C" {
 
 /* The rule an argument breaks; `arg` and `ref` are ltx_check_t's. */
 typedef enum ltx_rule {
-  LTX_RULE_NONE = 0,            /* every argument is valid */
-  LTX_RULE_MALFORMED,           /* arg is malformed: negative sizes, NULL data with rows, a size,
-                                   flag or enum out of range */
-  LTX_RULE_ROW_COUNT,           /* arg must describe as many rows as ref */
-  LTX_RULE_REQUIRES,            /* arg is only allowed together with ref */
-  LTX_RULE_FLOAT_DTYPE,         /* arg must be float32, float16 or bfloat16 */
-  LTX_RULE_DTYPE_OF,            /* arg must have ref's dtype */
-  LTX_RULE_MODEL_DTYPE,         /* arg must have ref's (x's) dtype, as upcast is 0 */
-  LTX_RULE_DTYPE_OF_OR_FLOAT32, /* arg must have ref's dtype or be float32 */
-  LTX_RULE_SAME_DTYPE_AS,       /* arg must have the dtype of ref (operands that share one) */
-  LTX_RULE_EPS,                 /* eps (value) must be finite and >= 0 */
-  LTX_RULE_EVEN_HEAD_DIM,       /* a rotation needs an even head_dim (value) */
-  LTX_RULE_ROT_DIM,             /* rot_dim (value) must be head_dim (expected) */
-  LTX_RULE_ROT_DIM_OR_HALF,     /* rot_dim (value) must be head_dim (expected) or half of it */
+  LTX_RULE_NONE = 0,               /* every argument is valid */
+  LTX_RULE_MALFORMED,              /* arg is malformed: negative sizes, NULL data with rows, a size,
+                                      flag or enum out of range */
+  LTX_RULE_ROW_COUNT,              /* arg must describe as many rows as ref */
+  LTX_RULE_REQUIRES,               /* arg is only allowed together with ref */
+  LTX_RULE_FLOAT_DTYPE,            /* arg must be float32, float16 or bfloat16 */
+  LTX_RULE_FLOAT_OR_FLOAT64_DTYPE, /* arg must be float32, float16, bfloat16 or float64 */
+  LTX_RULE_DTYPE_OF,               /* arg must have ref's dtype */
+  LTX_RULE_MODEL_DTYPE,            /* arg must have ref's (x's) dtype, as upcast is 0 */
+  LTX_RULE_DTYPE_OF_OR_FLOAT32,    /* arg must have ref's dtype or be float32 */
+  LTX_RULE_SAME_DTYPE_AS,          /* arg must have the dtype of ref (operands that share one) */
+  LTX_RULE_EPS,                    /* eps (value) must be finite and >= 0 */
+  LTX_RULE_EVEN_HEAD_DIM,          /* a rotation needs an even head_dim (value) */
+  LTX_RULE_ROT_DIM,                /* rot_dim (value) must be head_dim (expected) */
+  LTX_RULE_ROT_DIM_OR_HALF,        /* rot_dim (value) must be head_dim (expected) or half of it */
 } ltx_rule_t;
 
 /* What a check found. */
@@ -50,6 +51,9 @@ ltx_check_t ltx_check_gated_residual(const ltx_rows_t* out, const ltx_rows_t* x,
 ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* args);
 ltx_check_t ltx_check_gelu(const ltx_rows_t* out, const ltx_rows_t* x, int64_t hidden,
                            ltx_gelu_approximate_t approximate, int gated);
+ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout,
+                                    const ltx_rows_t* x, int64_t hidden,
+                                    ltx_gelu_approximate_t approximate, int gated);
 
 #ifdef __cplusplus
 }

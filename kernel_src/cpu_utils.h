@@ -66,6 +66,7 @@ static inline float ltx_load(const void* base, ltx_dtype_t dtype, int64_t i) {
   switch (dtype) {
     case LTX_FLOAT16: return ltx_half_to_float(((const uint16_t*)base)[i]);
     case LTX_BFLOAT16: return ltx_bf16_to_float(((const uint16_t*)base)[i]);
+    case LTX_FLOAT64: return (float)((const double*)base)[i];
     default: return ((const float*)base)[i];
   }
 }
@@ -75,7 +76,33 @@ static inline void ltx_store(void* base, ltx_dtype_t dtype, int64_t i, float v) 
   switch (dtype) {
     case LTX_FLOAT16: ((uint16_t*)base)[i] = ltx_float_to_half(v); break;
     case LTX_BFLOAT16: ((uint16_t*)base)[i] = ltx_float_to_bf16(v); break;
+    case LTX_FLOAT64: ((double*)base)[i] = v; break;
     default: ((float*)base)[i] = v; break;
+  }
+}
+
+/* The double forms, for C twins that also take LTX_FLOAT64 (computed in double): element i as
+ * double, and v stored exactly in a float64 array, else rounded to fp32 first (the fp32 arithmetic
+ * of the other dtypes) and then to `dtype`. */
+static inline double ltx_load_double(const void* base, ltx_dtype_t dtype, int64_t i) {
+  return dtype == LTX_FLOAT64 ? ((const double*)base)[i] : (double)ltx_load(base, dtype, i);
+}
+
+static inline void ltx_store_double(void* base, ltx_dtype_t dtype, int64_t i, double v) {
+  if (dtype == LTX_FLOAT64)
+    ((double*)base)[i] = v;
+  else
+    ltx_store(base, dtype, i, (float)v);
+}
+
+/* v rounded as the op rounds an intermediate to `dtype`: to fp32 then `dtype`; unchanged in
+ * float64. */
+static inline double ltx_round_double(ltx_dtype_t dtype, double v) {
+  switch (dtype) {
+    case LTX_FLOAT16: return ltx_half_to_float(ltx_float_to_half((float)v));
+    case LTX_BFLOAT16: return ltx_bf16_to_float(ltx_float_to_bf16((float)v));
+    case LTX_FLOAT32: return (float)v;
+    default: return v;
   }
 }
 

@@ -533,6 +533,7 @@ int dispatch_float(ltx_dtype_t dtype, Fn&& fn) {
     case LTX_FLOAT32: return fn(TypeTag<float>{});
     case LTX_FLOAT16: return fn(TypeTag<__half>{});
     case LTX_BFLOAT16: return fn(TypeTag<__nv_bfloat16>{});
+    case LTX_FLOAT64: break;  // the C twins only (ltx_kernels.h)
   }
   return LTX_ERR_UNSUPPORTED_DTYPE;
 }

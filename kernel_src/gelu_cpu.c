@@ -1,23 +1,41 @@
-/* GELU and GEGLU (portable C, the CPU backend), with the rounding points of ltx_gelu_cuda (see
- * ltx_kernels.h). gelu is evaluated in double and rounded to fp32, so it is the correctly rounded
- * fp32 value up to a double rounding; it uses forms without cancellation for negative x:
- *   tanh:  0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)),  z = sqrt(2/pi) (x + 0.044715 x^3)
- *   erf:   0.5 x (1 + erf(x / sqrt(2))) = 0.5 x erfc(-x / sqrt(2)) */
+/* GELU and GEGLU and their backward (portable C, the CPU backend), with the rounding points of
+ * ltx_gelu_cuda and ltx_gelu_backward_cuda (see ltx_kernels.h). gelu and gelu' are evaluated in
+ * double and rounded to fp32 where the CUDA kernels compute in fp32 (float64 tensors: kept in
+ * double, for gradcheck); the forms have no cancellation for negative x:
+ *   tanh:  gelu(x) = x s(t),  s(t) = 1 / (1 + exp(-t)),  t = 2 sqrt(2/pi) (x + 0.044715 x^3)
+ *          gelu'(x) = s(t) + x s(t) s(-t) dt/dx
+ *   erf:   gelu(x) = x Phi(x),  Phi(x) = 0.5 erfc(-x / sqrt(2));  gelu'(x) = Phi(x) + x phi(x) */
 #include "cpu_utils.h"
 
-/* gelu(x) in double, rounded to fp32. */
-static float gelu_value(float x, ltx_gelu_approximate_t approximate) {
-  const double v = x;
+#define LTX_SQRT_2_OVER_PI 0.79788456080286535588
+#define LTX_INV_SQRT_2 0.70710678118654752440
+#define LTX_INV_SQRT_2PI 0.39894228040143267794
+
+/* v as the CUDA kernels compute it: rounded to fp32, or kept in double for float64 tensors. */
+static double in_compute_precision(ltx_dtype_t t, double v) {
+  return t == LTX_FLOAT64 ? v : (double)(float)v;
+}
+
+/* gelu(x) (derivative = 0) or gelu'(x) (derivative = 1), in double. */
+static double gelu_double(double x, ltx_gelu_approximate_t approximate, int derivative) {
   if (approximate == LTX_GELU_TANH) {
-    const double z = 0.79788456080286535588 * (v + 0.044715 * v * v * v); /* sqrt(2/pi) */
-    return (float)(v / (1.0 + exp(-2.0 * z)));
+    const double t = 2.0 * LTX_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+    const double e = exp(-fabs(t)); /* s(t) and s(-t) from e <= 1: nothing overflows */
+    const double s_pos = t >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
+    const double s_neg = t >= 0 ? e / (1.0 + e) : 1.0 / (1.0 + e);
+    if (!derivative) return x * s_pos;
+    return s_pos + x * s_pos * s_neg * 2.0 * LTX_SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
   }
-  return (float)(0.5 * v * erfc(-v * 0.70710678118654752440)); /* 1/sqrt(2) */
+  {
+    const double phi_cdf = 0.5 * erfc(-x * LTX_INV_SQRT_2);
+    if (!derivative) return x * phi_cdf;
+    return phi_cdf + x * LTX_INV_SQRT_2PI * exp(-0.5 * x * x);
+  }
 }
 
 int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
                  int gated, int64_t row_begin, int64_t row_end) {
-  const ltx_dtype_t act = x.dtype; /* T */
+  const ltx_dtype_t t = x.dtype;
   const int status = ltx_cpu_status(ltx_check_gelu(&out, &x, hidden, approximate, gated), row_begin,
                                     row_end, ltx_num_rows(&x));
   int64_t row, i;
@@ -26,15 +44,54 @@ int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approxim
   for (row = row_begin; row < row_end; ++row) {
     const void* x_row = ltx_row_ptr(&x, row);
     void* out_row = ltx_row_ptr(&out, row);
-    if (!gated) {
-      for (i = 0; i < hidden; ++i)
-        ltx_store(out_row, act, i, gelu_value(ltx_load(x_row, act, i), approximate));
-      continue;
-    }
-    /* GEGLU: the row holds [hidden | gate], out = round_T(hidden * round_T(gelu(gate))). */
     for (i = 0; i < hidden; ++i) {
-      const float g = ltx_round_to(act, gelu_value(ltx_load(x_row, act, hidden + i), approximate));
-      ltx_store(out_row, act, i, ltx_load(x_row, act, i) * g);
+      if (!gated) {
+        ltx_store_double(out_row, t, i, gelu_double(ltx_load_double(x_row, t, i), approximate, 0));
+        continue;
+      }
+      /* GEGLU: the row holds [h | g], out = round_T(h * round_T(gelu(g))); the product of two
+       * values of T is exact in double, so storing it rounds as the fp32 product does. */
+      {
+        const double g = ltx_load_double(x_row, t, hidden + i);
+        const double gelu_g = ltx_round_double(t, gelu_double(g, approximate, 0));
+        ltx_store_double(out_row, t, i, ltx_load_double(x_row, t, i) * gelu_g);
+      }
+    }
+  }
+  return LTX_OK;
+}
+
+int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t hidden,
+                          ltx_gelu_approximate_t approximate, int gated, int64_t row_begin,
+                          int64_t row_end) {
+  const ltx_dtype_t t = x.dtype;
+  const int status =
+      ltx_cpu_status(ltx_check_gelu_backward(&dx, &dout, &x, hidden, approximate, gated), row_begin,
+                     row_end, ltx_num_rows(&x));
+  int64_t row, i;
+  if (status != LTX_OK || hidden == 0) return status;
+
+  for (row = row_begin; row < row_end; ++row) {
+    const void* x_row = ltx_row_ptr(&x, row);
+    const void* dout_row = ltx_row_ptr(&dout, row);
+    void* dx_row = ltx_row_ptr(&dx, row);
+    for (i = 0; i < hidden; ++i) {
+      const double d = ltx_load_double(dout_row, t, i);
+      if (!gated) {
+        const double slope =
+            in_compute_precision(t, gelu_double(ltx_load_double(x_row, t, i), approximate, 1));
+        ltx_store_double(dx_row, t, i, d * slope);
+        continue;
+      }
+      /* GEGLU: dh = round_T(dout * round_T(gelu(g))), dg = round_T(gelu'(g) * round_T(dout * h)).
+       */
+      {
+        const double h = ltx_load_double(x_row, t, i), g = ltx_load_double(x_row, t, hidden + i);
+        const double gelu_g = ltx_round_double(t, gelu_double(g, approximate, 0));
+        const double slope = in_compute_precision(t, gelu_double(g, approximate, 1));
+        ltx_store_double(dx_row, t, i, d * gelu_g);
+        ltx_store_double(dx_row, t, hidden + i, slope * ltx_round_double(t, d * h));
+      }
     }
   }
   return LTX_OK;

@@ -22,11 +22,13 @@
 extern "C" {
 #endif
 
-/* Element types. */
+/* Element types. LTX_FLOAT64 only where an op says so, and only in its C twin (the CPU backend):
+ * there it computes in double, so torch.autograd.gradcheck runs on the op's own code. */
 typedef enum ltx_dtype {
   LTX_FLOAT32 = 0,
   LTX_FLOAT16 = 1,
   LTX_BFLOAT16 = 2,
+  LTX_FLOAT64 = 3,
 } ltx_dtype_t;
 
 /* Status codes (CUDA launchers may also return a positive cudaError_t). */
@@ -182,12 +184,28 @@ typedef enum ltx_gelu_approximate {
 /*
  * GELU, computed in fp32 and rounded once: out = round_T(gelu(x)), rows of `hidden` elements.
  * gated = 1 (GEGLU, as diffusers' GEGLU: hidden, gate = x.chunk(2, -1)): x rows hold 2 * hidden
- * elements and out = round_T(x[:hidden] * round_T(gelu(x[hidden:]))). x, out: T.
+ * elements and out = round_T(x[:hidden] * round_T(gelu(x[hidden:]))). x, out: T; the C twin also
+ * takes T = LTX_FLOAT64 (computed in double, no rounding).
  */
 int ltx_gelu_cuda(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
                   int gated, ltx_stream_t stream);
 int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
                  int gated, int64_t row_begin, int64_t row_end);
+
+/*
+ * Backward of ltx_gelu: the gradient dx of x for the output gradient dout, with the forward's
+ * rounding points (the vector-Jacobian product of the formula above, computed in fp32):
+ *   GELU:   dx = round_T(dout * gelu'(x))
+ *   GEGLU:  with x = [h | g]:  dx[:hidden] = round_T(dout * round_T(gelu(g))),
+ *                              dx[hidden:] = round_T(gelu'(g) * round_T(dout * h))
+ * dout rows hold `hidden` elements, x and dx rows 2 * hidden when gated. dx, dout, x: T (the C twin
+ * also LTX_FLOAT64, in double).
+ */
+int ltx_gelu_backward_cuda(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t hidden,
+                           ltx_gelu_approximate_t approximate, int gated, ltx_stream_t stream);
+int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t hidden,
+                          ltx_gelu_approximate_t approximate, int gated, int64_t row_begin,
+                          int64_t row_end);
 
 #ifdef __cplusplus
 }

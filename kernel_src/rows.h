@@ -11,11 +11,18 @@
 
 #include "ltx_kernels.h"
 
-static inline int ltx_valid_dtype(ltx_dtype_t dtype) {
+/* The dtypes of the models: float32, float16, bfloat16. */
+static inline int ltx_model_dtype(ltx_dtype_t dtype) {
   return dtype == LTX_FLOAT32 || dtype == LTX_FLOAT16 || dtype == LTX_BFLOAT16;
 }
 
-static inline int ltx_dtype_size(ltx_dtype_t dtype) { return dtype == LTX_FLOAT32 ? 4 : 2; }
+static inline int ltx_valid_dtype(ltx_dtype_t dtype) {
+  return ltx_model_dtype(dtype) || dtype == LTX_FLOAT64;
+}
+
+static inline int ltx_dtype_size(ltx_dtype_t dtype) {
+  return dtype == LTX_FLOAT64 ? 8 : dtype == LTX_FLOAT32 ? 4 : 2;
+}
 
 static inline int64_t ltx_num_rows(const ltx_rows_t* r) {
   return r->size[0] * r->size[1] * r->size[2];

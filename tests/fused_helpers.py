@@ -160,3 +160,17 @@ def varied_rows(shape, dtype, device, layout="contiguous", offset=0.0):
     row_scale = torch.rand(*shape[:-1], 1, device=device).mul(8).add(0.4)
     x.copy_(x.float() * row_scale + offset)  # in place: keeps the layout
     return x
+
+
+def gelu_range(dtype, device) -> torch.Tensor:
+    """One row of GELU inputs over every regime: the deep negative tail (cancellation in 1 + erf),
+    around 0, large positive, subnormal inputs, signed zeros."""
+    values = torch.cat(
+        [
+            torch.linspace(-12, 12, 4801),
+            torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
+            torch.logspace(-7, 1, 200),
+            -torch.logspace(-7, 1, 200),
+        ]
+    )
+    return values.to(device).to(dtype).reshape(1, -1)

@@ -68,6 +68,7 @@ inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
     case at::kFloat: return LTX_FLOAT32;
     case at::kHalf: return LTX_FLOAT16;
     case at::kBFloat16: return LTX_BFLOAT16;
+    case at::kDouble: return LTX_FLOAT64;
     default: LTX_CHECK(false, "unsupported dtype ", type);  // callers check first
   }
   return LTX_FLOAT32;  // unreachable
@@ -77,6 +78,7 @@ inline at::ScalarType to_scalar_type(ltx_dtype_t dtype) {
   switch (dtype) {
     case LTX_FLOAT16: return at::kHalf;
     case LTX_BFLOAT16: return at::kBFloat16;
+    case LTX_FLOAT64: return at::kDouble;
     default: return at::kFloat;
   }
 }
@@ -85,12 +87,20 @@ inline bool is_supported_float(at::ScalarType type) {
   return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
 }
 
-// An activation [..., hidden]: float32/float16/bfloat16, at least 1-D, last dim contiguous.
-inline void check_activation(const char* op, const char* name, const at::Tensor& t) {
+// An activation [..., hidden]: float32/float16/bfloat16 (with cpu_float64, also float64 on the
+// CPU: ops whose C twin computes in double, for gradcheck), at least 1-D, last dim contiguous.
+inline void check_activation(const char* op, const char* name, const at::Tensor& t,
+                             bool cpu_float64 = false) {
   LTX_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");
-  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
-            " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", name,
+  const bool float64 = cpu_float64 && t.scalar_type() == at::kDouble;
+  LTX_CHECK(!float64 || t.is_cpu(), op, ": ", name,
+            " is float64, which only the CPU backend takes (for gradcheck); on ", t.device(),
+            " use float32, float16 or bfloat16");
+  LTX_CHECK(
+      float64 || is_supported_float(t.scalar_type()), op, ": ", name, " must be ",
+      cpu_float64 ? "float32, float16, bfloat16 or (CPU) float64" : "float32, float16 or bfloat16",
+      ", got ", t.scalar_type());
+  LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0, op, ": ", name,
             " must have a contiguous last dimension (stride 1), got strides ", t.strides(),
             " for shape ", t.sizes());
 }
@@ -227,6 +237,8 @@ inline std::string check_message(const char* op, const ltx_check_t& c, ArgNames 
     case LTX_RULE_ROW_COUNT: return cat(op, ": ", arg, " must have as many rows as ", ref);
     case LTX_RULE_REQUIRES: return cat(op, ": ", arg, " is only allowed with ", ref);
     case LTX_RULE_FLOAT_DTYPE: return cat(op, ": ", arg, " must be float32, float16 or bfloat16");
+    case LTX_RULE_FLOAT_OR_FLOAT64_DTYPE:
+      return cat(op, ": ", arg, " must be float32, float16, bfloat16 or float64");
     case LTX_RULE_DTYPE_OF:
       return cat(op, ": ", arg, " must have ", ref, "'s dtype ", ref_dtype, ", got ", dtype);
     case LTX_RULE_MODEL_DTYPE:

@@ -1,5 +1,6 @@
-// Bindings of the elementwise ops: gated_residual (ltx_gated_residual_*), gelu and geglu
-// (ltx_gelu_*), and linear_gelu (a cuBLASLt GEMM epilogue; no launcher of ours).
+// Bindings of the elementwise ops: gated_residual (ltx_gated_residual_*), gelu and geglu and their
+// backward (ltx_gelu_*, ltx_gelu_backward_*), and linear_gelu (a cuBLASLt GEMM epilogue; no
+// launcher of ours).
 #include "binding_utils.h"
 #include "torch_binding.h"
 
@@ -36,17 +37,20 @@ static ltx_gelu_approximate_t gelu_approximate(const char* op, c10::string_view 
   return LTX_GELU_NONE;
 }
 
+// The output row length of gelu (x's last dim) or geglu (half of it: hidden and gate halves).
+static int64_t gelu_hidden(const char* op, const at::Tensor& x, bool gated) {
+  const int64_t width = x.size(-1);
+  LTX_CHECK(!gated || width % 2 == 0, op,
+            ": x must have an even last dimension (hidden and gate halves), got ", x.sizes());
+  return gated ? width / 2 : width;
+}
+
 // gelu and geglu: one launcher. Gated (GEGLU), x's rows hold the hidden and gate halves.
 static at::Tensor gelu_impl(const char* op, const at::Tensor& x, c10::string_view approximate,
                             bool gated) {
-  check_activation(op, "x", x);
+  check_activation(op, "x", x, /*cpu_float64=*/true);
   const ltx_gelu_approximate_t kind = gelu_approximate(op, approximate);
-  int64_t hidden = x.size(-1);
-  if (gated) {
-    LTX_CHECK(hidden % 2 == 0, op,
-              ": x must have an even last dimension (hidden and gate halves), got ", x.sizes());
-    hidden /= 2;
-  }
+  const int64_t hidden = gelu_hidden(op, x, gated);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = hidden;
   at::Tensor out = at::empty(shape, x.options());
@@ -63,12 +67,53 @@ static at::Tensor gelu_impl(const char* op, const at::Tensor& x, c10::string_vie
   return out;
 }
 
+// The gradient of x for gelu/geglu's output gradient grad_out: x's shape (contiguous), x's dtype.
+static at::Tensor gelu_backward_impl(const char* op, const at::Tensor& grad_out,
+                                     const at::Tensor& x, c10::string_view approximate,
+                                     bool gated) {
+  check_activation(op, "x", x, /*cpu_float64=*/true);
+  check_same_device(op, "grad_out", grad_out, "x", x);
+  check_activation(op, "grad_out", grad_out, /*cpu_float64=*/true);
+  const ltx_gelu_approximate_t kind = gelu_approximate(op, approximate);
+  const int64_t hidden = gelu_hidden(op, x, gated);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = hidden;
+  LTX_CHECK(grad_out.sizes() == c10::IntArrayRef(shape), op,
+            ": grad_out must have the output's shape ", c10::IntArrayRef(shape), ", got ",
+            grad_out.sizes());
+  at::Tensor grad_x = at::empty(x.sizes(), x.options());
+  const ltx_rows_t dx_rows = rows_of(op, "grad_x", grad_x),
+                   dout_rows = rows_of(op, "grad_out", grad_out), x_rows = rows_of(op, "x", x);
+  run_launcher(
+      op, ltx_check_gelu_backward(&dx_rows, &dout_rows, &x_rows, hidden, kind, gated ? 1 : 0), x,
+      x.numel() / std::max<int64_t>(x.size(-1), 1), hidden,
+      [&](ltx_stream_t stream) {
+        return ltx_gelu_backward_cuda(dx_rows, dout_rows, x_rows, hidden, kind, gated ? 1 : 0,
+                                      stream);
+      },
+      [&](int64_t b, int64_t e) {
+        return ltx_gelu_backward_cpu(dx_rows, dout_rows, x_rows, hidden, kind, gated ? 1 : 0, b, e);
+      },
+      {{"dout", "grad_out"}, {"out", "grad_x"}});
+  return grad_x;
+}
+
 at::Tensor gelu(const at::Tensor& x, c10::string_view approximate) {
   return gelu_impl("ltx_kernels.gelu", x, approximate, false);
 }
 
 at::Tensor geglu(const at::Tensor& x, c10::string_view approximate) {
   return gelu_impl("ltx_kernels.geglu", x, approximate, true);
+}
+
+at::Tensor gelu_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                         c10::string_view approximate) {
+  return gelu_backward_impl("ltx_kernels.gelu_backward", grad_out, x, approximate, false);
+}
+
+at::Tensor geglu_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                          c10::string_view approximate) {
+  return gelu_backward_impl("ltx_kernels.geglu_backward", grad_out, x, approximate, true);
 }
 
 // linear_gelu: one cuBLASLt GEMM with its GELU(-tanh) + bias epilogue, reached through

@@ -55,6 +55,13 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   def("gelu(Tensor x, str approximate='tanh') -> Tensor", "gelu", &gelu);
   // GEGLU as diffusers': hidden, gate = x.chunk(2, -1); hidden * gelu(gate).
   def("geglu(Tensor x, str approximate='none') -> Tensor", "geglu", &geglu);
+  // Backward ops (functional; the autograd of the ops above calls them, _autograd.py).
+  // The gradient of x for gelu's output gradient (x's shape and dtype).
+  def("gelu_backward(Tensor grad_out, Tensor x, str approximate='tanh') -> Tensor", "gelu_backward",
+      &gelu_backward);
+  // The gradient of x = [hidden | gate] for geglu's output gradient.
+  def("geglu_backward(Tensor grad_out, Tensor x, str approximate='none') -> Tensor",
+      "geglu_backward", &geglu_backward);
   // gelu(x @ weight.T + bias), tanh form: one cuBLASLt GEMM with a GELU epilogue.
   def("linear_gelu(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", "linear_gelu",
       &linear_gelu);

@@ -42,5 +42,9 @@ at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
                           const std::optional<at::Tensor>& gate, bool upcast);
 at::Tensor gelu(const at::Tensor& x, c10::string_view approximate);
 at::Tensor geglu(const at::Tensor& x, c10::string_view approximate);
+at::Tensor gelu_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                         c10::string_view approximate);
+at::Tensor geglu_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                          c10::string_view approximate);
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias);

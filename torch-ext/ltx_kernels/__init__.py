@@ -8,13 +8,14 @@ implementation, a fake implementation for torch.compile/export, and a pure-PyTor
 import torch
 
 from . import reference
-from ._op_names import OPS  # the names of the ops this build registers under torch.ops.ltx_kernels
+from ._op_names import BACKWARD_OPS, OPS  # the ops this build registers (torch.ops.ltx_kernels)
 
 __version__ = "0.1.0"
 __all__ = [
     *OPS,
     "reference",
     "OPS",
+    "BACKWARD_OPS",
     "load_error",
     "inject_optimized_kernels",
     "remove_optimized_kernels",
@@ -28,8 +29,8 @@ try:
     from ._op_namespace import ops
     from . import _autograd, _fake
 
-    _fake.register(OPS)
-    _autograd.register(OPS)
+    _fake.register(OPS + BACKWARD_OPS)
+    _autograd.register(OPS + BACKWARD_OPS)
 except (
     ImportError,
     RuntimeError,

@@ -11,8 +11,10 @@ torch.compile / AOTAutograd and CUDA graphs. linear_gelu's backward recomputes t
 with the forward's GEMM and runs the three gradient GEMMs through cuBLAS, as PyTorch's own
 `gelu(linear(x))` does. Double backward (create_graph=True) is differentiated too.
 
-Fused backward kernels (CUDA C + C CPU twins behind functional backward ops) replace these one op
-at a time; each keeps this registration's contract.
+Fused backward kernels (CUDA C + C CPU twins behind the functional backward ops of
+_op_names.BACKWARD_OPS) replace these one op at a time and keep this registration's contract: so
+far gelu and geglu (gelu_backward, geglu_backward). Double backward of those goes through the
+reference VJP above (their backward ops are not differentiated; their own registration raises).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from ._op_names import BACKWARD_OPS
 from ._op_namespace import add_op_namespace_prefix, ops
 
 
@@ -57,8 +60,11 @@ def _reference_backward(name: str):
                 saved = saved.detach().requires_grad_(needs[i])
             values[i] = saved
         wanted = [i for i in tensor_positions if needs[i]]
+        # fp32 math, as the forward's; float64 inputs (gradcheck on the CPU) in float64.
+        float64 = any(t is not None and t.dtype == torch.float64 for t in ctx.saved_tensors)
+        compute_dtype = torch.float64 if float64 else torch.float32
         with torch.enable_grad():
-            outputs = reference_fn(*values, **ctx.keywords, compute_dtype=torch.float32)
+            outputs = reference_fn(*values, **ctx.keywords, compute_dtype=compute_dtype)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         result = [None] * len(positional)
@@ -94,11 +100,44 @@ def _linear_gelu_backward(ctx, grad):
     return dx, dweight, dbias
 
 
+def _fused_gelu_backward(name: str):
+    """setup_context and backward of gelu or geglu (x, approximate): the fused backward op
+    <name>_backward; under create_graph=True, the reference VJP (differentiable again)."""
+    setup_context, reference_backward = _reference_backward(name)
+    fused = getattr(ops, f"{name}_backward")
+
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():  # double backward
+            return reference_backward(ctx, grad)
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        (x,) = ctx.saved_tensors
+        return fused(grad.contiguous(), x, ctx.values[1]), None
+
+    return setup_context, backward
+
+
+def _not_differentiable(name: str):
+    """setup_context and backward of a backward op: differentiating it raises, naming it."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"ltx_kernels.{name} is not differentiable; for higher-order gradients differentiate "
+            "the forward op with create_graph=True (its double backward does not call this op)"
+        )
+
+    return (lambda ctx, inputs, output: None), backward
+
+
 def register(names) -> None:
-    """Registers the autograd of every op in `names` (all of them: ltx_kernels.OPS)."""
+    """Registers the autograd of every op in `names` (all of them: OPS + BACKWARD_OPS)."""
     for name in names:
         if name == "linear_gelu":
             setup_context, backward = _linear_gelu_setup_context, _linear_gelu_backward
+        elif name in ("gelu", "geglu"):
+            setup_context, backward = _fused_gelu_backward(name)
+        elif name in BACKWARD_OPS:
+            setup_context, backward = _not_differentiable(name)
         else:
             setup_context, backward = _reference_backward(name)
         torch.library.register_autograd(

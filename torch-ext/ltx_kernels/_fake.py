@@ -105,6 +105,26 @@ def geglu(x, approximate="none"):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+def gelu_backward(grad_out, x, approximate="tanh"):
+    torch._check(
+        grad_out.shape == x.shape,
+        lambda: "ltx_kernels.gelu_backward: grad_out must have the output's shape",
+    )
+    return x.new_empty(x.shape)
+
+
+def geglu_backward(grad_out, x, approximate="none"):
+    torch._check(
+        x.shape[-1] % 2 == 0,
+        lambda: "ltx_kernels.geglu_backward: x must have an even last dimension",
+    )
+    torch._check(
+        grad_out.shape == (*x.shape[:-1], x.shape[-1] // 2),
+        lambda: "ltx_kernels.geglu_backward: grad_out must have the output's shape",
+    )
+    return x.new_empty(x.shape)
+
+
 def linear_gelu(x, weight, bias=None):
     torch._check(
         weight.dim() == 2 and weight.shape[1] == x.shape[-1],

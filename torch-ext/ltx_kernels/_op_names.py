@@ -24,3 +24,11 @@ OPS = (
     "geglu",
     "linear_gelu",
 )
+
+# The functional backward ops the autograd of OPS calls (_autograd.py): registered by the library
+# after the forward ops, each with a fake (_fake.py) so AOTAutograd and Inductor trace them; no
+# wrapper or reference of their own (their reference is the VJP of the forward op's reference).
+BACKWARD_OPS = (
+    "gelu_backward",
+    "geglu_backward",
+)

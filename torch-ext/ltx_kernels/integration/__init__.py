@@ -38,7 +38,7 @@ FUSIONS = OPS
 #: composite fp32 reference (correct, but 1.3x-6x slower than eager autograd; benchmark_ops.py
 #: --backward), so a training step runs the diffusers code in their place: stock gradients at stock
 #: speed. Forward passes without gradients (inference, validation sampling) use every enabled op.
-FUSED_BACKWARD: frozenset[str] = frozenset()
+FUSED_BACKWARD: frozenset[str] = frozenset({"gelu", "geglu"})
 DISABLE_ENV = "LTX_KERNELS_DISABLE"
 
 # Attribute names stored on patched modules.
