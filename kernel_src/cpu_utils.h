@@ -95,6 +95,12 @@ static inline void ltx_store_double(void* base, ltx_dtype_t dtype, int64_t i, do
     ltx_store(base, dtype, i, (float)v);
 }
 
+/* v as the CUDA kernels compute it for tensors of `dtype`: rounded to fp32, or kept in double for
+ * float64 tensors. */
+static inline double ltx_compute_precision(ltx_dtype_t dtype, double v) {
+  return dtype == LTX_FLOAT64 ? v : (double)(float)v;
+}
+
 /* v rounded as the op rounds an intermediate to `dtype`: to fp32 then `dtype`; unchanged in
  * float64. */
 static inline double ltx_round_double(ltx_dtype_t dtype, double v) {

@@ -11,11 +11,6 @@
 #define LTX_INV_SQRT_2 0.70710678118654752440
 #define LTX_INV_SQRT_2PI 0.39894228040143267794
 
-/* v as the CUDA kernels compute it: rounded to fp32, or kept in double for float64 tensors. */
-static double in_compute_precision(ltx_dtype_t t, double v) {
-  return t == LTX_FLOAT64 ? v : (double)(float)v;
-}
-
 /* gelu(x) (derivative = 0) or gelu'(x) (derivative = 1), in double. */
 static double gelu_double(double x, ltx_gelu_approximate_t approximate, int derivative) {
   if (approximate == LTX_GELU_TANH) {
@@ -79,7 +74,7 @@ int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t 
       const double d = ltx_load_double(dout_row, t, i);
       if (!gated) {
         const double slope =
-            in_compute_precision(t, gelu_double(ltx_load_double(x_row, t, i), approximate, 1));
+            ltx_compute_precision(t, gelu_double(ltx_load_double(x_row, t, i), approximate, 1));
         ltx_store_double(dx_row, t, i, d * slope);
         continue;
       }
@@ -88,7 +83,7 @@ int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t 
       {
         const double h = ltx_load_double(x_row, t, i), g = ltx_load_double(x_row, t, hidden + i);
         const double gelu_g = ltx_round_double(t, gelu_double(g, approximate, 0));
-        const double slope = in_compute_precision(t, gelu_double(g, approximate, 1));
+        const double slope = ltx_compute_precision(t, gelu_double(g, approximate, 1));
         ltx_store_double(dx_row, t, i, d * gelu_g);
         ltx_store_double(dx_row, t, hidden + i, slope * ltx_round_double(t, d * h));
       }

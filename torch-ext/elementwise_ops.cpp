@@ -37,12 +37,13 @@ static ltx_gelu_approximate_t gelu_approximate(const char* op, c10::string_view 
   return LTX_GELU_NONE;
 }
 
-// The output row length of gelu (x's last dim) or geglu (half of it: hidden and gate halves).
-static int64_t gelu_hidden(const char* op, const at::Tensor& x, bool gated) {
-  const int64_t width = x.size(-1);
-  LTX_CHECK(!gated || width % 2 == 0, op,
+// The output shape of gelu (x's) or geglu (x's with half the last dim: hidden and gate halves).
+static std::vector<int64_t> gelu_output_shape(const char* op, const at::Tensor& x, bool gated) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  LTX_CHECK(!gated || shape.back() % 2 == 0, op,
             ": x must have an even last dimension (hidden and gate halves), got ", x.sizes());
-  return gated ? width / 2 : width;
+  if (gated) shape.back() /= 2;
+  return shape;
 }
 
 // gelu and geglu: one launcher. Gated (GEGLU), x's rows hold the hidden and gate halves.
@@ -50,9 +51,8 @@ static at::Tensor gelu_impl(const char* op, const at::Tensor& x, c10::string_vie
                             bool gated) {
   check_activation(op, "x", x, /*cpu_float64=*/true);
   const ltx_gelu_approximate_t kind = gelu_approximate(op, approximate);
-  const int64_t hidden = gelu_hidden(op, x, gated);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = hidden;
+  const std::vector<int64_t> shape = gelu_output_shape(op, x, gated);
+  const int64_t hidden = shape.back();
   at::Tensor out = at::empty(shape, x.options());
   const ltx_rows_t out_rows = rows_of(op, "out", out), x_rows = rows_of(op, "x", x);
   run_launcher(
@@ -75,9 +75,8 @@ static at::Tensor gelu_backward_impl(const char* op, const at::Tensor& grad_out,
   check_same_device(op, "grad_out", grad_out, "x", x);
   check_activation(op, "grad_out", grad_out, /*cpu_float64=*/true);
   const ltx_gelu_approximate_t kind = gelu_approximate(op, approximate);
-  const int64_t hidden = gelu_hidden(op, x, gated);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = hidden;
+  const std::vector<int64_t> shape = gelu_output_shape(op, x, gated);
+  const int64_t hidden = shape.back();
   LTX_CHECK(grad_out.sizes() == c10::IntArrayRef(shape), op,
             ": grad_out must have the output's shape ", c10::IntArrayRef(shape), ", got ",
             grad_out.sizes());
