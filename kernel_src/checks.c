@@ -165,6 +165,90 @@ ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
   return eps_rule(a->eps);
 }
 
+ltx_check_t ltx_check_norm_backward(const ltx_norm_backward_args_t* a) {
+  const ltx_rows_t* ref;
+  const char* ref_name;
+  ltx_dtype_t t;
+  int64_t rows;
+  int i;
+  if (!a) return malformed("args");
+  /* The rows: h with a norm (dout given), else dh_out (gated_residual). */
+  if (a->dout.data && !a->h.data)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "dout", "h");
+  if (!a->dout.data && !a->dh_out.data) return malformed("dh_out");
+  ref = a->dout.data ? &a->h : &a->dh_out;
+  ref_name = a->dout.data ? "h" : "dh_out";
+  t = ref->dtype;
+  LTX_RETURN_IF_FAILED(float_or_float64_dtype(ref_name, t));
+  {
+    const char* const names[6] = {"dout", "dh_out", "y", "dx", "dy", "h"};
+    const ltx_rows_t* const activations[6] = {&a->dout, &a->dh_out, &a->y, &a->dx, &a->dy, &a->h};
+    for (i = 0; i < 6; ++i)
+      if (activations[i]->data)
+        LTX_RETURN_IF_FAILED(
+            dtype_of(LTX_ERR_INVALID_ARGUMENT, names[i], activations[i]->dtype, ref_name, t));
+  }
+  /* gate and scale: T or fp32, one dtype; their per-row gradients have their dtype. */
+  if (a->gate.data)
+    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "gate", a->gate.dtype, t, 1));
+  if (a->scale.data)
+    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "scale", a->scale.dtype, t, 1));
+  if (a->gate.data && a->scale.data && a->gate.dtype != a->scale.dtype)
+    return dtype_fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SAME_DTYPE_AS, "gate", a->gate.dtype,
+                      "scale", a->scale.dtype);
+  if (a->dscale.data && !a->scale.data)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "dscale", "scale");
+  if (a->dgate.data && !a->gate.data)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "dgate", "gate");
+  if (a->dscale.data)
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_INVALID_ARGUMENT, "dscale", a->dscale.dtype, "scale", a->scale.dtype));
+  if (a->dgate.data)
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_INVALID_ARGUMENT, "dgate", a->dgate.dtype, "gate", a->gate.dtype));
+  if (a->weight.data)
+    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "weight", a->weight.dtype, t, 1));
+  if (a->bias.data)
+    LTX_RETURN_IF_FAILED(operand_dtype(LTX_ERR_UNSUPPORTED_DTYPE, "bias", a->bias.dtype, t, 1));
+  /* Rows: every present row operand has the rows of ref. */
+  if (!ltx_valid_rows(ref)) return malformed(ref_name);
+  rows = ltx_num_rows(ref);
+  {
+    const char* const names[9] = {"h",     "dout", "dh_out", "y",     "gate",
+                                  "scale", "dx",   "dy",     "dscale"};
+    const ltx_rows_t* const operands[9] = {&a->h,     &a->dout, &a->dh_out, &a->y,     &a->gate,
+                                           &a->scale, &a->dx,   &a->dy,     &a->dscale};
+    for (i = 0; i < 9; ++i)
+      LTX_RETURN_IF_FAILED(optional_rows_like(names[i], operands[i], ref_name, rows));
+    LTX_RETURN_IF_FAILED(optional_rows_like("dgate", &a->dgate, ref_name, rows));
+  }
+  /* What each output needs: the norm's gradients dout; dgate y. */
+  {
+    const char* const names[7] = {"scale",      "weight",      "bias",     "dscale",
+                                  "dscale_sum", "dweight_sum", "dbias_sum"};
+    const int present[7] = {a->scale.data != NULL,  a->weight.data != NULL, a->bias.data != NULL,
+                            a->dscale.data != NULL, a->dscale_sum != NULL,  a->dweight_sum != NULL,
+                            a->dbias_sum != NULL};
+    for (i = 0; i < 7; ++i)
+      if (present[i] && !a->dout.data)
+        return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, names[i], "dout");
+    if (a->dshift_sum && !a->dout.data)
+      return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "dshift_sum", "dout");
+  }
+  if ((a->dgate.data || a->dgate_sum) && !a->y.data)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, a->dgate.data ? "dgate" : "dgate_sum",
+                "y");
+  if (a->dscale.data && a->dscale_sum) return malformed("dscale_sum");
+  if (a->dgate.data && a->dgate_sum) return malformed("dgate_sum");
+  if (a->group_rows < 1 || (rows > 0 && rows % a->group_rows != 0)) return malformed("group_rows");
+  if (a->chunk_rows < 1) return malformed("chunk_rows");
+  if (a->norm != LTX_NORM_RMS && a->norm != LTX_NORM_LAYER) return malformed("norm");
+  if (a->bias.data && a->norm != LTX_NORM_LAYER)
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, "bias", "norm");
+  if (a->hidden < 0) return malformed("hidden");
+  return a->dout.data ? eps_rule(a->eps) : ok();
+}
+
 ltx_check_t ltx_check_gated_residual(const ltx_rows_t* out, const ltx_rows_t* x,
                                      const ltx_rows_t* y, const ltx_rows_t* gate, int64_t hidden,
                                      int upcast) {

@@ -45,6 +45,7 @@ typedef struct ltx_check {
 ltx_check_t ltx_check_rmsnorm(const ltx_rows_t* out, const ltx_rows_t* x, const void* weight,
                               ltx_dtype_t weight_dtype, int64_t hidden, float eps);
 ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* args);
+ltx_check_t ltx_check_norm_backward(const ltx_norm_backward_args_t* args);
 ltx_check_t ltx_check_gated_residual(const ltx_rows_t* out, const ltx_rows_t* x,
                                      const ltx_rows_t* y, const ltx_rows_t* gate, int64_t hidden,
                                      int upcast);

@@ -7,6 +7,7 @@
 #include "checks.c"
 #include "gated_residual_cpu.c"
 #include "gelu_cpu.c"
+#include "norm_backward_cpu.c"
 #include "norm_modulate_cpu.c"
 #include "qk_norm_rope_cpu.c"
 #include "rmsnorm_cpu.c"

@@ -126,6 +126,66 @@ int ltx_norm_modulate_cuda(const ltx_norm_modulate_args_t* args, ltx_stream_t st
 int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin, int64_t row_end);
 
 /*
+ * Backward of ltx_norm_modulate, and of ltx_rmsnorm and ltx_gated_residual, its special cases:
+ * the gradients of the inputs for the gradients of the outputs, computed in fp32 as the
+ * vector-Jacobian product of the forward's formula with its rounding steps taken as exact; each
+ * gradient is rounded once, to its input's dtype. With yhat the normalized h (the statistics are
+ * recomputed from h), n = yhat * weight + bias (weight 1 and bias 0 when absent), g = dout:
+ *   dshift = g;  dscale = g * n;  dn = g * (1 + scale);  dweight = dn * yhat;  dbias = dn
+ *   RMS:    dh = rstd * (dn * weight - yhat * mean(dn * weight * yhat))
+ *   Layer:  dh = rstd * (dn * weight - mean(dn * weight) - yhat * mean(dn * weight * yhat))
+ *   dh += dh_out (the gradient of the output h of the add_ ops; dout absent: dh = dh_out alone,
+ *   the backward of ltx_gated_residual)
+ *   dx = dh;  dy = dh * gate (dh without gate);  dgate = dh * y
+ * dx, dy: T. dscale, dgate: per row (the operand is not shared between rows), in the operand's
+ * dtype. An operand shared by several rows gets partial sums instead (the *_sum matrices): rows
+ * come in groups of group_rows consecutive rows that share the reduced operands' rows (weight and
+ * bias: all rows), each group in chunks of at most chunk_rows rows; row c of a [chunks, hidden]
+ * sum matrix holds the sum over chunk c (c / chunks_per_group is its group), in fp32 (float64 when
+ * T is). The caller adds the chunks of each group up (ltx_norm_backward_chunks gives their count).
+ * Operands: as in ltx_norm_modulate_args_t; gate and scale share one dtype; dout and dh_out: T.
+ * Every pointer of an output not wanted is NULL. The C twin also takes T = LTX_FLOAT64 (computed
+ * in double); the CUDA launcher takes rows of up to LTX_NORM_BACKWARD_MAX_HIDDEN elements.
+ */
+#define LTX_NORM_BACKWARD_MAX_HIDDEN 8192
+
+typedef struct ltx_norm_backward_args {
+  ltx_rows_t h;              /* the rows the forward normalized: x, or the add_ ops' output h */
+  ltx_rows_t y, gate, scale; /* data NULL when absent or not needed */
+  ltx_vector_t weight, bias; /* data NULL when absent; bias is read for dscale only */
+  ltx_rows_t dout;           /* gradient of out; data NULL: no norm (gated_residual) */
+  ltx_rows_t dh_out;         /* gradient of the output h; data NULL: zero */
+  ltx_rows_t dx, dy;         /* gradients written (data NULL: not computed) */
+  ltx_rows_t dscale, dgate;  /* per-row gradients (data NULL: not computed per row) */
+  void *dscale_sum, *dshift_sum, *dgate_sum, *dweight_sum, *dbias_sum; /* [chunks, hidden] */
+  ltx_norm_kind_t norm;
+  int64_t hidden;
+  int64_t group_rows; /* >= 1, divides the row count */
+  int64_t chunk_rows; /* >= 1 */
+  float eps;
+} ltx_norm_backward_args_t;
+
+/* Chunks of a backward launch: rows / group_rows groups of ceil(group_rows / chunk_rows). */
+static inline int64_t ltx_norm_backward_chunks(int64_t rows, int64_t group_rows,
+                                               int64_t chunk_rows) {
+  if (rows <= 0 || group_rows <= 0 || chunk_rows <= 0) return 0;
+  return rows / group_rows * ((group_rows + chunk_rows - 1) / chunk_rows);
+}
+
+/* A chunk length for `rows` rows in groups of group_rows: about 512 chunks in all (fewer, longer
+ * ones for many rows, so the partial sums stay a few percent of the traffic), 8 to 64 rows each. */
+static inline int64_t ltx_norm_backward_chunk_rows(int64_t rows, int64_t group_rows) {
+  int64_t r = rows / 512;
+  r = r < 8 ? 8 : r > 64 ? 64 : r;
+  return r < group_rows ? r : group_rows > 0 ? group_rows : 1;
+}
+
+int ltx_norm_backward_cuda(const ltx_norm_backward_args_t* args, ltx_stream_t stream);
+/* Over chunks [chunk_begin, chunk_end) only. */
+int ltx_norm_backward_cpu(const ltx_norm_backward_args_t* args, int64_t chunk_begin,
+                          int64_t chunk_end);
+
+/*
  * Gated residual: out = round_T(x + R(y * gate)), or round_T(x + y) when gate.data is NULL.
  * Dtypes: x, y, out: T; gate: T (upcast = 0) or T/fp32 (upcast = 1).
  */

@@ -180,3 +180,17 @@ def test_full_size_ltx_bf16_gradients_gpu(lora):
             f"{name}: injected bf16 gradient error {our_error:.3g} vs stock bf16 {stock_error:.3g}"
         )
     print(f"full-size LTX bf16 lora={lora}: worst gradient error ratio injected/stock {worst:.2f}")
+
+
+def test_compiled_steps_use_the_compiled_fused_backward_set(monkeypatch):
+    """While autograd records, a step uses FUSED_BACKWARD's ops eagerly and only
+    FUSED_BACKWARD_COMPILED's under torch.compile (where Inductor's code of the others is faster)."""
+    from ltx_kernels.integration import FUSED_BACKWARD_COMPILED
+    from ltx_kernels.integration.steps import ops_for_step
+
+    every = frozenset(ltx_kernels.OPS)
+    x = torch.randn(2, 3, requires_grad=True)
+    assert ops_for_step(every, x) == FUSED_BACKWARD
+    assert ops_for_step(every, x.detach()) == every
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert ops_for_step(every, x) == FUSED_BACKWARD_COMPILED

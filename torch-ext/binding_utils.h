@@ -89,9 +89,9 @@ inline bool is_supported_float(at::ScalarType type) {
 
 // An activation [..., hidden]: float32/float16/bfloat16 (with cpu_float64, also float64 on the
 // CPU: ops whose C twin computes in double, for gradcheck), at least 1-D, last dim contiguous.
-inline void check_activation(const char* op, const char* name, const at::Tensor& t,
-                             bool cpu_float64 = false) {
-  LTX_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");
+// t is float32, float16 or bfloat16 (with cpu_float64, also float64 on the CPU: ops whose C twin
+// computes in double, for gradcheck).
+inline void check_float(const char* op, const char* name, const at::Tensor& t, bool cpu_float64) {
   const bool float64 = cpu_float64 && t.scalar_type() == at::kDouble;
   LTX_CHECK(!float64 || t.is_cpu(), op, ": ", name,
             " is float64, which only the CPU backend takes (for gradcheck); on ", t.device(),
@@ -100,6 +100,12 @@ inline void check_activation(const char* op, const char* name, const at::Tensor&
       float64 || is_supported_float(t.scalar_type()), op, ": ", name, " must be ",
       cpu_float64 ? "float32, float16, bfloat16 or (CPU) float64" : "float32, float16 or bfloat16",
       ", got ", t.scalar_type());
+}
+
+inline void check_activation(const char* op, const char* name, const at::Tensor& t,
+                             bool cpu_float64 = false) {
+  LTX_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");
+  check_float(op, name, t, cpu_float64);
   LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0, op, ": ", name,
             " must have a contiguous last dimension (stride 1), got strides ", t.strides(),
             " for shape ", t.sizes());
@@ -114,10 +120,9 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
 
 // A per-channel parameter: 1-D with `hidden` contiguous float elements on x's device.
 inline void check_channel_vector(const char* op, const char* name, const at::Tensor& t,
-                                 int64_t hidden, const at::Tensor& x) {
+                                 int64_t hidden, const at::Tensor& x, bool cpu_float64 = false) {
   check_same_device(op, name, t, "x", x);
-  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
-            " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  check_float(op, name, t, cpu_float64);
   LTX_CHECK(t.dim() == 1 && t.size(0) == hidden, op, ": ", name, " must have shape [hidden] = [",
             hidden, "] (x.shape[-1]), got ", t.sizes());
   LTX_CHECK(t.stride(0) == 1 || hidden <= 1, op, ": ", name, " must be contiguous, got stride ",
@@ -176,22 +181,22 @@ inline ltx_rows_t no_rows() {
 }
 
 // A second activation of exactly x's shape (y of a residual; its dtype is a launcher rule).
-inline void check_like_x(const char* op, const char* name, const at::Tensor& t,
-                         const at::Tensor& x) {
-  check_same_device(op, name, t, "x", x);
-  check_activation(op, name, t);
-  LTX_CHECK(t.sizes() == x.sizes(), op, ": ", name, " must have x's shape ", x.sizes(), ", got ",
-            t.sizes());
+inline void check_like_x(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x,
+                         bool cpu_float64 = false, const char* x_name = "x") {
+  check_same_device(op, name, t, x_name, x);
+  check_activation(op, name, t, cpu_float64);
+  LTX_CHECK(t.sizes() == x.sizes(), op, ": ", name, " must have ", x_name, "'s shape ", x.sizes(),
+            ", got ", t.sizes());
 }
 
 // A per-row operand that broadcasts to `shape` (x's shape, or x's leading dims + [last]): a
 // contiguous last dim of exactly shape.back() elements, leading dims of size 1 or equal. It is
 // expanded (stride-0 dims, no copy) and returned; rows_of then describes one row per x row.
 inline at::Tensor broadcast_operand(const char* op, const char* name, const at::Tensor& t,
-                                    const at::Tensor& x, c10::IntArrayRef shape) {
+                                    const at::Tensor& x, c10::IntArrayRef shape,
+                                    bool cpu_float64 = false) {
   check_same_device(op, name, t, "x", x);
-  LTX_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
-            " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  check_float(op, name, t, cpu_float64);
   LTX_CHECK(t.dim() >= 1 && t.size(-1) == shape.back(), op, ": ", name,
             " must have last dimension ", shape.back(), ", got shape ", t.sizes());
   LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", name,
@@ -210,9 +215,9 @@ inline at::Tensor broadcast_operand(const char* op, const char* name, const at::
 // the launcher's.
 inline ltx_vector_t optional_vector(const char* op, const char* name,
                                     const std::optional<at::Tensor>& t, const at::Tensor& x,
-                                    int64_t length) {
+                                    int64_t length, bool cpu_float64 = false) {
   if (!t) return ltx_vector_t{nullptr, LTX_FLOAT32};
-  check_channel_vector(op, name, *t, length, x);
+  check_channel_vector(op, name, *t, length, x, cpu_float64);
   return ltx_vector_t{present_data(*t), to_ltx_dtype(t->scalar_type())};
 }
 

@@ -62,6 +62,14 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   // The gradient of x = [hidden | gate] for geglu's output gradient.
   def("geglu_backward(Tensor grad_out, Tensor x, str approximate='none') -> Tensor",
       "geglu_backward", &geglu_backward);
+  // The gradients (x, y, gate, scale, shift, weight, bias) of the norm ops and gated_residual for
+  // the gradients of their outputs n (grad_out) and h (grad_h); h: the normalized rows. Gradients
+  // not asked for (output_mask) are empty.
+  def("norm_modulate_backward(Tensor? grad_out, Tensor? grad_h, Tensor? h, Tensor? y, "
+      "Tensor? gate, Tensor? scale, Tensor? shift, Tensor? weight, Tensor? bias, float eps, "
+      "bool layer_norm, bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)",
+      "norm_modulate_backward", &norm_modulate_backward);
   // gelu(x @ weight.T + bias), tanh form: one cuBLASLt GEMM with a GELU epilogue.
   def("linear_gelu(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", "linear_gelu",
       &linear_gelu);

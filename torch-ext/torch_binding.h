@@ -4,6 +4,7 @@
 
 #include <torch/library.h>
 
+#include <array>
 #include <optional>
 
 // norm_ops.cpp
@@ -28,6 +29,15 @@ std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(const at::Tensor& x, c
                                                           const std::optional<at::Tensor>& weight,
                                                           const std::optional<at::Tensor>& bias,
                                                           double eps, bool upcast);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+norm_modulate_backward(const std::optional<at::Tensor>& grad_out,
+                       const std::optional<at::Tensor>& grad_h, const std::optional<at::Tensor>& h,
+                       const std::optional<at::Tensor>& y, const std::optional<at::Tensor>& gate,
+                       const std::optional<at::Tensor>& scale,
+                       const std::optional<at::Tensor>& shift,
+                       const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, double eps, bool layer_norm,
+                       std::array<bool, 7> output_mask);
 // rope_ops.cpp
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                 bool interleaved);

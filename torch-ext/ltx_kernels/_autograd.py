@@ -13,8 +13,9 @@ with the forward's GEMM and runs the three gradient GEMMs through cuBLAS, as PyT
 
 Fused backward kernels (CUDA C + C CPU twins behind the functional backward ops of
 _op_names.BACKWARD_OPS) replace these one op at a time and keep this registration's contract: so
-far gelu and geglu (gelu_backward, geglu_backward). Double backward of those goes through the
-reference VJP above (their backward ops are not differentiated; their own registration raises).
+far gelu and geglu (gelu_backward, geglu_backward), and the norm ops and gated_residual
+(norm_modulate_backward). Double backward of those goes through the reference VJP above (their
+backward ops are not differentiated; their own registration raises).
 """
 
 from __future__ import annotations
@@ -117,6 +118,161 @@ def _fused_gelu_backward(name: str):
     return setup_context, backward
 
 
+# The norm ops and gated_residual: one fused backward op (norm_modulate_backward).
+_NORM_BACKWARD_OPS = (
+    "rmsnorm",
+    "rmsnorm_modulate",
+    "layernorm_modulate",
+    "add_rmsnorm_modulate",
+    "add_layernorm_modulate",
+    "gated_residual",
+)
+# Its gradients, in the order it returns them.
+_NORM_GRADIENTS = ("x", "y", "gate", "scale", "shift", "weight", "bias")
+_MAX_CUDA_HIDDEN = 8192  # LTX_NORM_BACKWARD_MAX_HIDDEN (ltx_kernels.h); longer rows: the reference
+
+
+def _fused_norm_backward(name: str):
+    """setup_context and backward of a norm op or gated_residual: norm_modulate_backward.
+
+    Saved: the rows the op normalized (x, or for the add_ ops their output h), the modulation
+    tensors, weight and bias, and y only when gate's gradient is wanted; the row statistics are
+    recomputed from h by the kernel. Double backward (create_graph=True) differentiates the
+    reference of the norm part at the saved h instead (differentiable again). rmsnorm with a weight
+    of another dtype than x, and CUDA rows above 8192 elements, take the reference VJP."""
+    schema = getattr(ops, name).default._schema
+    names = [a.name for a in schema.arguments if not a.kwarg_only]
+    reference_setup, reference_backward = _reference_backward(name)
+    norm = name != "gated_residual"
+    residual = "y" in names
+    layer_norm = "layernorm" in name
+
+    def uses_reference(args) -> bool:
+        x, weight = args["x"], args.get("weight")
+        if x.is_cuda and x.shape[-1] > _MAX_CUDA_HIDDEN:
+            return True
+        return name == "rmsnorm" and weight is not None and weight.dtype != x.dtype
+
+    def setup_context(ctx, inputs, output, keyword_only_inputs=None):
+        args = dict(zip(names, inputs))
+        ctx.reference = uses_reference(args)
+        if ctx.reference:
+            reference_setup(ctx, inputs, output, keyword_only_inputs)
+            return
+        gate, y = args.get("gate"), args.get("y")
+        h = (output[0] if residual else args["x"]) if norm else None
+        keep_y = y is not None and gate is not None and gate.requires_grad
+        ctx.save_for_backward(
+            h,
+            y if keep_y else None,
+            gate,
+            args.get("scale"),
+            args.get("shift"),
+            args.get("weight"),
+            args.get("bias"),
+        )
+        ctx.eps = args.get("eps", 1e-6)
+        ctx.upcast = (keyword_only_inputs or {}).get("upcast", False)
+
+    def backward(ctx, *grads):
+        if ctx.reference:
+            return reference_backward(ctx, *grads)
+        needs = {
+            n: i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]
+            for i, n in enumerate(names)
+        }
+        h, y, gate, scale, shift, weight, bias = ctx.saved_tensors
+        # Output gradients: of n (the norm ops' last output) and of h (add_ ops: the first;
+        # gated_residual: its output).
+        grad_n = grads[-1] if norm else None
+        grad_h = grads[0] if residual else None
+        if torch.is_grad_enabled():  # double backward
+            return _norm_double_backward(
+                name, ctx, needs, names, grad_n, grad_h, h, y, gate, scale, shift, weight, bias
+            )
+        result = dict.fromkeys(names)
+        if grad_n is None and grad_h is None:
+            return tuple(result[n] for n in names)
+        if grad_n is None:  # only h's gradient: the norm's inputs get none
+            norm_inputs = ("scale", "shift", "weight", "bias")
+            needs = {n: needs[n] and n not in norm_inputs for n in names}
+        wanted = [needs.get(n, False) for n in _NORM_GRADIENTS]
+        if not norm or grad_n is None:  # x's gradient is h's
+            result["x"] = grad_h if needs["x"] else None
+            wanted[0] = False
+        if any(wanted):
+            computed = ops.norm_modulate_backward(
+                _rows(grad_n),
+                _rows(grad_h),
+                h if grad_n is not None else None,
+                y,
+                gate,
+                scale if grad_n is not None else None,
+                shift,
+                weight if grad_n is not None else None,
+                bias if grad_n is not None else None,
+                ctx.eps,
+                layer_norm,
+                wanted,
+            )
+            for n, want, g in zip(_NORM_GRADIENTS, wanted, computed):
+                if want:
+                    result[n] = g
+        return tuple(result[n] for n in names)
+
+    return setup_context, backward
+
+
+def _rows(grad):
+    """An output gradient as the kernels take it: a contiguous last dim (autograd may hand over
+    expanded zeros or scalars)."""
+    if grad is None or grad.stride(-1) == 1:
+        return grad
+    return grad.contiguous()
+
+
+def _norm_double_backward(
+    name, ctx, needs, names, grad_n, grad_h, h, y, gate, scale, shift, weight, bias
+):
+    """create_graph=True: the norm's VJP by autograd of its reference at the saved h (which stays
+    connected to x, y and gate), then the residual's (dx = dh, dy = dh * gate, dgate = dh * y)."""
+    c = torch.float64 if h is not None and h.dtype == torch.float64 else torch.float32
+    result = dict.fromkeys(names)
+    dh = grad_h
+    if grad_n is not None and h is not None:
+        norm_inputs = {"scale": scale, "shift": shift, "weight": weight, "bias": bias}
+        targets = [("h", h)] if h.requires_grad else []
+        targets += [(n, t) for n, t in norm_inputs.items() if t is not None and needs.get(n)]
+        if name == "rmsnorm":
+            n_out = reference.rmsnorm(h, weight, ctx.eps, compute_dtype=c, round_output=False)
+        else:
+            kind = "layer" if "layernorm" in name else "rms"
+            n_out = reference._norm_modulate(
+                h, scale, shift, weight, bias, ctx.eps, kind, ctx.upcast, c, h.dtype
+            )
+        if targets:
+            computed = torch.autograd.grad(
+                n_out,
+                [t for _, t in targets],
+                grad_n.to(n_out.dtype),
+                create_graph=True,
+                allow_unused=True,
+            )
+            for (n, t), g in zip(targets, computed):
+                g = torch.zeros_like(t) if g is None else g.to(t.dtype)
+                if n == "h":
+                    dh = g if dh is None else dh + g
+                else:
+                    result[n] = g
+    if dh is not None:
+        result["x"] = dh if needs.get("x") else None
+        if needs.get("y"):
+            result["y"] = dh if gate is None else (dh * gate).to(dh.dtype)
+        if needs.get("gate") and gate is not None:
+            result["gate"] = (dh * y).sum_to_size(gate.shape).to(gate.dtype)
+    return tuple(result[n] for n in names)
+
+
 def _not_differentiable(name: str):
     """setup_context and backward of a backward op: differentiating it raises, naming it."""
 
@@ -136,6 +292,8 @@ def register(names) -> None:
             setup_context, backward = _linear_gelu_setup_context, _linear_gelu_backward
         elif name in ("gelu", "geglu"):
             setup_context, backward = _fused_gelu_backward(name)
+        elif name in _NORM_BACKWARD_OPS:
+            setup_context, backward = _fused_norm_backward(name)
         elif name in BACKWARD_OPS:
             setup_context, backward = _not_differentiable(name)
         else:

@@ -125,6 +125,36 @@ def geglu_backward(grad_out, x, approximate="none"):
     return x.new_empty(x.shape)
 
 
+def norm_modulate_backward(
+    grad_out, grad_h, h, y, gate, scale, shift, weight, bias, eps, layer_norm, output_mask
+):
+    op = "ltx_kernels.norm_modulate_backward"
+    torch._check(
+        grad_out is not None or grad_h is not None, lambda: f"{op}: needs grad_out or grad_h"
+    )
+    torch._check(grad_out is None or h is not None, lambda: f"{op}: grad_out needs h")
+    ref = h if grad_out is not None else grad_h
+    for name, t in (("grad_out", grad_out), ("grad_h", grad_h), ("y", y)):
+        torch._check(
+            t is None or t.shape == ref.shape, lambda: f"{op}: {name} must have the rows' shape"
+        )
+    want_x, want_y, want_gate, want_scale, want_shift, want_weight, want_bias = output_mask
+    torch._check(not want_gate or y is not None, lambda: f"{op}: the gradient of gate needs y")
+
+    def operand_grad(wanted, t):  # the operand's shape and dtype
+        return t.new_empty(t.shape) if wanted and t is not None else ref.new_empty((0,))
+
+    return (
+        ref.new_empty(ref.shape) if want_x else ref.new_empty((0,)),
+        ref.new_empty(ref.shape) if want_y else ref.new_empty((0,)),
+        operand_grad(want_gate, gate),
+        operand_grad(want_scale, scale),
+        operand_grad(want_shift and grad_out is not None, shift),
+        operand_grad(want_weight, weight),
+        operand_grad(want_bias, bias),
+    )
+
+
 def linear_gelu(x, weight, bias=None):
     torch._check(
         weight.dim() == 2 and weight.shape[1] == x.shape[-1],

@@ -31,4 +31,5 @@ OPS = (
 BACKWARD_OPS = (
     "gelu_backward",
     "geglu_backward",
+    "norm_modulate_backward",
 )

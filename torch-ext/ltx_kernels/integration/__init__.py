@@ -33,12 +33,27 @@ from .._op_names import OPS
 
 #: The fused ops inject_optimized_kernels can use, by op name (each can be disabled alone): all.
 FUSIONS = OPS
-#: Ops whose backward is a fused kernel, as fast as autograd of the diffusers code: a fused step
-#: uses them while autograd records through it (training). The other ops' backward is for now the
-#: composite fp32 reference (correct, but 1.3x-6x slower than eager autograd; benchmark_ops.py
-#: --backward), so a training step runs the diffusers code in their place: stock gradients at stock
-#: speed. Forward passes without gradients (inference, validation sampling) use every enabled op.
-FUSED_BACKWARD: frozenset[str] = frozenset({"gelu", "geglu"})
+#: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
+#: step uses them while autograd records through it (training). The other ops' backward (rope,
+#: qk_rmsnorm_rope, linear_gelu) is for now the composite fp32 reference (correct, but slower than
+#: eager autograd; benchmark_ops.py --backward), so a training step runs the diffusers code in
+#: their place: stock gradients at stock speed. Forward passes without gradients (inference,
+#: validation sampling) use every enabled op.
+FUSED_BACKWARD: frozenset[str] = frozenset(
+    {
+        "rmsnorm",
+        "rmsnorm_modulate",
+        "layernorm_modulate",
+        "add_rmsnorm_modulate",
+        "add_layernorm_modulate",
+        "gated_residual",
+        "gelu",
+        "geglu",
+    }
+)
+#: The same under torch.compile: the ops whose fused forward + backward is also faster than what
+#: Inductor generates from the diffusers code (the norm ops' backward is not yet: 0.5-0.9x).
+FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset({"gelu", "geglu"})
 DISABLE_ENV = "LTX_KERNELS_DISABLE"
 
 # Attribute names stored on patched modules.
@@ -181,7 +196,7 @@ _PATCHED_CLASSES: dict = {}
 def _patched_class(cls: type, forward) -> type:
     key = (cls, forward)
     if key not in _PATCHED_CLASSES:
-        _PATCHED_CLASSES[key] = type(
+        subclass = type(
             cls.__name__,
             (cls,),
             {
@@ -192,7 +207,26 @@ def _patched_class(cls: type, forward) -> type:
                 "__doc__": f"{cls.__name__} running on ltx_kernels fused ops (`{forward.__module__}`).",
             },
         )
+        _share_block_metadata(cls, subclass)
+        _PATCHED_CLASSES[key] = subclass
     return _PATCHED_CLASSES[key]
+
+
+def _share_block_metadata(cls: type, subclass: type) -> None:
+    """diffusers' block caches (FirstBlockCache, MagCache) and layer skipping look a block up by its
+    class in TransformerBlockRegistry: the patched subclass gets a copy of its class's entry, which
+    still finds arguments by the class's forward signature (the patched forward takes the same)."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+    except ImportError:  # a diffusers without the registry: nothing looks blocks up
+        return
+    try:
+        metadata = TransformerBlockRegistry.get(cls)
+    except ValueError:  # not a block diffusers' caches know
+        return
+    copy = dataclasses.replace(metadata)
+    TransformerBlockRegistry.register(subclass, copy)
+    copy._cls = cls
 
 
 def _patchers() -> dict:

@@ -4,8 +4,9 @@ the op reproduces exactly (dtypes, no hook on the modules whose weights it reads
 expected kind), and otherwise runs the diffusers code for that step. Rounding matches the eager
 code: model-dtype steps round every operation (upcast=False), Wan's fp32 steps round once.
 
-While autograd records through a step (training), the step uses only ops in FUSED_BACKWARD and
-runs the diffusers code for the others, so training gets stock gradients at stock speed."""
+While autograd records through a step (training), the step uses only ops in FUSED_BACKWARD
+(FUSED_BACKWARD_COMPILED under torch.compile) and runs the diffusers code for the others, so
+training gets stock gradients at stock speed or faster."""
 
 from __future__ import annotations
 
@@ -25,15 +26,16 @@ from .. import (
     rmsnorm_modulate,
     rope,
 )
-from . import FUSED_BACKWARD, has_forward_hook
+from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, has_forward_hook
 
 
 def ops_for_step(ops, *operands):
     """The ops a step may use: the enabled ones, or, while autograd records through the step (grad
     mode on and an operand requires grad: a tensor, a (cos, sin) pair, or a module's weight or
-    bias), those in FUSED_BACKWARD."""
+    bias), those in FUSED_BACKWARD (FUSED_BACKWARD_COMPILED under torch.compile)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(operands)):
-        return ops & FUSED_BACKWARD
+        compiling = torch.compiler.is_compiling()
+        return ops & (FUSED_BACKWARD_COMPILED if compiling else FUSED_BACKWARD)
     return ops
 
 

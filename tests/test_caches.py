@@ -1,0 +1,108 @@
+"""diffusers' caches on injected models: a model injected first and then given a cache
+(FirstBlockCache, MagCache, PyramidAttentionBroadcast, TaylorSeer) gives the outputs the stock model with the same cache gives, on every
+call of a denoising-like sequence (the cache skipping blocks on the later ones), for every mapped
+model family diffusers offers the caches for (SD3's model has no CacheMixin); diffusers finds the
+patched blocks in its block registry."""
+
+import pytest
+import torch
+
+import ltx_kernels
+from inject_helpers import REL_L2_TOLERANCE, OpCounter, caller, clone, output_of, rel_l2
+from model_zoo import MODELS
+
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed")
+hooks = pytest.importorskip("diffusers.hooks", reason="diffusers is not installed")
+
+CACHED = ["ltx", "flux", "wan", "sd35"]
+
+
+def _apply(cache: str, model) -> None:
+    """Gives `model` the cache named `cache`, configured to skip work from the second call on."""
+    if cache == "first_block":
+        hooks.apply_first_block_cache(model, hooks.FirstBlockCacheConfig(threshold=0.5))
+    elif cache == "mag":
+        # MagCache with fixed ratios (no calibration run): the later calls reuse the residual.
+        hooks.apply_mag_cache(
+            model,
+            hooks.MagCacheConfig(
+                threshold=1.0,
+                max_skip_steps=2,
+                retention_ratio=0.0,
+                num_inference_steps=4,
+                mag_ratios=torch.ones(4),
+            ),
+        )
+    elif cache == "pyramid_attention_broadcast":  # through the models' enable_cache
+        model.enable_cache(
+            diffusers.PyramidAttentionBroadcastConfig(
+                spatial_attention_block_skip_range=2,
+                spatial_attention_timestep_skip_range=(-1, 10000),
+                current_timestep_callback=lambda: 500,
+            )
+        )
+    else:
+        model.enable_cache(
+            diffusers.TaylorSeerCacheConfig(
+                cache_interval=2, disable_cache_before_step=1, max_order=1
+            )
+        )
+
+
+# The caches that skip blocks or attention in these tiny models with the configs above (TaylorSeer
+# skips on FLUX only: its default module patterns do not match LTX's or Wan's blocks).
+ENGAGED = {"first_block", "mag", "pyramid_attention_broadcast"}
+
+
+def _calls(model, call, steps=4):
+    """Outputs of `steps` calls in one cache context, and the number of fused op calls of each."""
+    outputs, op_calls = [], []
+    for _ in range(steps):
+        with model.cache_context("cond"), OpCounter() as counter:
+            outputs.append(output_of(call(model)))
+        op_calls.append(sum(counter.counts.values()))
+    return outputs, op_calls
+
+
+@pytest.mark.parametrize(
+    "cache", ["first_block", "mag", "pyramid_attention_broadcast", "taylorseer"]
+)
+@pytest.mark.parametrize("model_name", CACHED)
+def test_cache_after_injection_matches_stock(model_name, cache):
+    if (cache == "mag" and not hasattr(hooks, "apply_mag_cache")) or (
+        cache == "taylorseer" and not hasattr(diffusers, "TaylorSeerCacheConfig")
+    ):
+        pytest.skip(f"this diffusers has no {cache} cache")
+    spec = MODELS[model_name]
+    model = spec.build(torch.float32)
+    if not hasattr(model, "cache_context"):
+        pytest.skip(f"diffusers offers no cache for {type(model).__name__} (no CacheMixin)")
+    stock = clone(model)
+    report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    assert report.total_patched > 0
+    call = caller(spec.inputs(torch.float32))
+    _apply(cache, stock)
+    _apply(cache, model)
+    with torch.no_grad():
+        (expected, _), (got, op_calls) = _calls(stock, call), _calls(model, call)
+    for step, (e, g) in enumerate(zip(expected, got)):
+        error = rel_l2(g, e)
+        assert error <= REL_L2_TOLERANCE[torch.float32], (
+            f"{model_name} {cache} call {step}: {error}"
+        )
+    # The cache engaged: a later call skipped work (fewer fused op calls than the first).
+    if cache in ENGAGED or model_name == "flux":
+        assert min(op_calls[1:]) < op_calls[0], op_calls
+
+
+def test_registry_knows_patched_blocks():
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    model = MODELS["ltx"].build(torch.float32)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    block = model.transformer_blocks[0]
+    base = type(block).__mro__[1]
+    assert type(block) is not base and type(block).__name__ == base.__name__
+    assert TransformerBlockRegistry.get(type(block)).return_hidden_states_index == (
+        TransformerBlockRegistry.get(base).return_hidden_states_index
+    )
