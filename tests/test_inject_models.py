@@ -26,7 +26,7 @@ def models(*names):
 
 
 @pytest.mark.parametrize("disabled", FUSIONS)
-@pytest.mark.parametrize("model", models("ltx", "flux", "wan_ti2v", "sd35"))
+@pytest.mark.parametrize("model", models("ltx", "ltx_per_token", "flux", "wan_ti2v", "sd35"))
 def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
     tiny = model.build(torch.bfloat16)
     call = caller(model.inputs(torch.bfloat16))
@@ -44,7 +44,7 @@ def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
     assert disabled not in counts and counts == model.op_counts(disabled)
 
 
-@pytest.mark.parametrize("model", models("ltx", "flux", "sd35", "sd3"))
+@pytest.mark.parametrize("model", models("ltx", "ltx_per_token", "flux", "sd35", "sd3"))
 def test_bf16_is_bit_identical_on_cpu(model):
     # Every op rounds where diffusers' bf16 code rounds; the C backend sums in the same order as
     # far as the outputs show at this size. A regression in a rounding point shows up here first.

@@ -20,7 +20,13 @@ from inject_helpers import (
 from ltx_kernels.integration import FUSED_BACKWARD
 from model_zoo import MODELS, ltx
 
-TRAINED = ["ltx", "flux", "wan", "sd35"]  # the tiny models of model_zoo.MODELS trained here
+TRAINED = [
+    "ltx",
+    "ltx_per_token",
+    "flux",
+    "wan",
+    "sd35",
+]  # the tiny models of model_zoo.MODELS trained here
 # Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose
 # fused step then falls back to the adapter-carrying module.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj"]

@@ -60,6 +60,13 @@ MODELS = {
         "LTXKernelsAttnProcessor",
         compile_backend="inductor",
     ),
+    # LTX-Video 0.9.5+ through LTXConditionPipeline: per-token timesteps and modulation.
+    "ltx_per_token": TinyModel(
+        ltx.tiny_model,
+        functools.partial(ltx.tiny_inputs, per_token=True),
+        ltx.expected_counts,
+        "LTXKernelsAttnProcessor",
+    ),
     "flux": TinyModel(
         flux.tiny_model,
         flux.tiny_inputs,

@@ -38,7 +38,9 @@ def tiny_model(dtype, **config):
     return randomize_norms(model, tables=True)
 
 
-def tiny_inputs(dtype, device="cpu", batch=2):
+def tiny_inputs(dtype, device="cpu", batch=2, per_token=False):
+    """per_token: one timestep per token, as LTXConditionPipeline (LTX-Video 0.9.5 to 0.9.8) passes
+    it (conditioning tokens at 0), so the blocks' modulation is [B, S, 6, D]."""
     hidden = torch.randn(
         batch, FRAMES * HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype, device=device
     )
@@ -46,6 +48,9 @@ def tiny_inputs(dtype, device="cpu", batch=2):
     mask = torch.ones(batch, TEXT, dtype=torch.bool, device=device)
     mask[0, TEXT - 2 :] = False
     timestep = torch.randint(0, 1000, (batch,), device=device)
+    if per_token:
+        timestep = torch.randint(0, 1000, (batch, FRAMES * HEIGHT * WIDTH), device=device)
+        timestep[:, : HEIGHT * WIDTH] = 0  # the first frame: conditioning tokens
     return dict(
         hidden_states=hidden,
         encoder_hidden_states=text,
