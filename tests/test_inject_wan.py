@@ -180,7 +180,7 @@ def test_processor_matches_wan_on_any_tables(dtype, table_dtype, ops):
     x = torch.randn(2, 20, 48, dtype=dtype)
     theta = torch.rand(1, 20, 1, 12) * 20
     tables = (theta.cos().to(table_dtype), theta.sin().to(table_dtype))
-    processor = WanKernelsAttnProcessor()
+    processor = WanKernelsAttnProcessor(attn)
     processor.ops = frozenset(ops)
     with torch.no_grad():
         eager = attn(x, None, None, tables)

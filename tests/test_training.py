@@ -25,6 +25,7 @@ TRAINED = [
     "ltx_per_token",
     "flux",
     "wan",
+    "skyreels_v2_df",
     "sd35",
 ]  # the tiny models of model_zoo.MODELS trained here
 # Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose

@@ -77,6 +77,15 @@ MODELS = {
     "wan_ti2v": dataclasses.replace(
         _WAN, inputs=functools.partial(wan.tiny_inputs, variant="ti2v")
     ),
+    "skyreels_v2": dataclasses.replace(
+        _WAN, build=wan.tiny_skyreels, processor="SkyReelsKernelsAttnProcessor"
+    ),
+    "skyreels_v2_df": dataclasses.replace(
+        _WAN,
+        build=wan.tiny_skyreels,
+        inputs=functools.partial(wan.tiny_inputs, variant="diffusion_forcing"),
+        processor="SkyReelsKernelsAttnProcessor",
+    ),
     "sd35": _sd3(sd3.SD35, "SD3KernelsAttnProcessor"),
     "sd3": _sd3(sd3.SD3, None),  # no q/k norm: the attention is left as it is
 }

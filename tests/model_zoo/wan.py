@@ -1,6 +1,6 @@
 """Wan 2.x: the tiny transformer (diffusers' own test config), as users load it (bf16 with
 `_keep_in_fp32_modules` kept fp32), with its inputs (T2V, I2V, Wan 2.2 TI2V) and the ltx_kernels
-ops one injected forward runs."""
+ops one injected forward runs; SkyReels-V2 (Wan's math) with the same config."""
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -68,7 +68,16 @@ def tiny_model(dtype, cls=WanTransformer3DModel, **config):
     return load_as(randomize(cls(**{**TINY, **config})), dtype)
 
 
+def tiny_skyreels(dtype, **config):
+    """SkyReels-V2 (Wan's math under its own classes), with the same tiny config."""
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    return tiny_model(dtype, cls=SkyReelsV2Transformer3DModel, **config)
+
+
 def tiny_inputs(dtype, variant="t2v", batch=2):
+    """variant: t2v, i2v, ti2v (Wan 2.2: a timestep per token) or diffusion_forcing (SkyReels-V2:
+    a timestep per frame, temb [B, 6, S, D], a causal self-attention mask)."""
     text = 512 if variant == "i2v" else 12  # I2V splits the context at 512 - image tokens
     inputs = dict(
         hidden_states=torch.randn(batch, 4, FRAMES, HEIGHT, WIDTH, dtype=dtype),
@@ -80,6 +89,9 @@ def tiny_inputs(dtype, variant="t2v", batch=2):
         inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, I2V["image_dim"], dtype=dtype)
     if variant == "ti2v":  # Wan 2.2 TI2V: one timestep per token
         inputs["timestep"] = torch.randint(0, 1000, (batch, TOKENS))
+    if variant == "diffusion_forcing":
+        inputs["timestep"] = torch.randint(0, 1000, (batch, FRAMES))
+        inputs["enable_diffusion_forcing"] = True
     return inputs
 
 

@@ -1,8 +1,10 @@
 """Wan 2.x (diffusers `transformer_wan.py`) on the fused ops.
 
 Per block (`WanTransformerBlock`, also its verbatim copies in transformer_wan_animate.py and
-transformer_chronoedit.py, and `WanVACETransformerBlock`), with t = scale_shift_table +
-temb.float() split in six (fp32 [B, 1, D], or per token [B, S, D] with Wan 2.2 TI2V's temb):
+transformer_chronoedit.py, `WanVACETransformerBlock`, and SkyReels-V2's
+`SkyReelsV2TransformerBlock`: Wan's math with a self-attention mask and diffusion forcing's
+per-token temb [B, 6, S, D]), with t = scale_shift_table + temb.float() split in six (fp32
+[B, 1, D], or per token [B, S, D] with Wan 2.2 TI2V's temb):
   (norm1(x.float()) * (1 + s) + b).type_as(x)          -> layernorm_modulate (upcast)
   attn1: q/k RMSNorm over the token, RoPE per head       -> qk_rmsnorm_rope on [B, S, H, Dh]
   x = (x.float() + a1 * g).type_as(x); norm2(x.float())  -> add_layernorm_modulate (upcast, affine
@@ -32,6 +34,7 @@ _WAN_MODULES = frozenset(
         "transformer_wan_animate",
         "transformer_chronoedit",
         "transformer_wan_vace",
+        "transformer_skyreels_v2",
     )
 )
 
@@ -97,7 +100,15 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
 class WanKernelsAttnProcessor(FusedAttnProcessor):
     """`WanAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature; backend and
     parallel config are copied from the replaced processor and passed where diffusers passes
-    them."""
+    them. The q/k/v projections are the attention module's own module's helpers."""
+
+    # Whether cross-attention (and I2V's image context) also gets the parallel config: Wan's
+    # processor passes it to self-attention only, SkyReels-V2's to every attention.
+    parallel_cross_attention = False
+
+    def __init__(self, attn):
+        # The module of the q/k/v projection helpers, found once here (not traceable per call).
+        self.projection_helpers = _projection_helpers(attn)
 
     def __call__(
         self,
@@ -108,10 +119,8 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import (
-            _get_added_kv_projections,
-            _get_qkv_projections,
-        )
+
+        helpers = self.projection_helpers
 
         def attend(key, value, attn_mask, parallel_config):
             out = dispatch_attention_fn(
@@ -133,21 +142,23 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
             encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
             encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
 
-        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value = helpers._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         query, key = qk_norm_rope(self.ops, attn, query, key, rotary_emb)
         value = _heads(attn, value)
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:  # I2V
-            key_img, value_img = _get_added_kv_projections(attn, encoder_hidden_states_img)
+            key_img, value_img = helpers._get_added_kv_projections(attn, encoder_hidden_states_img)
             key_img = _heads(attn, attn.norm_added_k(key_img))
-            hidden_states_img = attend(key_img, _heads(attn, value_img), None, None)
+            cross_parallel = self._parallel_config if self.parallel_cross_attention else None
+            hidden_states_img = attend(key_img, _heads(attn, value_img), None, cross_parallel)
 
+        self_attention = encoder_hidden_states is None
         hidden_states = attend(
             key,
             value,
             attention_mask,
-            self._parallel_config if encoder_hidden_states is None else None,
+            self._parallel_config if self_attention or self.parallel_cross_attention else None,
         )
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
@@ -155,10 +166,27 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         return attn.to_out[1](hidden_states)
 
 
+class SkyReelsKernelsAttnProcessor(WanKernelsAttnProcessor):
+    """`SkyReelsV2AttnProcessor` (Wan's, with the parallel config on every attention)."""
+
+    parallel_cross_attention = True
+
+
+def _projection_helpers(attn):
+    """The module holding `_get_qkv_projections` for `attn`'s class (each Wan copy has its own;
+    VACE's attention is transformer_wan's)."""
+    import importlib
+
+    module = importlib.import_module(type(attn).__module__)
+    if hasattr(module, "_get_qkv_projections"):
+        return module
+    return importlib.import_module("diffusers.models.transformers.transformer_wan")
+
+
 # ------------------------------------------------------------------------------------------------
 # Blocks
 # ------------------------------------------------------------------------------------------------
-def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb):
+def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb, attention_mask=None):
     """Self-attention, cross-attention and FF of a Wan block; modulation = the six fp32 chunks."""
     ops = self._ltx_kernels_ops
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = modulation
@@ -168,7 +196,7 @@ def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb):
     norm_hidden_states = steps.norm_modulate_fp32(
         ops, self.norm1, hidden_states, scale_msa, shift_msa
     )
-    attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
+    attn_output = self.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
     hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
         ops, self.norm2, hidden_states, attn_output, gate=gate_msa
     )
@@ -198,6 +226,28 @@ def block_forward(
     else:  # temb [B, 6, D]
         modulation = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
     return _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb)
+
+
+def skyreels_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> torch.Tensor:
+    """`SkyReelsV2TransformerBlock.forward` on the fused ops: Wan's layer with the self-attention
+    mask; diffusion forcing's temb [B, 6, S, D] gives per-token modulation."""
+    if temb.dim() == 3:  # [B, 6, D]
+        modulation = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+    else:  # [B, 6, S, D]
+        modulation = [
+            t.squeeze(1)
+            for t in (self.scale_shift_table.unsqueeze(2) + temb.float()).chunk(6, dim=1)
+        ]
+    return _layer(
+        self, hidden_states, encoder_hidden_states, modulation, rotary_emb, attention_mask
+    )
 
 
 def vace_block_forward(
@@ -234,7 +284,7 @@ def _is_wan(obj) -> bool:
     return type(obj).__module__ in _WAN_MODULES
 
 
-def _block_patcher(forward):
+def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKernelsAttnProcessor):
     def patch(name: str, block, injector) -> None:
         kind = type(block).__name__
         if not _is_wan(block):
@@ -250,15 +300,13 @@ def _block_patcher(forward):
             if not injector.has_stock_processor(
                 f"{name}.{attn_name}",
                 attn,
-                "WanAttnProcessor",
+                stock_processor,
                 attn_kind,
                 "LoRA/IP adapters or user code",
                 is_stock=_is_wan,
             ):
                 continue
-            injector.set_processor(
-                f"{name}.{attn_name}", attn, WanKernelsAttnProcessor(), attn_kind
-            )
+            injector.set_processor(f"{name}.{attn_name}", attn, processor(attn), attn_kind)
             if attn.add_k_proj is not None:
                 injector.skip(
                     IMAGE_CONTEXT,
@@ -287,4 +335,8 @@ PATCHERS = {
     "WanVACETransformerBlock": _block_patcher(vace_block_forward),
     "WanTransformer3DModel": patch_model,
     "WanVACETransformer3DModel": patch_model,
+    "SkyReelsV2TransformerBlock": _block_patcher(
+        skyreels_block_forward, "SkyReelsV2AttnProcessor", SkyReelsKernelsAttnProcessor
+    ),
+    "SkyReelsV2Transformer3DModel": patch_model,
 }
