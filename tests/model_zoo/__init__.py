@@ -60,12 +60,19 @@ MODELS = {
         "LTXKernelsAttnProcessor",
         compile_backend="inductor",
     ),
-    # LTX-Video 0.9.5+ through LTXConditionPipeline: per-token timesteps and modulation.
+    # LTX-Video 0.9.5+ through LTXConditionPipeline: per-token timesteps and modulation. Its q/k
+    # norm is left out of the bf16 bit-identity test: with this test's inputs one normalized k
+    # element lies 4.7e-8 beyond a bf16 rounding midpoint (exact -1.14453129708, midpoint
+    # -1.14453125), and torch 2.11's CPU torch.nn.RMSNorm rounds it to the far neighbour, our op
+    # to the correctly rounded one (seen on torch 2.11, not on 2.15). qk_rmsnorm_rope is checked
+    # against float64 in test_rope.py, and this model matches eager with every op in the other
+    # tests.
     "ltx_per_token": TinyModel(
         ltx.tiny_model,
         functools.partial(ltx.tiny_inputs, per_token=True),
         ltx.expected_counts,
         "LTXKernelsAttnProcessor",
+        bit_identical_without=("qk_rmsnorm_rope",),
     ),
     "flux": TinyModel(
         flux.tiny_model,
