@@ -1,7 +1,9 @@
 """Shared test helpers: ulp-based comparison against float64 references, output poisoning,
-layouts of activations (contiguous, row-strided, misaligned)."""
+layouts of activations (contiguous, row-strided, misaligned), the names of the ops a call
+dispatches."""
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 # frexp exponent of the smallest normal number (value = m * 2^e with 0.5 <= |m| < 1).
@@ -111,3 +113,15 @@ def capture_graph(step):
     with torch.cuda.graph(graph):
         outputs = step()
     return graph, outputs
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every op dispatched while active (`names`: "ltx_kernels::gelu", ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))

@@ -9,7 +9,6 @@ gradients are what the composite VJP gives)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ltx_kernels
 from ltx_kernels._op_namespace import ops
@@ -24,7 +23,7 @@ from fused_helpers import (
     skip_big_on_cpu,
     varied_rows,
 )
-from helpers import capture_graph, make_activation, poison_allocator
+from helpers import OpNames, capture_graph, make_activation, poison_allocator
 
 APPROXIMATE = ["none", "tanh"]
 
@@ -202,22 +201,12 @@ def test_bad_inputs(device):
         ops.gelu_backward(torch.randn(64, 2, device=device).to(x.dtype).t(), x, "tanh")
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.name())
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("op", ["gelu", "geglu"])
 def test_autograd_runs_the_fused_backward(device, op):
     x = torch.randn(4, 7, 256, device=device).to(torch.bfloat16).requires_grad_()
     out = getattr(ltx_kernels, op)(x)
     dout = torch.randn_like(out)
-    with _OpNames() as seen:
+    with OpNames() as seen:
         (grad,) = torch.autograd.grad(out, x, dout)
     assert f"ltx_kernels::{op}_backward" in seen.names, sorted(seen.names)
     # The fused kernel's gradient is the composite VJP's (same rounding points): equal up to the

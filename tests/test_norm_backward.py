@@ -7,27 +7,40 @@ opcheck and bad inputs; autograd of every op calls the fused op."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ltx_kernels
 from ltx_kernels import _autograd, reference
+from ltx_kernels._op_names import FUSED_BACKWARD_OPS
 from ltx_kernels._op_namespace import ops
 
 from fused_helpers import BROADCASTS, DTYPES, FRAMES, make_modulation
-from helpers import make_activation
+from helpers import OpNames, make_activation
 
-NORM_OPS = [
-    "rmsnorm",
-    "rmsnorm_modulate",
-    "layernorm_modulate",
-    "add_rmsnorm_modulate",
-    "add_layernorm_modulate",
-    "gated_residual",
-]
+NORM_OPS = [op for op, bwd in FUSED_BACKWARD_OPS.items() if bwd == "norm_modulate_backward"]
 # Relative L2 error of each gradient against the float64 VJP: the kernel computes in fp32 and
 # rounds each gradient once (to bf16: 2^-9 at most per element, about 2^-9/sqrt(3) in L2); fp32:
 # sums over rows and the row reductions of a few thousand terms.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 6e-3}
+
+
+DX_ONLY = [True] + [False] * 6  # norm_modulate_backward's output_mask: the gradient of x alone
+
+
+def _backward(
+    grad_out=None,
+    grad_h=None,
+    h=None,
+    y=None,
+    gate=None,
+    scale=None,
+    shift=None,
+    weight=None,
+    bias=None,
+    layer_norm=False,
+    mask=DX_ONLY,
+):
+    """norm_modulate_backward's positional arguments (eps 1e-6), given by keyword."""
+    return (grad_out, grad_h, h, y, gate, scale, shift, weight, bias, 1e-6, layer_norm, list(mask))
 
 
 def _args(op, kind, x, y, dtype, device, with_affine=True):
@@ -128,9 +141,7 @@ def test_rows_above_the_cuda_limit_take_the_reference():
     with pytest.raises(
         RuntimeError, match="norm_modulate_backward: the CUDA kernel takes rows of up"
     ):
-        ops.norm_modulate_backward(
-            x, None, x, None, None, None, None, None, None, 1e-6, False, [True] + [False] * 6
-        )
+        ops.norm_modulate_backward(*_backward(grad_out=x, h=x))
 
 
 @pytest.mark.parametrize("op", NORM_OPS)
@@ -248,16 +259,6 @@ def test_deterministic(op):
             assert torch.equal(a, b)
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.name())
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("op", NORM_OPS)
 def test_autograd_runs_the_fused_backward(device, op):
     x = torch.randn(2, 9, 64, device=device).to(torch.bfloat16)
@@ -268,7 +269,7 @@ def test_autograd_runs_the_fused_backward(device, op):
     ]
     outputs = getattr(ltx_kernels, op)(*args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    with _OpNames() as seen:
+    with OpNames() as seen:
         torch.autograd.grad(
             outputs,
             [a for a in args if isinstance(a, torch.Tensor)],
@@ -314,89 +315,36 @@ def test_opcheck(device, layer_norm):
     scale, shift, gate = make_modulation("B1D", 2, 10, 32, torch.float32, device, 3)
     weight = torch.randn(32, device=device)
     bias = torch.randn(32, device=device) if layer_norm else None
+    op = ops.norm_modulate_backward.default
     mask = [True, True, True, True, True, True, layer_norm]
     torch.library.opcheck(
-        ops.norm_modulate_backward.default,
-        (grad_out, grad_h, x, y, gate, scale, shift, weight, bias, 1e-6, layer_norm, mask),
+        op,
+        _backward(grad_out, grad_h, x, y, gate, scale, shift, weight, bias, layer_norm, mask),
     )
     torch.library.opcheck(
-        ops.norm_modulate_backward.default,
-        (
-            None,
-            grad_h,
-            None,
-            y,
-            gate,
-            None,
-            None,
-            None,
-            None,
-            1e-6,
-            False,
-            [False, True, True] + [False] * 4,
-        ),
+        op, _backward(grad_h=grad_h, y=y, gate=gate, mask=[False, True, True] + [False] * 4)
     )
 
 
 def test_bad_inputs(device):
     x = torch.randn(2, 8, 16, device=device)
-    mask = [True] + [False] * 6
-    bwd = ops.norm_modulate_backward
-    with pytest.raises(RuntimeError, match="norm_modulate_backward: needs grad_out or grad_h"):
-        bwd(None, None, x, None, None, None, None, None, None, 1e-6, False, mask)
-    with pytest.raises(RuntimeError, match="norm_modulate_backward: grad_out needs h"):
-        bwd(x, None, None, None, None, None, None, None, None, 1e-6, False, mask)
-    with pytest.raises(RuntimeError, match="norm_modulate_backward: y must have h's shape"):
-        bwd(x, None, x, x[:, :4], None, None, None, None, None, 1e-6, False, mask)
-    with pytest.raises(RuntimeError, match="norm_modulate_backward: the gradient of gate needs y"):
-        bwd(
-            x,
-            None,
-            x,
-            None,
-            x,
-            None,
-            None,
-            None,
-            None,
-            1e-6,
-            False,
-            [False, False, True] + [False] * 4,
-        )
-    with pytest.raises(RuntimeError, match="norm_modulate_backward: grad_out must have h's dtype"):
-        bwd(x.half(), None, x, None, None, None, None, None, None, 1e-6, False, mask)
-    with pytest.raises(RuntimeError, match="norm_modulate_backward: scale with shape"):
-        bwd(
-            x,
-            None,
-            x,
-            None,
-            None,
-            torch.randn(3, 1, 16, device=device),
-            None,
-            None,
-            None,
-            1e-6,
-            False,
-            mask,
-        )
-    with pytest.raises(
-        RuntimeError, match="norm_modulate_backward: bias is only allowed with norm"
-    ):
-        bwd(
-            x,
-            None,
-            x,
-            None,
-            None,
-            None,
-            None,
-            None,
-            torch.randn(16, device=device),
-            1e-6,
-            False,
-            mask,
-        )
+
+    def raises(match, **arguments):
+        with pytest.raises(RuntimeError, match=f"norm_modulate_backward: {match}"):
+            ops.norm_modulate_backward(*_backward(**arguments))
+
+    raises("needs grad_out or grad_h", h=x)
+    raises("grad_out needs h", grad_out=x)
+    raises("y must have h's shape", grad_out=x, h=x, y=x[:, :4])
+    raises(
+        "the gradient of gate needs y",
+        grad_out=x,
+        h=x,
+        gate=x,
+        mask=[False, False, True] + [False] * 4,
+    )
+    raises("grad_out must have h's dtype", grad_out=x.half(), h=x)
+    raises("scale with shape", grad_out=x, h=x, scale=torch.randn(3, 1, 16, device=device))
+    raises("bias is only allowed with norm", grad_out=x, h=x, bias=torch.randn(16, device=device))
     if device == "cuda":
-        with pytest.raises(RuntimeError, match="float64, which only the CPU backend takes"):
-            bwd(x.double(), None, x.double(), None, None, None, None, None, None, 1e-6, False, mask)
+        raises("h is float64, which only the CPU backend takes", grad_out=x.double(), h=x.double())

@@ -54,6 +54,13 @@ def test_every_op_has_its_piece_and_nothing_more(piece):
     assert not names - expected, f"{piece}: not ops: {sorted(names - expected)}"
 
 
+def test_fused_backward_ops_map_ops_to_backward_ops():
+    from ltx_kernels._op_names import FUSED_BACKWARD_OPS
+
+    assert set(FUSED_BACKWARD_OPS) <= set(OPS)
+    assert set(FUSED_BACKWARD_OPS.values()) == set(BACKWARD_OPS)
+
+
 def test_fusions_are_the_ops():
     assert FUSIONS == OPS
     assert set(OPS) <= set(ltx_kernels.__all__)

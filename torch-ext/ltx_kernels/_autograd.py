@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from ._op_names import BACKWARD_OPS
+from ._op_names import BACKWARD_OPS, FUSED_BACKWARD_OPS
 from ._op_namespace import add_op_namespace_prefix, ops
 
 
@@ -105,7 +105,7 @@ def _fused_gelu_backward(name: str):
     """setup_context and backward of gelu or geglu (x, approximate): the fused backward op
     <name>_backward; under create_graph=True, the reference VJP (differentiable again)."""
     setup_context, reference_backward = _reference_backward(name)
-    fused = getattr(ops, f"{name}_backward")
+    fused = getattr(ops, FUSED_BACKWARD_OPS[name])
 
     def backward(ctx, grad):
         if torch.is_grad_enabled():  # double backward
@@ -118,16 +118,7 @@ def _fused_gelu_backward(name: str):
     return setup_context, backward
 
 
-# The norm ops and gated_residual: one fused backward op (norm_modulate_backward).
-_NORM_BACKWARD_OPS = (
-    "rmsnorm",
-    "rmsnorm_modulate",
-    "layernorm_modulate",
-    "add_rmsnorm_modulate",
-    "add_layernorm_modulate",
-    "gated_residual",
-)
-# Its gradients, in the order it returns them.
+# The gradients norm_modulate_backward returns, in its order.
 _NORM_GRADIENTS = ("x", "y", "gate", "scale", "shift", "weight", "bias")
 _MAX_CUDA_HIDDEN = 8192  # LTX_NORM_BACKWARD_MAX_HIDDEN (ltx_kernels.h); longer rows: the reference
 
@@ -290,9 +281,9 @@ def register(names) -> None:
     for name in names:
         if name == "linear_gelu":
             setup_context, backward = _linear_gelu_setup_context, _linear_gelu_backward
-        elif name in ("gelu", "geglu"):
+        elif FUSED_BACKWARD_OPS.get(name) in ("gelu_backward", "geglu_backward"):
             setup_context, backward = _fused_gelu_backward(name)
-        elif name in _NORM_BACKWARD_OPS:
+        elif FUSED_BACKWARD_OPS.get(name) == "norm_modulate_backward":
             setup_context, backward = _fused_norm_backward(name)
         elif name in BACKWARD_OPS:
             setup_context, backward = _not_differentiable(name)

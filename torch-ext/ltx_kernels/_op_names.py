@@ -33,3 +33,16 @@ BACKWARD_OPS = (
     "geglu_backward",
     "norm_modulate_backward",
 )
+
+# The ops of OPS whose autograd calls a fused backward op (one of BACKWARD_OPS), and that op; the
+# others' backward is the VJP of their reference (_autograd.py).
+FUSED_BACKWARD_OPS = {
+    "rmsnorm": "norm_modulate_backward",
+    "rmsnorm_modulate": "norm_modulate_backward",
+    "layernorm_modulate": "norm_modulate_backward",
+    "add_rmsnorm_modulate": "norm_modulate_backward",
+    "add_layernorm_modulate": "norm_modulate_backward",
+    "gated_residual": "norm_modulate_backward",
+    "gelu": "gelu_backward",
+    "geglu": "geglu_backward",
+}

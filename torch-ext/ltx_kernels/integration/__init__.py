@@ -29,28 +29,18 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .._op_names import OPS
+from .._op_names import FUSED_BACKWARD_OPS, OPS
 
 #: The fused ops inject_optimized_kernels can use, by op name (each can be disabled alone): all.
 FUSIONS = OPS
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
-#: step uses them while autograd records through it (training). The other ops' backward (rope,
-#: qk_rmsnorm_rope, linear_gelu) is for now the composite fp32 reference (correct, but slower than
-#: eager autograd; benchmark_ops.py --backward), so a training step runs the diffusers code in
-#: their place: stock gradients at stock speed. Forward passes without gradients (inference,
-#: validation sampling) use every enabled op.
-FUSED_BACKWARD: frozenset[str] = frozenset(
-    {
-        "rmsnorm",
-        "rmsnorm_modulate",
-        "layernorm_modulate",
-        "add_rmsnorm_modulate",
-        "add_layernorm_modulate",
-        "gated_residual",
-        "gelu",
-        "geglu",
-    }
-)
+#: step uses them while autograd records through it (training). These are the ops with a fused
+#: backward (_op_names.FUSED_BACKWARD_OPS). The other ops' backward (rope, qk_rmsnorm_rope,
+#: linear_gelu) is for now the composite fp32 reference (correct, but slower than eager autograd;
+#: benchmark_ops.py --backward), so a training step runs the diffusers code in their place: stock
+#: gradients at stock speed. Forward passes without gradients (inference, validation sampling) use
+#: every enabled op.
+FUSED_BACKWARD: frozenset[str] = frozenset(FUSED_BACKWARD_OPS)
 #: The same under torch.compile: the ops whose fused forward + backward is also faster than what
 #: Inductor generates from the diffusers code (the norm ops' backward is not yet: 0.5-0.9x).
 FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset({"gelu", "geglu"})
