@@ -277,7 +277,8 @@ static const char* const kTensorCos[2] = {"tensors[0].cos", "tensors[1].cos"};
 static const char* const kTensorSin[2] = {"tensors[0].sin", "tensors[1].sin"};
 static const char* const kTensorWeight[2] = {"tensors[0].weight", "tensors[1].weight"};
 
-ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
+/* The rules of ltx_qk_norm_rope; float64_ok: T may also be float64 (the backward's C twin). */
+static ltx_check_t check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a, int float64_ok) {
   ltx_dtype_t t;
   const ltx_rope_tensor_t* table_tensor = NULL; /* the first tensor with cos/sin */
   int k;
@@ -290,7 +291,8 @@ ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
   /* Dtypes: x and out of both tensors T; cos and sin one dtype for both tensors, T or fp32;
    * weights T or fp32. */
   t = a->tensors[0].x.dtype;
-  LTX_RETURN_IF_FAILED(float_dtype(kTensorX[0], t));
+  LTX_RETURN_IF_FAILED(float64_ok ? float_or_float64_dtype(kTensorX[0], t)
+                                  : float_dtype(kTensorX[0], t));
   for (k = 0; k < a->num_tensors; ++k) {
     const ltx_rope_tensor_t* r = &a->tensors[k];
     LTX_RETURN_IF_FAILED(
@@ -343,6 +345,31 @@ ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
                            .value = (double)a->rot_dim,
                            .expected = a->head_dim};
     return c;
+  }
+  return ok();
+}
+
+ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
+  return check_qk_norm_rope(a, 0);
+}
+
+static const char* const kGrad[2] = {"grad[0]", "grad[1]"};
+static const char* const kWeightSum[2] = {"dweight_sum[0]", "dweight_sum[1]"};
+
+ltx_check_t ltx_check_qk_norm_rope_backward(const ltx_qk_norm_rope_backward_args_t* a) {
+  int k;
+  if (!a) return malformed("args");
+  /* The forward's rules (out: the gradient dx), then each grad: x's dtype and rows; a weight
+   * gradient needs the norm and its weight. */
+  LTX_RETURN_IF_FAILED(check_qk_norm_rope(&a->forward, 1));
+  if (a->chunk_rows < 1) return malformed("chunk_rows");
+  for (k = 0; k < a->forward.num_tensors; ++k) {
+    const ltx_rope_tensor_t* r = &a->forward.tensors[k];
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_INVALID_ARGUMENT, kGrad[k], a->grad[k].dtype, kTensorX[k], r->x.dtype));
+    LTX_RETURN_IF_FAILED(rows_like(kGrad[k], &a->grad[k], kTensorX[k], ltx_num_rows(&r->x)));
+    if (a->dweight_sum[k] && !(a->forward.normalize && r->weight.data))
+      return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES, kWeightSum[k], kTensorWeight[k]);
   }
   return ok();
 }

@@ -50,6 +50,7 @@ ltx_check_t ltx_check_gated_residual(const ltx_rows_t* out, const ltx_rows_t* x,
                                      const ltx_rows_t* y, const ltx_rows_t* gate, int64_t hidden,
                                      int upcast);
 ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* args);
+ltx_check_t ltx_check_qk_norm_rope_backward(const ltx_qk_norm_rope_backward_args_t* args);
 ltx_check_t ltx_check_gelu(const ltx_rows_t* out, const ltx_rows_t* x, int64_t hidden,
                            ltx_gelu_approximate_t approximate, int gated);
 ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout,

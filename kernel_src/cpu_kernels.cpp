@@ -9,5 +9,6 @@
 #include "gelu_cpu.c"
 #include "norm_backward_cpu.c"
 #include "norm_modulate_cpu.c"
+#include "qk_norm_rope_backward_cpu.c"
 #include "qk_norm_rope_cpu.c"
 #include "rmsnorm_cpu.c"

@@ -235,6 +235,59 @@ int ltx_qk_norm_rope_cuda(const ltx_qk_norm_rope_args_t* args, ltx_stream_t stre
 int ltx_qk_norm_rope_cpu(const ltx_qk_norm_rope_args_t* args, int tensor, int64_t row_begin,
                          int64_t row_end);
 
+/*
+ * Backward of ltx_qk_norm_rope (and of a rotation alone): for the gradient `grad` of each tensor's
+ * output, the gradient dx of its input x and the partial sums of its norm weight's gradient,
+ * computed in fp32 as the vector-Jacobian product of the forward's formula with its rounding steps
+ * taken as exact; dx is rounded once, to T. Per row, with d = grad and each head's cos/sin row c, s
+ * as in the forward:
+ *   g = R^T d, the transposed rotation (the identity without cos/sin):
+ *     interleaved: g[2i]   = d[2i]   * c[2i]   + d[2i+1] * s[2i+1]
+ *                  g[2i+1] = d[2i+1] * c[2i+1] - d[2i]   * s[2i]
+ *     halves:      g[i]      = d[i]      * c[i]  + d[i+half] * s[i']
+ *                  g[i+half] = d[i+half] * c[i'] - d[i]      * s[i]      (i' as in the forward)
+ *   normalize = 0: dx = g
+ *   normalize = 1: xhat = x * rstd (rstd of x's row as in the forward), w the weight (1: none):
+ *                  dx = rstd * (g * w - xhat * mean(g * w * xhat));  dweight = g * xhat
+ * `forward` holds the forward's arguments with tensors[i].out the gradient dx written and
+ * tensors[i].x the forward's input (read only when normalizing: a rotation's VJP does not depend on
+ * it, and any rows of x's shape, such as grad's, describe it). The rows of each tensor come in
+ * chunks of chunk_rows; row c of dweight_sum[i] ([chunks_i, heads * head_dim], fp32; float64 when
+ * T is) holds the sum of dweight over chunk c of tensor i, for the caller to add up
+ * (ltx_qk_norm_rope_backward_chunks gives chunks_i); NULL: not computed. The C twin also takes
+ * T = LTX_FLOAT64 (computed in double); the CUDA launcher takes rows of up to
+ * LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW elements.
+ */
+#define LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW 8192
+
+typedef struct ltx_qk_norm_rope_backward_args {
+  ltx_qk_norm_rope_args_t forward;
+  ltx_rows_t grad[2];   /* the gradient of each tensor's output (T) */
+  void* dweight_sum[2]; /* [chunks_i, heads * head_dim] partial sums; NULL: not computed */
+  int64_t chunk_rows;   /* >= 1 */
+} ltx_qk_norm_rope_backward_args_t;
+
+/* Chunks of one tensor of `rows` rows. */
+static inline int64_t ltx_qk_norm_rope_backward_chunks(int64_t rows, int64_t chunk_rows) {
+  return rows <= 0 || chunk_rows <= 0 ? 0 : (rows + chunk_rows - 1) / chunk_rows;
+}
+
+/* A chunk length for `rows` rows (q's and k's together) of `row_length` elements: chunks short
+ * enough that a launch fills a GPU (about 2^18 threads of 16 elements), at least 8 rows when the
+ * weight gradient is summed (so its partial sums stay a few percent of the traffic), at most 64. */
+static inline int64_t ltx_qk_norm_rope_backward_chunk_rows(int64_t rows, int64_t row_length,
+                                                           int weight_sums) {
+  int64_t r = rows / (((int64_t)1 << 22) / (row_length > 0 ? row_length : 1) + 1);
+  if (weight_sums && r < 8) r = 8;
+  return r < 1 ? 1 : r > 64 ? 64 : r;
+}
+
+int ltx_qk_norm_rope_backward_cuda(const ltx_qk_norm_rope_backward_args_t* args,
+                                   ltx_stream_t stream);
+/* Over chunks [chunk_begin, chunk_end) of tensor `tensor` only. */
+int ltx_qk_norm_rope_backward_cpu(const ltx_qk_norm_rope_backward_args_t* args, int tensor,
+                                  int64_t chunk_begin, int64_t chunk_end);
+
 /* GELU variants. */
 typedef enum ltx_gelu_approximate {
   LTX_GELU_NONE = 0, /* 0.5 x (1 + erf(x / sqrt(2))) */

@@ -26,13 +26,12 @@ static at::Tensor launcher_rows_view(const at::Tensor& t, const RopeRows& layout
 // launcher rule.
 static int64_t rope_tables_width(const char* op, const std::optional<at::Tensor>& cos,
                                  const std::optional<at::Tensor>& sin, const at::Tensor& x,
-                                 int64_t head_dim) {
+                                 int64_t head_dim, bool cpu_float64 = false) {
   for (const auto* table : {&cos, &sin}) {
     if (!*table) continue;
     const char* name = table == &cos ? "cos" : "sin";
     check_same_device(op, name, **table, "x", x);
-    LTX_CHECK(is_supported_float((*table)->scalar_type()), op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", (*table)->scalar_type());
+    check_float(op, name, **table, cpu_float64);
   }
   if (cos && sin)
     LTX_CHECK(cos->sizes() == sin->sizes(), op, ": cos and sin must have the same shape, got ",
@@ -47,7 +46,8 @@ static ltx_rope_tensor_t rope_tensor(const char* op, const char* name, const at:
                                      const at::Tensor& out, const std::optional<at::Tensor>& cos,
                                      const std::optional<at::Tensor>& sin,
                                      const std::optional<at::Tensor>& weight,
-                                     const RopeRows& layout, int64_t rot_dim) {
+                                     const RopeRows& layout, int64_t rot_dim,
+                                     bool cpu_float64 = false) {
   ltx_rope_tensor_t r{};
   r.x = rows_of(op, name, launcher_rows_view(t, layout));
   r.out = rows_of(op, "out", launcher_rows_view(out, layout));
@@ -62,7 +62,7 @@ static ltx_rope_tensor_t rope_tensor(const char* op, const char* name, const at:
     const char* table_name = i == 0 ? "cos" : "sin";
     at::Tensor table = **tables[i];
     if (t.dim() == 4 && table.dim() == 2) table = table.unsqueeze(1);  // [S, r]: all heads
-    const at::Tensor expanded = broadcast_operand(op, table_name, table, t, shape);
+    const at::Tensor expanded = broadcast_operand(op, table_name, table, t, shape, cpu_float64);
     if (layout.token_rows && expanded.numel() > 0) {
       *head_strides[i] = expanded.stride(-2);
       *rows[i] = rows_of(op, table_name, expanded.select(-2, 0));
@@ -89,18 +89,24 @@ static ltx_qk_norm_rope_args_t qk_norm_rope_args(const RopeRows& layout, int64_t
   return args;
 }
 
+// The rows of a rotation alone (rope and its backward). Without a norm the grouping of heads into
+// rows is free: a token's contiguous heads form one row (one cos row per token when the table is
+// shared by the heads), when it has at most max_row elements.
+static RopeRows rotation_rows(const at::Tensor& x, int64_t max_row = INT64_MAX) {
+  RopeRows layout;
+  layout.head_dim = x.size(-1);
+  if (x.dim() == 4 && x.stride(-2) == x.size(-1) && x.size(-2) * x.size(-1) <= max_row) {
+    layout.token_rows = true;
+    layout.heads = x.size(-2);
+  }
+  return layout;
+}
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                 bool interleaved) {
   const char* op = "ltx_kernels.rope";
   check_activation(op, "x", x);
-  RopeRows layout;
-  layout.head_dim = x.size(-1);
-  // Without a norm the grouping of heads into rows is free: a token's contiguous heads form one
-  // row (one cos row per token when the table is shared by the heads).
-  if (x.dim() == 4 && x.stride(-2) == x.size(-1)) {
-    layout.token_rows = true;
-    layout.heads = x.size(-2);
-  }
+  const RopeRows layout = rotation_rows(x);
   const int64_t rot_dim = rope_tables_width(op, cos, sin, x, layout.head_dim);
   at::Tensor out = at::empty(x.sizes(), x.options());
   ltx_qk_norm_rope_args_t args = qk_norm_rope_args(layout, rot_dim, false, interleaved, 0.0);
@@ -119,15 +125,14 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at::Tensor& k,
-                                                   const std::optional<at::Tensor>& q_weight,
-                                                   const std::optional<at::Tensor>& k_weight,
-                                                   const std::optional<at::Tensor>& cos,
-                                                   const std::optional<at::Tensor>& sin, double eps,
-                                                   bool across_heads, bool interleaved) {
-  const char* op = "ltx_kernels.qk_rmsnorm_rope";
-  check_activation(op, "q", q);
-  check_activation(op, "k", k);
+// The rows of qk_rmsnorm_rope (and its backward): checks q and k (and their weights) and cuts them
+// into heads, one head per launcher row or (across_heads) a token's heads per row.
+static RopeRows qk_rows(const char* op, const at::Tensor& q, const at::Tensor& k,
+                        const std::optional<at::Tensor>& q_weight,
+                        const std::optional<at::Tensor>& k_weight, bool across_heads,
+                        bool cpu_float64) {
+  check_activation(op, "q", q, cpu_float64);
+  check_activation(op, "k", k, cpu_float64);
   check_same_device(op, "k", k, "q", q);
   RopeRows layout;
   layout.head_dim = q.size(-1);
@@ -148,7 +153,21 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at
   }
   const int64_t row_len = layout.heads * layout.head_dim;
   for (const auto* w : {&q_weight, &k_weight})
-    if (*w) check_channel_vector(op, w == &q_weight ? "q_weight" : "k_weight", **w, row_len, q);
+    if (*w)
+      check_channel_vector(op, w == &q_weight ? "q_weight" : "k_weight", **w, row_len, q,
+                           cpu_float64);
+  return layout;
+}
+
+std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at::Tensor& k,
+                                                   const std::optional<at::Tensor>& q_weight,
+                                                   const std::optional<at::Tensor>& k_weight,
+                                                   const std::optional<at::Tensor>& cos,
+                                                   const std::optional<at::Tensor>& sin, double eps,
+                                                   bool across_heads, bool interleaved) {
+  const char* op = "ltx_kernels.qk_rmsnorm_rope";
+  const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, false);
+  const int64_t row_len = layout.heads * layout.head_dim;
   const int64_t rot_dim = rope_tables_width(op, cos, sin, q, layout.head_dim);
   at::Tensor q_out = at::empty(q.sizes(), q.options());
   at::Tensor k_out = at::empty(k.sizes(), k.options());
@@ -181,4 +200,141 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at
        {"tensors[1].out", "k_out"},
        {"rot_dim", "cos"}});
   return {q_out, k_out};
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward (ltx_qk_norm_rope_backward_*): the forward's launcher arguments with the gradient dx as
+// out, the output gradients, and the weight gradients as per-chunk partial sums summed here.
+// ------------------------------------------------------------------------------------------------
+
+// The launcher names of the backward's arguments -> the op's, for one or two tensors.
+static const ArgNames kQkBackwardNames = {{"tensors[0].x", "q"},
+                                          {"tensors[1].x", "k"},
+                                          {"grad[0]", "grad_q"},
+                                          {"grad[1]", "grad_k"},
+                                          {"tensors[0].weight", "q_weight"},
+                                          {"tensors[1].weight", "k_weight"},
+                                          {"tensors[0].cos", "cos"},
+                                          {"tensors[1].cos", "cos"},
+                                          {"tensors[0].sin", "sin"},
+                                          {"tensors[1].sin", "sin"},
+                                          {"tensors[0].out", "grad_q"},
+                                          {"tensors[1].out", "grad_k"},
+                                          {"dweight_sum[0]", "q_weight"},
+                                          {"dweight_sum[1]", "k_weight"},
+                                          {"rot_dim", "cos"}};
+
+static void check_backward_row(const char* op, const at::Tensor& x, int64_t row_len) {
+  LTX_CHECK(!x.is_cuda() || row_len <= LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW, op,
+            ": the CUDA kernel takes rows of up to ", int64_t{LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW},
+            " elements, got ", row_len);
+}
+
+// Runs the backward launcher over the chunks of every tensor of `args` (the C twin splits them
+// across threads, tensor by tensor).
+static void run_backward(const char* op, ltx_qk_norm_rope_backward_args_t& args,
+                         const at::Tensor& ref, int64_t row_len, ArgNames names) {
+  int64_t chunks[2] = {0, 0};
+  for (int i = 0; i < args.forward.num_tensors; ++i) {
+    const int64_t* size = args.forward.tensors[i].x.size;
+    chunks[i] = ltx_qk_norm_rope_backward_chunks(size[0] * size[1] * size[2], args.chunk_rows);
+  }
+  run_launcher(
+      op, ltx_check_qk_norm_rope_backward(&args), ref, chunks[0] + chunks[1], row_len,
+      [&](ltx_stream_t stream) { return ltx_qk_norm_rope_backward_cuda(&args, stream); },
+      [&](int64_t b, int64_t e) {
+        int status = LTX_OK;
+        if (b < chunks[0])
+          status = ltx_qk_norm_rope_backward_cpu(&args, 0, b, std::min(e, chunks[0]));
+        if (status == LTX_OK && e > chunks[0])
+          status = ltx_qk_norm_rope_backward_cpu(&args, 1, std::max(b, chunks[0]) - chunks[0],
+                                                 e - chunks[0]);
+        return status;
+      },
+      names);
+}
+
+at::Tensor rope_backward(const at::Tensor& grad_out, const at::Tensor& cos, const at::Tensor& sin,
+                         bool interleaved) {
+  const char* op = "ltx_kernels.rope_backward";
+  check_activation(op, "grad_out", grad_out, /*cpu_float64=*/true);
+  const RopeRows layout = rotation_rows(grad_out, LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW);
+  check_backward_row(op, grad_out, layout.heads * layout.head_dim);
+  const int64_t rot_dim = rope_tables_width(op, cos, sin, grad_out, layout.head_dim, true);
+  at::Tensor grad_x = at::empty(grad_out.sizes(), grad_out.options());
+  ltx_qk_norm_rope_backward_args_t args{};
+  args.forward = qk_norm_rope_args(layout, rot_dim, false, interleaved, 0.0);
+  // (a rotation's VJP does not read x: grad_out's rows describe it)
+  args.forward.tensors[0] =
+      rope_tensor(op, "grad_out", grad_out, grad_x, cos, sin, std::nullopt, layout, rot_dim, true);
+  args.forward.num_tensors = 1;
+  args.grad[0] = args.forward.tensors[0].x;
+  const int64_t row_len = layout.heads * layout.head_dim;
+  const int64_t rows = grad_out.numel() / std::max<int64_t>(row_len, 1);
+  args.chunk_rows = ltx_qk_norm_rope_backward_chunk_rows(rows, row_len, 0);
+  run_backward(op, args, grad_out, row_len,
+               {{"tensors[0].x", "grad_out"},
+                {"grad[0]", "grad_out"},
+                {"tensors[0].cos", "cos"},
+                {"tensors[0].sin", "sin"},
+                {"tensors[0].out", "grad_x"},
+                {"rot_dim", "cos"}});
+  return grad_x;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_backward(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& q, const at::Tensor& k,
+    const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
+    const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, double eps,
+    bool across_heads, bool interleaved, std::array<bool, 2> weight_grads) {
+  const char* op = "ltx_kernels.qk_rmsnorm_rope_backward";
+  const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, true);
+  check_like_x(op, "grad_q", grad_q, q, true, "q");
+  check_like_x(op, "grad_k", grad_k, k, true, "k");
+  if (layout.token_rows)
+    for (const at::Tensor* g : {&grad_q, &grad_k})
+      LTX_CHECK(g->stride(-2) == layout.head_dim || layout.heads == 1, op,
+                ": with across_heads=True the ", g == &grad_q ? "grad_q" : "grad_k",
+                " heads must be contiguous (stride(-2) == ", layout.head_dim, "), got strides ",
+                g->strides());
+  const int64_t row_len = layout.heads * layout.head_dim;
+  check_backward_row(op, q, row_len);
+  const int64_t rot_dim = rope_tables_width(op, cos, sin, q, layout.head_dim, true);
+  const bool want_q_weight = weight_grads[0] && q_weight,
+             want_k_weight = weight_grads[1] && k_weight;
+  const int64_t q_rows = q.numel() / std::max<int64_t>(row_len, 1);
+  const int64_t k_rows = k.numel() / std::max<int64_t>(row_len, 1);
+
+  ltx_qk_norm_rope_backward_args_t args{};
+  args.forward = qk_norm_rope_args(layout, rot_dim, true, interleaved, eps);
+  args.chunk_rows = ltx_qk_norm_rope_backward_chunk_rows(q_rows + k_rows, row_len,
+                                                         want_q_weight || want_k_weight);
+  at::Tensor grads[2] = {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
+  const at::TensorOptions sum_options =
+      q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  at::Tensor sums[2];
+  const at::Tensor* inputs[2] = {&q, &k};
+  const at::Tensor* out_grads[2] = {&grad_q, &grad_k};
+  const std::optional<at::Tensor>* weights[2] = {&q_weight, &k_weight};
+  const bool wanted[2] = {want_q_weight, want_k_weight};
+  const char* names[2] = {"q", "k"};
+  for (int i = 0; i < 2; ++i) {
+    args.forward.tensors[i] = rope_tensor(op, names[i], *inputs[i], grads[i], cos, sin, *weights[i],
+                                          layout, rot_dim, true);
+    args.grad[i] =
+        rows_of(op, i == 0 ? "grad_q" : "grad_k", launcher_rows_view(*out_grads[i], layout));
+    if (wanted[i]) {
+      const int64_t rows = i == 0 ? q_rows : k_rows;
+      sums[i] = at::empty({ltx_qk_norm_rope_backward_chunks(rows, args.chunk_rows), row_len},
+                          sum_options);
+      args.dweight_sum[i] = present_data(sums[i]);
+    }
+  }
+  args.forward.num_tensors = 2;
+  run_backward(op, args, q, row_len, kQkBackwardNames);
+  auto weight_grad = [&](int i) {
+    return wanted[i] ? sums[i].sum(0).to((*weights[i])->scalar_type())
+                     : at::empty({0}, q.options());
+  };
+  return {grads[0], grads[1], weight_grad(0), weight_grad(1)};
 }

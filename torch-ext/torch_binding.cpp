@@ -70,6 +70,15 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
       "bool layer_norm, bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
       "Tensor)",
       "norm_modulate_backward", &norm_modulate_backward);
+  // The gradient of rope's x for its output gradient (the transposed rotation).
+  def("rope_backward(Tensor grad_out, Tensor cos, Tensor sin, bool interleaved=True) -> Tensor",
+      "rope_backward", &rope_backward);
+  // The gradients (q, k, q_weight, k_weight) of qk_rmsnorm_rope for the gradients of its outputs;
+  // the weights' only where weight_grads asks (else empty).
+  def("qk_rmsnorm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, "
+      "Tensor? q_weight, Tensor? k_weight, Tensor? cos, Tensor? sin, float eps, bool across_heads, "
+      "bool interleaved, bool[2] weight_grads) -> (Tensor, Tensor, Tensor, Tensor)",
+      "qk_rmsnorm_rope_backward", &qk_rmsnorm_rope_backward);
   // gelu(x @ weight.T + bias), tanh form: one cuBLASLt GEMM with a GELU epilogue.
   def("linear_gelu(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", "linear_gelu",
       &linear_gelu);

@@ -47,6 +47,13 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& cos,
                                                    const std::optional<at::Tensor>& sin, double eps,
                                                    bool across_heads, bool interleaved);
+at::Tensor rope_backward(const at::Tensor& grad_out, const at::Tensor& cos, const at::Tensor& sin,
+                         bool interleaved);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_backward(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& q, const at::Tensor& k,
+    const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
+    const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, double eps,
+    bool across_heads, bool interleaved, std::array<bool, 2> weight_grads);
 // elementwise_ops.cpp
 at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
                           const std::optional<at::Tensor>& gate, bool upcast);

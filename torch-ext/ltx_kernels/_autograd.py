@@ -13,8 +13,8 @@ with the forward's GEMM and runs the three gradient GEMMs through cuBLAS, as PyT
 
 Fused backward kernels (CUDA C + C CPU twins behind the functional backward ops of
 _op_names.BACKWARD_OPS) replace these one op at a time and keep this registration's contract: so
-far gelu and geglu (gelu_backward, geglu_backward), and the norm ops and gated_residual
-(norm_modulate_backward). Double backward of those goes through the reference VJP above (their
+far gelu and geglu (gelu_backward, geglu_backward), the norm ops and gated_residual
+(norm_modulate_backward), rope (rope_backward) and qk_rmsnorm_rope (qk_rmsnorm_rope_backward). Double backward of those goes through the reference VJP above (their
 backward ops are not differentiated; their own registration raises).
 """
 
@@ -214,6 +214,70 @@ def _fused_norm_backward(name: str):
     return setup_context, backward
 
 
+_MAX_CUDA_ROPE_ROW = 8192  # LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW (ltx_kernels.h)
+
+
+def _fused_rope_backward(name: str):
+    """setup_context and backward of rope or qk_rmsnorm_rope: rope_backward (the transposed
+    rotation) or qk_rmsnorm_rope_backward (with the norm's VJP and the weights' gradients).
+
+    Saved: the op's inputs (as the reference VJP saves them; x is read again only by the norm).
+    cos/sin that require grad, CUDA rows above 8192 elements and double backward (create_graph=True)
+    take the reference VJP."""
+    reference_setup, reference_backward = _reference_backward(name)
+    schema = getattr(ops, name).default._schema
+    names = [a.name for a in schema.arguments if not a.kwarg_only]
+    fused = getattr(ops, FUSED_BACKWARD_OPS[name])
+
+    def uses_reference(args) -> bool:
+        if any(t is not None and t.requires_grad for t in (args["cos"], args["sin"])):
+            return True
+        x = args["x"] if name == "rope" else args["q"]
+        across = name != "rope" and args["across_heads"] and x.dim() == 4
+        row = x.shape[-1] * (x.shape[-2] if across else 1)
+        return x.is_cuda and row > _MAX_CUDA_ROPE_ROW
+
+    def setup_context(ctx, inputs, output, keyword_only_inputs=None):
+        reference_setup(ctx, inputs, output, keyword_only_inputs)
+        ctx.reference = uses_reference(dict(zip(names, inputs)))
+
+    def backward(ctx, *grads):
+        if ctx.reference or torch.is_grad_enabled():  # (double backward: differentiable again)
+            return reference_backward(ctx, *grads)
+        needs = [
+            i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i] for i in range(len(names))
+        ]
+        args = dict(zip(names, ctx.values))
+        if name == "rope":
+            _, cos, sin = ctx.saved_tensors
+            dx = fused(_rows(grads[0]), cos, sin, args["interleaved"]) if needs[0] else None
+            return dx, None, None, None
+        q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        if not any(needs[:4]):
+            return (None,) * len(names)
+        grad_q, grad_k = (
+            torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k))
+        )
+        dq, dk, dq_weight, dk_weight = fused(
+            grad_q,
+            grad_k,
+            q,
+            k,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            args["eps"],
+            args["across_heads"],
+            args["interleaved"],
+            [needs[2], needs[3]],
+        )
+        computed = (dq, dk, dq_weight, dk_weight)
+        return tuple(computed[i] if i < 4 and needs[i] else None for i in range(len(names)))
+
+    return setup_context, backward
+
+
 def _rows(grad):
     """An output gradient as the kernels take it: a contiguous last dim (autograd may hand over
     expanded zeros or scalars)."""
@@ -285,6 +349,8 @@ def register(names) -> None:
             setup_context, backward = _fused_gelu_backward(name)
         elif FUSED_BACKWARD_OPS.get(name) == "norm_modulate_backward":
             setup_context, backward = _fused_norm_backward(name)
+        elif FUSED_BACKWARD_OPS.get(name) in ("rope_backward", "qk_rmsnorm_rope_backward"):
+            setup_context, backward = _fused_rope_backward(name)
         elif name in BACKWARD_OPS:
             setup_context, backward = _not_differentiable(name)
         else:

@@ -161,3 +161,27 @@ def linear_gelu(x, weight, bias=None):
         lambda: "ltx_kernels.linear_gelu: weight must have shape [N, K] with K = x.shape[-1]",
     )
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def rope_backward(grad_out, cos, sin, interleaved=True):
+    return grad_out.new_empty(grad_out.shape)
+
+
+def qk_rmsnorm_rope_backward(
+    grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved, weight_grads
+):
+    op = "ltx_kernels.qk_rmsnorm_rope_backward"
+    torch._check(grad_q.shape == q.shape, lambda: f"{op}: grad_q must have q's shape")
+    torch._check(grad_k.shape == k.shape, lambda: f"{op}: grad_k must have k's shape")
+
+    def weight_grad(wanted, weight):  # the weight's shape and dtype
+        return (
+            weight.new_empty(weight.shape) if wanted and weight is not None else q.new_empty((0,))
+        )
+
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        weight_grad(weight_grads[0], q_weight),
+        weight_grad(weight_grads[1], k_weight),
+    )

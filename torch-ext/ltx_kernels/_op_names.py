@@ -32,6 +32,8 @@ BACKWARD_OPS = (
     "gelu_backward",
     "geglu_backward",
     "norm_modulate_backward",
+    "rope_backward",
+    "qk_rmsnorm_rope_backward",
 )
 
 # The ops of OPS whose autograd calls a fused backward op (one of BACKWARD_OPS), and that op; the
@@ -43,6 +45,8 @@ FUSED_BACKWARD_OPS = {
     "add_rmsnorm_modulate": "norm_modulate_backward",
     "add_layernorm_modulate": "norm_modulate_backward",
     "gated_residual": "norm_modulate_backward",
+    "rope": "rope_backward",
+    "qk_rmsnorm_rope": "qk_rmsnorm_rope_backward",
     "gelu": "gelu_backward",
     "geglu": "geglu_backward",
 }

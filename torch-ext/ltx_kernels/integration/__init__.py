@@ -35,11 +35,10 @@ from .._op_names import FUSED_BACKWARD_OPS, OPS
 FUSIONS = OPS
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused
-#: backward (_op_names.FUSED_BACKWARD_OPS). The other ops' backward (rope, qk_rmsnorm_rope,
-#: linear_gelu) is for now the composite fp32 reference (correct, but slower than eager autograd;
-#: benchmark_ops.py --backward), so a training step runs the diffusers code in their place: stock
-#: gradients at stock speed. Forward passes without gradients (inference, validation sampling) use
-#: every enabled op.
+#: backward (_op_names.FUSED_BACKWARD_OPS). linear_gelu's backward (cuBLAS GEMMs and a GELU
+#: derivative from the recomputed pre-activation) is not faster than eager autograd, so a training
+#: step runs the diffusers code in its place: stock gradients at stock speed. Forward passes
+#: without gradients (inference, validation sampling) use every enabled op.
 FUSED_BACKWARD: frozenset[str] = frozenset(FUSED_BACKWARD_OPS)
 #: The same under torch.compile: the ops whose fused forward + backward is also faster than what
 #: Inductor generates from the diffusers code (the norm ops' backward is not yet: 0.5-0.9x).

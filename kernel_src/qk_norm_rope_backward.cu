@@ -1,0 +1,286 @@
+// Backward of the RMSNorm and/or rotary embedding of q/k rows (CUDA): the gradients of
+// ltx_qk_norm_rope_backward_cuda (ltx_kernels.h) in fp32, one pass over memory.
+#include <algorithm>
+
+#include "device_utils.cuh"
+
+namespace ltx {
+namespace {
+
+constexpr int kPairs = 8;  // element pairs of a row per thread
+constexpr int kMaxThreadsPerRow = LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW / (2 * kPairs);  // 512
+constexpr int kBlockThreads = 256;  // block size when several chunks share a block
+
+// One tensor (q or k): rows of x, grad and dx, their cos/sin rows (head h of a row uses the
+// elements from h * head_stride on), norm weight and weight-gradient sums.
+template <typename T, typename Tc>
+struct RopeBackwardTensor {
+  RowPtr<T> dx;
+  RowPtr<const T> x, grad;
+  RowPtr<const Tc> cos, sin;
+  int64_t cos_head_stride, sin_head_stride;
+  ltx_vector_t weight;  // data null: none
+  float* dweight_sum;   // [chunks, row_len]; null: not computed
+  int64_t rows, chunks;
+};
+
+template <typename T, typename Tc>
+struct RopeBackwardParams {
+  RopeBackwardTensor<T, Tc> t[2];
+  FastDivider pairs_per_head;  // half_dim (rotation), or the whole row (none)
+  int head_dim, half_dim, row_len, n_pairs, chunk_rows;
+  bool interleaved, rot_half;
+  float inv_row_len, eps;
+};
+
+// Where pair p of a row sits: its elements lo and hi and, with a rotation, its head and the
+// table columns of each element (the pairs the forward rotated together: (2i, 2i+1) or
+// (i, i + half) of a head; without rotation, elements (2p, 2p+1)).
+struct PairPlace {
+  int lo, hi, head, col_lo, col_hi;
+};
+
+template <bool kRotate, typename T, typename Tc>
+__device__ __forceinline__ PairPlace pair_place(const RopeBackwardParams<T, Tc>& a, int p) {
+  if constexpr (!kRotate) return PairPlace{2 * p, 2 * p + 1, 0, 0, 0};
+  const int head = a.pairs_per_head.div(p), i = p - head * a.half_dim;
+  if (a.interleaved) return PairPlace{2 * p, 2 * p + 1, head, 2 * i, 2 * i + 1};
+  const int lo = head * a.head_dim + i;
+  return PairPlace{lo, lo + a.half_dim, head, i, a.rot_half ? i : i + a.half_dim};
+}
+
+// Elements lo and hi of a row as floats: one access of both when kAdjacent (hi = lo + 1, lo even,
+// rows aligned to two elements), else one each; has_hi false: hi is past an odd row's end.
+template <bool kAdjacent, typename T>
+__device__ __forceinline__ void load_pair(const T* row, int lo, int hi, bool has_hi, float& v_lo,
+                                          float& v_hi) {
+  if constexpr (kAdjacent) {
+    Pack<T, 2> p;
+    p.load(row + lo);
+    v_lo = p.get(0);
+    v_hi = p.get(1);
+  } else {
+    v_lo = to_float(__ldg(row + lo));
+    v_hi = has_hi ? to_float(__ldg(row + hi)) : 0.f;
+  }
+}
+
+template <bool kAdjacent, typename T>
+__device__ __forceinline__ void store_pair(T* row, int lo, int hi, bool has_hi, float v_lo,
+                                           float v_hi) {
+  if constexpr (kAdjacent) {
+    Pack<T, 2> p;
+    p.set_pair(0, v_lo, v_hi);
+    p.store(row + lo);
+  } else {
+    row[lo] = from_float<T>(v_lo);
+    if (has_hi) row[hi] = from_float<T>(v_hi);
+  }
+}
+
+// Chunk-per-team backward: a power-of-two team of tpr threads walks the rows of one chunk
+// (chunks of q's rows, then of k's), thread `lane` holding pairs s * tpr + lane (kPairs of them)
+// of each row in registers. Per row: load grad (and cos/sin) and turn it into g = R^T grad in
+// fp32; without the norm store dx = g. With it, load x and reduce sum(x^2) and sum(g w x) over the
+// team (row_sum), then dx = rstd * (g w - x * rstd^2 * mean(g w x)), and add g * x * rstd to the
+// thread's weight-gradient accumulators (registers: a thread keeps its columns across the chunk),
+// written once at the chunk's end. The weight is read once per chunk.
+template <typename T, typename Tc, bool kRotate, bool kNormalize, bool kAdjacent>
+__global__ void __launch_bounds__(kMaxThreadsPerRow)
+    qk_norm_rope_backward_kernel(const __grid_constant__ RopeBackwardParams<T, Tc> a,
+                                 const int log2_tpr) {
+  __shared__ float partials[kMaxThreadsPerRow / 32];
+  RowTeam team;
+  team.tpr = 1 << log2_tpr;
+  team.lane = threadIdx.x & (team.tpr - 1);
+  int64_t chunk =
+      static_cast<int64_t>(blockIdx.x) * (blockDim.x >> log2_tpr) + (threadIdx.x >> log2_tpr);
+  const int tensor = chunk < a.t[0].chunks ? 0 : 1;
+  if (tensor == 1) chunk -= a.t[0].chunks;
+  const RopeBackwardTensor<T, Tc>& t = a.t[tensor];
+  const bool chunk_active = chunk < t.chunks;
+  const int64_t first_row = chunk * a.chunk_rows;
+  const int64_t end_row = min(first_row + a.chunk_rows, t.rows);
+  auto holds = [&](int s) { return team.pack(s) < a.n_pairs; };  // (pairs, not packs)
+
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  float w_lo[kPairs], w_hi[kPairs], dw_lo[kPairs], dw_hi[kPairs];
+#pragma unroll
+  for (int s = 0; s < kPairs; ++s) {
+    w_lo[s] = w_hi[s] = 1.f;
+    dw_lo[s] = dw_hi[s] = 0.f;
+    if constexpr (kNormalize) {
+      if (chunk_active && holds(s) && t.weight.data) {
+        const PairPlace at = pair_place<kRotate>(a, team.pack(s));
+        w_lo[s] = load_as_float(t.weight.data, t.weight.dtype, at.lo);
+        if (at.hi < a.row_len) w_hi[s] = load_as_float(t.weight.data, t.weight.dtype, at.hi);
+      }
+    }
+  }
+
+  for (int i_row = 0; i_row < a.chunk_rows; ++i_row) {
+    const int64_t row = first_row + i_row;
+    team.active = chunk_active && row < end_row;
+    const int64_t r = team.active ? row : 0;
+    const T* grad_row = t.grad.row_if(team.active, r);
+    const T* x_row = kNormalize ? t.x.row_if(team.active, r) : nullptr;
+    // (kRotate: some tensor is rotated; this one when it has tables)
+    const bool rotated = kRotate && team.active && t.cos.data;
+    const Tc* cos_row = rotated ? t.cos.row(r) : nullptr;
+    const Tc* sin_row = rotated ? t.sin.row(r) : nullptr;
+    float g_lo[kPairs], g_hi[kPairs], x_lo[kPairs], x_hi[kPairs];
+    float sumsq = 0.f, dot = 0.f;
+#pragma unroll
+    for (int s = 0; s < kPairs; ++s) {
+      g_lo[s] = g_hi[s] = x_lo[s] = x_hi[s] = 0.f;
+      if (!team.active || !holds(s)) continue;
+      const PairPlace at = pair_place<kRotate>(a, team.pack(s));
+      const bool has_hi = at.hi < a.row_len;
+      float d_lo, d_hi;
+      load_pair<kAdjacent>(grad_row, at.lo, at.hi, has_hi, d_lo, d_hi);
+      if (rotated) {
+        float c_lo, c_hi, s_lo, s_hi;
+        load_pair<kAdjacent>(cos_row + at.head * t.cos_head_stride, at.col_lo, at.col_hi, true,
+                             c_lo, c_hi);
+        load_pair<kAdjacent>(sin_row + at.head * t.sin_head_stride, at.col_lo, at.col_hi, true,
+                             s_lo, s_hi);
+        g_lo[s] = d_lo * c_lo + d_hi * s_hi;
+        g_hi[s] = d_hi * c_hi - d_lo * s_lo;
+      } else {
+        g_lo[s] = d_lo;
+        g_hi[s] = d_hi;
+      }
+      if constexpr (kNormalize) {
+        load_pair<kAdjacent>(x_row, at.lo, at.hi, has_hi, x_lo[s], x_hi[s]);
+        sumsq += x_lo[s] * x_lo[s] + x_hi[s] * x_hi[s];
+        dot += g_lo[s] * w_lo[s] * x_lo[s] + g_hi[s] * w_hi[s] * x_hi[s];
+      }
+    }
+    float rstd = 1.f, k = 0.f;  // dx = rstd * (g w - x k)
+    if constexpr (kNormalize) {
+      // Every thread of the block takes part (row_sum synchronizes the block when a row spans
+      // several warps), active or not.
+      sumsq = row_sum<true>(sumsq, team, partials);
+      dot = row_sum<true>(dot, team, partials);
+      rstd = rsqrtf(sumsq * a.inv_row_len + a.eps);
+      k = rstd * rstd * dot * a.inv_row_len;
+    }
+    if (!team.active) continue;
+    T* dx_row = t.dx.row(r);
+#pragma unroll
+    for (int s = 0; s < kPairs; ++s) {
+      if (!holds(s)) continue;
+      const PairPlace at = pair_place<kRotate>(a, team.pack(s));
+      float dx_lo = g_lo[s], dx_hi = g_hi[s];
+      if constexpr (kNormalize) {
+        dx_lo = rstd * (g_lo[s] * w_lo[s] - x_lo[s] * k);
+        dx_hi = rstd * (g_hi[s] * w_hi[s] - x_hi[s] * k);
+        dw_lo[s] += g_lo[s] * x_lo[s] * rstd;
+        dw_hi[s] += g_hi[s] * x_hi[s] * rstd;
+      }
+      store_pair<kAdjacent>(dx_row, at.lo, at.hi, at.hi < a.row_len, dx_lo, dx_hi);
+    }
+  }
+
+  if (!kNormalize || !chunk_active || !t.dweight_sum) return;
+  float* sum_row = t.dweight_sum + chunk * a.row_len;
+#pragma unroll
+  for (int s = 0; s < kPairs; ++s) {
+    if (!holds(s)) continue;
+    const PairPlace at = pair_place<kRotate>(a, team.pack(s));
+    sum_row[at.lo] = dw_lo[s];
+    if (at.hi < a.row_len) sum_row[at.hi] = dw_hi[s];
+  }
+}
+
+template <typename T, typename Tc, bool kRotate, bool kNormalize, bool kAdjacent>
+int launch_backward(const RopeBackwardParams<T, Tc>& a, cudaStream_t stream) {
+  const int log2_tpr = log2_threads_per_row(a.n_pairs, kPairs, kMaxThreadsPerRow);
+  const int tpr = 1 << log2_tpr;
+  if (int64_t{tpr} * kPairs < a.n_pairs) return LTX_ERR_INVALID_ARGUMENT;  // too long
+  const int teams = std::max(1, kBlockThreads / tpr);
+  const int64_t blocks = ceil_div(a.t[0].chunks + a.t[1].chunks, teams);
+  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  return launch(qk_norm_rope_backward_kernel<T, Tc, kRotate, kNormalize, kAdjacent>,
+                dim3(static_cast<unsigned>(blocks)), dim3(teams * tpr), 0, stream, a, log2_tpr);
+}
+
+// True when every row start (and head start of the tables) of r is aligned to two elements.
+inline bool pair_aligned(const ltx_rows_t& r, int64_t head_stride, int heads, int elem_bytes) {
+  return !r.data ||
+         (ltx_rows_aligned(&r, elem_bytes, 2 * elem_bytes) && (heads <= 1 || head_stride % 2 == 0));
+}
+
+template <typename T, typename Tc>
+int backward_typed(const ltx_qk_norm_rope_backward_args_t& args, cudaStream_t stream) {
+  const ltx_qk_norm_rope_args_t& f = args.forward;
+  RopeBackwardParams<T, Tc> a{};
+  a.head_dim = static_cast<int>(f.head_dim);
+  a.half_dim = a.head_dim / 2;
+  a.row_len = static_cast<int>(f.heads * f.head_dim);
+  a.n_pairs = (a.row_len + 1) / 2;
+  a.chunk_rows = static_cast<int>(args.chunk_rows);
+  a.interleaved = f.interleaved != 0;
+  a.rot_half = !f.interleaved && f.rot_dim != f.head_dim;
+  a.inv_row_len = 1.f / static_cast<float>(a.row_len);
+  a.eps = f.eps;
+  bool rotate = false;
+  for (int i = 0; i < f.num_tensors; ++i) rotate = rotate || f.tensors[i].cos.data != nullptr;
+  a.pairs_per_head = FastDivider::of(static_cast<uint32_t>(rotate ? a.half_dim : a.n_pairs));
+  // Adjacent pairs (interleaved or no rotation) of an even row move as one access when aligned.
+  bool adjacent = (!rotate || a.interleaved) && a.row_len % 2 == 0;
+  for (int i = 0; i < f.num_tensors; ++i) {
+    const ltx_rope_tensor_t& src = f.tensors[i];
+    RopeBackwardTensor<T, Tc>& dst = a.t[i];
+    dst.dx = RowPtr<T>::of(src.out);
+    dst.x = RowPtr<const T>::of(src.x);
+    dst.grad = RowPtr<const T>::of(args.grad[i]);
+    dst.cos = RowPtr<const Tc>::of(src.cos);
+    dst.sin = RowPtr<const Tc>::of(src.sin);
+    dst.cos_head_stride = src.cos_head_stride;
+    dst.sin_head_stride = src.sin_head_stride;
+    dst.weight = src.weight;
+    dst.dweight_sum = static_cast<float*>(args.dweight_sum[i]);
+    dst.rows = ltx_num_rows(&src.x);
+    dst.chunks = ltx_qk_norm_rope_backward_chunks(dst.rows, args.chunk_rows);
+    adjacent =
+        adjacent && pair_aligned(src.out, 0, 1, sizeof(T)) &&
+        pair_aligned(args.grad[i], 0, 1, sizeof(T)) &&
+        (!f.normalize || pair_aligned(src.x, 0, 1, sizeof(T))) &&
+        pair_aligned(src.cos, src.cos_head_stride, a.head_dim > 0 ? f.heads : 1, sizeof(Tc)) &&
+        pair_aligned(src.sin, src.sin_head_stride, a.head_dim > 0 ? f.heads : 1, sizeof(Tc));
+  }
+  return with_flags({rotate, f.normalize != 0, adjacent}, [&](auto rot, auto norm, auto adj) {
+    return launch_backward<T, Tc, decltype(rot)::value, decltype(norm)::value,
+                           decltype(adj)::value>(a, stream);
+  });
+}
+
+}  // namespace
+}  // namespace ltx
+
+extern "C" int ltx_qk_norm_rope_backward_cuda(const ltx_qk_norm_rope_backward_args_t* args,
+                                              ltx_stream_t stream) {
+  using namespace ltx;
+  const ltx_check_t check = ltx_check_qk_norm_rope_backward(args);
+  if (check.status != LTX_OK) return check.status;
+  const ltx_qk_norm_rope_args_t& f = args->forward;
+  if (f.tensors[0].x.dtype == LTX_FLOAT64) return LTX_ERR_UNSUPPORTED_DTYPE;  // the C twin only
+  const int64_t row_len = f.heads * f.head_dim;
+  int64_t rows = 0;
+  for (int i = 0; i < f.num_tensors; ++i) rows += ltx_num_rows(&f.tensors[i].x);
+  if (rows == 0 || row_len == 0) return LTX_OK;
+  if (row_len > LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW || rows > INT32_MAX ||
+      args->chunk_rows > INT32_MAX)
+    return LTX_ERR_INVALID_ARGUMENT;
+  bool fp32_tables = false;
+  for (int i = 0; i < f.num_tensors; ++i)
+    fp32_tables = fp32_tables || (f.tensors[i].cos.data && f.tensors[i].cos.dtype == LTX_FLOAT32);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch_float(f.tensors[0].x.dtype, [&](auto x_tag) {
+    using T = typename decltype(x_tag)::type;
+    if (fp32_tables) return backward_typed<T, float>(*args, s);
+    return backward_typed<T, T>(*args, s);
+  });
+}
