@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import ltx_kernels
 
@@ -137,3 +138,49 @@ def assert_backend_kept(attention_modules, processor_name: str) -> None:
     for attn in attention_modules:
         assert type(attn.processor).__name__ == processor_name
         assert attn.processor._attention_backend == AttentionBackendName._NATIVE_MATH
+
+
+class QuantizedWeight(torch.Tensor):
+    """A stand-in for a quantized weight (torchao's Float8Tensor and the like): a wrapper tensor
+    subclass holding int8 values and a per-output-channel scale that runs aten ops on its
+    dequantized value and, as torchao's, raises NotImplementedError for any other op (ours)."""
+
+    @staticmethod
+    def __new__(cls, qdata, scale, dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, qdata.shape, dtype=dtype, device=qdata.device
+        )
+
+    def __init__(self, qdata, scale, dtype):
+        self.qdata, self.scale = qdata, scale
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "QuantizedWeight":
+        w = weight.detach().float()
+        scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+        return cls((w / scale).round().to(torch.int8), scale, weight.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.qdata.float() * self.scale).to(self.dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.namespace != "aten":
+            raise NotImplementedError(f"{cls.__name__} dispatch: unimplemented operator {func}")
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].qdata, args[0].scale, args[0].dtype)
+        unwrap = lambda t: t.dequantize() if isinstance(t, cls) else t  # noqa: E731
+        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+
+
+def quantize_linear_weights(model: torch.nn.Module) -> int:
+    """Replaces the weight of every nn.Linear of `model` with a QuantizedWeight parameter."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = QuantizedWeight.of(module.weight)
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+            count += 1
+    return count

@@ -15,6 +15,7 @@ from inject_helpers import (
     count_ltx_ops,
     eager_and_injected,
     output_of,
+    quantize_linear_weights,
     rel_l2,
 )
 from ltx_kernels.integration import FUSIONS
@@ -83,3 +84,19 @@ def test_compile_repeated_blocks_fullgraph_cpu(model):
         out = tiny(**inputs)
         out = tiny(**inputs)
     assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("model", models("ltx", "flux", "wan_ti2v", "sd35"))
+def test_quantized_linear_weights_fall_back(model):
+    # Linear weights as a tensor subclass that, like torchao's Float8Tensor, runs aten ops only:
+    # injection reports them and the fused steps that would hand them to our ops (linear_gelu)
+    # run the diffusers code; the output is the stock model's with the same weights.
+    tiny = model.build(torch.float32)
+    call = caller(model.inputs(torch.float32))
+    assert quantize_linear_weights(tiny) > 0
+    eager, injected, report = eager_and_injected(tiny, call)
+    assert_matches_eager(eager, injected, torch.float32, "quantized Linear weights")
+    reasons = [reason for _, reason in report.skipped["quantized weights"]]
+    assert reasons and all("weight is a QuantizedWeight" in r for r in reasons)
+    assert "quantized weights" in str(report)
+    assert "linear_gelu" not in count_ltx_ops(lambda: call(tiny))

@@ -85,6 +85,33 @@ class InjectionReport:
         return "\n".join(lines)
 
 
+#: The tensor types the fused ops take. A weight of another type (a tensor subclass: torchao's
+#: Float8Tensor, quanto's, GGUF's or bitsandbytes' quantized parameters) is used through its own
+#: ops: a fused step that would read it runs the diffusers code (reported at injection).
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_tensor(t) -> bool:
+    """None or a plain tensor/parameter (not a tensor subclass)."""
+    return t is None or type(t) in _PLAIN_TENSOR_TYPES
+
+
+def _report_quantized_weights(model: torch.nn.Module, prefix: str, report) -> None:
+    """Reports the modules of a patched model whose weight or bias is a tensor subclass."""
+    for name, module in model.named_modules():
+        for attr in ("weight", "bias"):
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor) and not plain_tensor(t):
+                report.skipped["quantized weights"].append(
+                    (
+                        ".".join(p for p in (prefix, name) if p),
+                        f"{attr} is a {type(t).__name__}: fused steps that read it (norm "
+                        "weights, the GELU projection of linear_gelu) run the diffusers code",
+                    )
+                )
+                break
+
+
 def has_forward_hook(module: torch.nn.Module) -> bool:
     """True when `forward` is replaced on the instance: an accelerate or diffusers hook (offload,
     cache, layerwise casting) or another patch wraps the forward it found there. The class's own
@@ -300,10 +327,13 @@ def inject_optimized_kernels(pipe_or_model, ops=None, verbose: bool = True) -> I
                     f"inject_optimized_kernels: {prefix}.{name} is already injected; "
                     "call remove_optimized_kernels first"
                 )
+        patched_before = report.total_patched
         for name, module in modules:
             patch = patchers.get(type(module).__name__)
             if patch is not None:
                 patch(".".join(p for p in (prefix, name) if p), module, injector)
+        if report.total_patched > patched_before:
+            _report_quantized_weights(model, prefix, report)
     if verbose:
         print(report)
     return report

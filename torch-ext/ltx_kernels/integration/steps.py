@@ -26,7 +26,7 @@ from .. import (
     rmsnorm_modulate,
     rope,
 )
-from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, has_forward_hook
+from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, has_forward_hook, plain_tensor
 
 
 def ops_for_step(ops, *operands):
@@ -54,7 +54,14 @@ def _tensors(operands) -> list:
 
 
 def _plain(*modules) -> bool:
-    return all(m is not None and not has_forward_hook(m) for m in modules)
+    """Hook-free modules whose weight and bias (where they have them) are plain tensors."""
+    return all(
+        m is not None
+        and not has_forward_hook(m)
+        and plain_tensor(getattr(m, "weight", None))
+        and plain_tensor(getattr(m, "bias", None))
+        for m in modules
+    )
 
 
 def _same_dtype(x: torch.Tensor, *tensors) -> bool:
