@@ -7,7 +7,7 @@
 namespace ltx {
 namespace {
 
-constexpr int kPairs = 8;  // element pairs of a row per thread
+constexpr int kPairs = 8;  // element pairs of a row per thread (kSlots slots of kP pairs)
 constexpr int kMaxThreadsPerRow = LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW / (2 * kPairs);  // 512
 constexpr int kBlockThreads = 256;  // block size when several chunks share a block
 
@@ -49,46 +49,72 @@ __device__ __forceinline__ PairPlace pair_place(const RopeBackwardParams<T, Tc>&
   return PairPlace{lo, lo + a.half_dim, head, i, a.rot_half ? i : i + a.half_dim};
 }
 
-// Elements lo and hi of a row as floats: one access of both when kAdjacent (hi = lo + 1, lo even,
-// rows aligned to two elements), else one each; has_hi false: hi is past an odd row's end.
-template <bool kAdjacent, typename T>
-__device__ __forceinline__ void load_pair(const T* row, int lo, int hi, bool has_hi, float& v_lo,
-                                          float& v_hi) {
+// A slot: kP consecutive pairs of one head, from the pair at `at` on. Adjacent pairs ((2i, 2i+1),
+// or no rotation) are one pack of 2 kP elements from at.lo; halves are kP elements from at.lo and
+// kP from at.hi. kP = 1 in the element-wise path (any alignment; has_hi false: hi is past an odd
+// row's end).
+template <int kP, bool kAdjacent, typename T>
+__device__ __forceinline__ void load_slot(const T* row, int lo, int hi, bool has_hi,
+                                          float (&v_lo)[kP], float (&v_hi)[kP]) {
   if constexpr (kAdjacent) {
-    Pack<T, 2> p;
+    Pack<T, 2 * kP> p;
     p.load(row + lo);
-    v_lo = p.get(0);
-    v_hi = p.get(1);
+#pragma unroll
+    for (int q = 0; q < kP; ++q) {
+      v_lo[q] = p.get(2 * q);
+      v_hi[q] = p.get(2 * q + 1);
+    }
+  } else if constexpr (kP > 1) {
+    Pack<T, kP> p_lo, p_hi;
+    p_lo.load(row + lo);
+    p_hi.load(row + hi);
+#pragma unroll
+    for (int q = 0; q < kP; ++q) {
+      v_lo[q] = p_lo.get(q);
+      v_hi[q] = p_hi.get(q);
+    }
   } else {
-    v_lo = to_float(__ldg(row + lo));
-    v_hi = has_hi ? to_float(__ldg(row + hi)) : 0.f;
+    v_lo[0] = to_float(__ldg(row + lo));
+    v_hi[0] = has_hi ? to_float(__ldg(row + hi)) : 0.f;
   }
 }
 
-template <bool kAdjacent, typename T>
-__device__ __forceinline__ void store_pair(T* row, int lo, int hi, bool has_hi, float v_lo,
-                                           float v_hi) {
+template <int kP, bool kAdjacent, typename T>
+__device__ __forceinline__ void store_slot(T* row, int lo, int hi, bool has_hi,
+                                           const float (&v_lo)[kP], const float (&v_hi)[kP]) {
   if constexpr (kAdjacent) {
-    Pack<T, 2> p;
-    p.set_pair(0, v_lo, v_hi);
-    p.store(row + lo);
+    Pack<T, 2 * kP> p;
+#pragma unroll
+    for (int q = 0; q < kP; ++q) p.set_pair(2 * q, v_lo[q], v_hi[q]);
+    p.store_global(row + lo);
+  } else if constexpr (kP > 1) {
+    Pack<T, kP> p_lo, p_hi;
+#pragma unroll
+    for (int q = 0; q < kP; ++q) {
+      p_lo.set(q, v_lo[q]);
+      p_hi.set(q, v_hi[q]);
+    }
+    p_lo.store_global(row + lo);
+    p_hi.store_global(row + hi);
   } else {
-    row[lo] = from_float<T>(v_lo);
-    if (has_hi) row[hi] = from_float<T>(v_hi);
+    row[lo] = from_float<T>(v_lo[0]);
+    if (has_hi) row[hi] = from_float<T>(v_hi[0]);
   }
 }
 
 // Chunk-per-team backward: a power-of-two team of tpr threads walks the rows of one chunk
-// (chunks of q's rows, then of k's), thread `lane` holding pairs s * tpr + lane (kPairs of them)
-// of each row in registers. Per row: load grad (and cos/sin) and turn it into g = R^T grad in
-// fp32; without the norm store dx = g. With it, load x and reduce sum(x^2) and sum(g w x) over the
-// team (row_sum), then dx = rstd * (g w - x * rstd^2 * mean(g w x)), and add g * x * rstd to the
-// thread's weight-gradient accumulators (registers: a thread keeps its columns across the chunk),
-// written once at the chunk's end. The weight is read once per chunk.
-template <typename T, typename Tc, bool kRotate, bool kNormalize, bool kAdjacent>
+// (chunks of q's rows, then of k's), thread `lane` holding slots s * tpr + lane (kSlots slots of
+// kP pairs: 16-byte accesses in the vector path) of each row in registers. Per row: load grad
+// (and cos/sin) and turn it into g = R^T grad in fp32; without the norm store dx = g. With it,
+// load x and reduce sum(x^2) and sum(g w x) over the team (row_sum), then
+// dx = rstd * (g w - x * rstd^2 * mean(g w x)), and add g * x * rstd to the thread's
+// weight-gradient accumulators (registers: a thread keeps its columns across the chunk), written
+// once at the chunk's end. The weight is read once per chunk.
+template <typename T, typename Tc, int kP, bool kAdjacent, bool kRotate, bool kNormalize>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     qk_norm_rope_backward_kernel(const __grid_constant__ RopeBackwardParams<T, Tc> a,
                                  const int log2_tpr) {
+  constexpr int kSlots = kPairs / kP;
   __shared__ float partials[kMaxThreadsPerRow / 32];
   RowTeam team;
   team.tpr = 1 << log2_tpr;
@@ -101,21 +127,26 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   const bool chunk_active = chunk < t.chunks;
   const int64_t first_row = chunk * a.chunk_rows;
   const int64_t end_row = min(first_row + a.chunk_rows, t.rows);
-  auto holds = [&](int s) { return team.pack(s) < a.n_pairs; };  // (pairs, not packs)
+  const int n_slots = a.n_pairs / kP;
+  auto holds = [&](int s) { return team.pack(s) < n_slots; };
+  // The first pair of slot s, and whether its last element is inside the row (odd rows).
+  auto slot_place = [&](int s) { return pair_place<kRotate>(a, team.pack(s) * kP); };
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  float w_lo[kPairs], w_hi[kPairs], dw_lo[kPairs], dw_hi[kPairs];
+  float w_lo[kSlots][kP], w_hi[kSlots][kP], dw_lo[kSlots][kP], dw_hi[kSlots][kP];
 #pragma unroll
-  for (int s = 0; s < kPairs; ++s) {
-    w_lo[s] = w_hi[s] = 1.f;
-    dw_lo[s] = dw_hi[s] = 0.f;
-    if constexpr (kNormalize) {
-      if (chunk_active && holds(s) && t.weight.data) {
-        const PairPlace at = pair_place<kRotate>(a, team.pack(s));
-        w_lo[s] = load_as_float(t.weight.data, t.weight.dtype, at.lo);
-        if (at.hi < a.row_len) w_hi[s] = load_as_float(t.weight.data, t.weight.dtype, at.hi);
-      }
+  for (int s = 0; s < kSlots; ++s) {
+    const PairPlace at = slot_place(s);
+    const bool weighted = kNormalize && chunk_active && holds(s) && t.weight.data;
+#pragma unroll
+    for (int q = 0; q < kP; ++q) {
+      const int step = kAdjacent ? 2 * q : q;  // element offset of pair q from the slot's first
+      w_lo[s][q] = weighted ? load_as_float(t.weight.data, t.weight.dtype, at.lo + step) : 1.f;
+      w_hi[s][q] = weighted && at.hi + step < a.row_len
+                       ? load_as_float(t.weight.data, t.weight.dtype, at.hi + step)
+                       : 1.f;
+      dw_lo[s][q] = dw_hi[s][q] = 0.f;
     }
   }
 
@@ -129,32 +160,43 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     const bool rotated = kRotate && team.active && t.cos.data;
     const Tc* cos_row = rotated ? t.cos.row(r) : nullptr;
     const Tc* sin_row = rotated ? t.sin.row(r) : nullptr;
-    float g_lo[kPairs], g_hi[kPairs], x_lo[kPairs], x_hi[kPairs];
+    float g_lo[kSlots][kP], g_hi[kSlots][kP], x_lo[kSlots][kP], x_hi[kSlots][kP];
     float sumsq = 0.f, dot = 0.f;
 #pragma unroll
-    for (int s = 0; s < kPairs; ++s) {
-      g_lo[s] = g_hi[s] = x_lo[s] = x_hi[s] = 0.f;
+    for (int s = 0; s < kSlots; ++s) {
+#pragma unroll
+      for (int q = 0; q < kP; ++q) g_lo[s][q] = g_hi[s][q] = x_lo[s][q] = x_hi[s][q] = 0.f;
       if (!team.active || !holds(s)) continue;
-      const PairPlace at = pair_place<kRotate>(a, team.pack(s));
+      const PairPlace at = slot_place(s);
       const bool has_hi = at.hi < a.row_len;
-      float d_lo, d_hi;
-      load_pair<kAdjacent>(grad_row, at.lo, at.hi, has_hi, d_lo, d_hi);
+      float d_lo[kP], d_hi[kP];
+      load_slot<kP, kAdjacent>(grad_row, at.lo, at.hi, has_hi, d_lo, d_hi);
+      if constexpr (kNormalize)
+        load_slot<kP, kAdjacent>(x_row, at.lo, at.hi, has_hi, x_lo[s], x_hi[s]);
       if (rotated) {
-        float c_lo, c_hi, s_lo, s_hi;
-        load_pair<kAdjacent>(cos_row + at.head * t.cos_head_stride, at.col_lo, at.col_hi, true,
-                             c_lo, c_hi);
-        load_pair<kAdjacent>(sin_row + at.head * t.sin_head_stride, at.col_lo, at.col_hi, true,
-                             s_lo, s_hi);
-        g_lo[s] = d_lo * c_lo + d_hi * s_hi;
-        g_hi[s] = d_hi * c_hi - d_lo * s_lo;
+        float c_lo[kP], c_hi[kP], s_lo[kP], s_hi[kP];
+        load_slot<kP, kAdjacent>(cos_row + at.head * t.cos_head_stride, at.col_lo, at.col_hi, true,
+                                 c_lo, c_hi);
+        load_slot<kP, kAdjacent>(sin_row + at.head * t.sin_head_stride, at.col_lo, at.col_hi, true,
+                                 s_lo, s_hi);
+#pragma unroll
+        for (int q = 0; q < kP; ++q) {
+          g_lo[s][q] = d_lo[q] * c_lo[q] + d_hi[q] * s_hi[q];
+          g_hi[s][q] = d_hi[q] * c_hi[q] - d_lo[q] * s_lo[q];
+        }
       } else {
-        g_lo[s] = d_lo;
-        g_hi[s] = d_hi;
+#pragma unroll
+        for (int q = 0; q < kP; ++q) {
+          g_lo[s][q] = d_lo[q];
+          g_hi[s][q] = d_hi[q];
+        }
       }
       if constexpr (kNormalize) {
-        load_pair<kAdjacent>(x_row, at.lo, at.hi, has_hi, x_lo[s], x_hi[s]);
-        sumsq += x_lo[s] * x_lo[s] + x_hi[s] * x_hi[s];
-        dot += g_lo[s] * w_lo[s] * x_lo[s] + g_hi[s] * w_hi[s] * x_hi[s];
+#pragma unroll
+        for (int q = 0; q < kP; ++q) {
+          sumsq += x_lo[s][q] * x_lo[s][q] + x_hi[s][q] * x_hi[s][q];
+          dot += g_lo[s][q] * w_lo[s][q] * x_lo[s][q] + g_hi[s][q] * w_hi[s][q] * x_hi[s][q];
+        }
       }
     }
     float rstd = 1.f, k = 0.f;  // dx = rstd * (g w - x k)
@@ -169,47 +211,60 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     if (!team.active) continue;
     T* dx_row = t.dx.row(r);
 #pragma unroll
-    for (int s = 0; s < kPairs; ++s) {
+    for (int s = 0; s < kSlots; ++s) {
       if (!holds(s)) continue;
-      const PairPlace at = pair_place<kRotate>(a, team.pack(s));
-      float dx_lo = g_lo[s], dx_hi = g_hi[s];
-      if constexpr (kNormalize) {
-        dx_lo = rstd * (g_lo[s] * w_lo[s] - x_lo[s] * k);
-        dx_hi = rstd * (g_hi[s] * w_hi[s] - x_hi[s] * k);
-        dw_lo[s] += g_lo[s] * x_lo[s] * rstd;
-        dw_hi[s] += g_hi[s] * x_hi[s] * rstd;
+      const PairPlace at = slot_place(s);
+      float dx_lo[kP], dx_hi[kP];
+#pragma unroll
+      for (int q = 0; q < kP; ++q) {
+        dx_lo[q] = g_lo[s][q];
+        dx_hi[q] = g_hi[s][q];
+        if constexpr (kNormalize) {
+          dx_lo[q] = rstd * (g_lo[s][q] * w_lo[s][q] - x_lo[s][q] * k);
+          dx_hi[q] = rstd * (g_hi[s][q] * w_hi[s][q] - x_hi[s][q] * k);
+          dw_lo[s][q] += g_lo[s][q] * x_lo[s][q] * rstd;
+          dw_hi[s][q] += g_hi[s][q] * x_hi[s][q] * rstd;
+        }
       }
-      store_pair<kAdjacent>(dx_row, at.lo, at.hi, at.hi < a.row_len, dx_lo, dx_hi);
+      store_slot<kP, kAdjacent>(dx_row, at.lo, at.hi, at.hi < a.row_len, dx_lo, dx_hi);
     }
   }
 
   if (!kNormalize || !chunk_active || !t.dweight_sum) return;
   float* sum_row = t.dweight_sum + chunk * a.row_len;
 #pragma unroll
-  for (int s = 0; s < kPairs; ++s) {
+  for (int s = 0; s < kSlots; ++s) {
     if (!holds(s)) continue;
-    const PairPlace at = pair_place<kRotate>(a, team.pack(s));
-    sum_row[at.lo] = dw_lo[s];
-    if (at.hi < a.row_len) sum_row[at.hi] = dw_hi[s];
+    const PairPlace at = slot_place(s);
+#pragma unroll
+    for (int q = 0; q < kP; ++q) {
+      const int step = kAdjacent ? 2 * q : q;
+      sum_row[at.lo + step] = dw_lo[s][q];
+      if (at.hi + step < a.row_len) sum_row[at.hi + step] = dw_hi[s][q];
+    }
   }
 }
 
-template <typename T, typename Tc, bool kRotate, bool kNormalize, bool kAdjacent>
+template <typename T, typename Tc, int kP, bool kAdjacent, bool kRotate, bool kNormalize>
 int launch_backward(const RopeBackwardParams<T, Tc>& a, cudaStream_t stream) {
-  const int log2_tpr = log2_threads_per_row(a.n_pairs, kPairs, kMaxThreadsPerRow);
+  constexpr int kSlots = kPairs / kP;
+  const int n_slots = a.n_pairs / kP;
+  const int log2_tpr = log2_threads_per_row(n_slots, kSlots, kMaxThreadsPerRow);
   const int tpr = 1 << log2_tpr;
-  if (int64_t{tpr} * kPairs < a.n_pairs) return LTX_ERR_INVALID_ARGUMENT;  // too long
+  if (int64_t{tpr} * kSlots < n_slots) return LTX_ERR_INVALID_ARGUMENT;  // too long
   const int teams = std::max(1, kBlockThreads / tpr);
   const int64_t blocks = ceil_div(a.t[0].chunks + a.t[1].chunks, teams);
   if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
-  return launch(qk_norm_rope_backward_kernel<T, Tc, kRotate, kNormalize, kAdjacent>,
+  return launch(qk_norm_rope_backward_kernel<T, Tc, kP, kAdjacent, kRotate, kNormalize>,
                 dim3(static_cast<unsigned>(blocks)), dim3(teams * tpr), 0, stream, a, log2_tpr);
 }
 
-// True when every row start (and head start of the tables) of r is aligned to two elements.
-inline bool pair_aligned(const ltx_rows_t& r, int64_t head_stride, int heads, int elem_bytes) {
-  return !r.data ||
-         (ltx_rows_aligned(&r, elem_bytes, 2 * elem_bytes) && (heads <= 1 || head_stride % 2 == 0));
+// True when every row start of r (and, for tables, every head's start) is aligned to `alignment`
+// bytes.
+inline bool rows_aligned(const ltx_rows_t& r, int64_t head_stride, int64_t heads, int elem_bytes,
+                         int alignment) {
+  return !r.data || (ltx_rows_aligned(&r, elem_bytes, alignment) &&
+                     (heads <= 1 || (head_stride * elem_bytes) % alignment == 0));
 }
 
 template <typename T, typename Tc>
@@ -228,8 +283,13 @@ int backward_typed(const ltx_qk_norm_rope_backward_args_t& args, cudaStream_t st
   bool rotate = false;
   for (int i = 0; i < f.num_tensors; ++i) rotate = rotate || f.tensors[i].cos.data != nullptr;
   a.pairs_per_head = FastDivider::of(static_cast<uint32_t>(rotate ? a.half_dim : a.n_pairs));
-  // Adjacent pairs (interleaved or no rotation) of an even row move as one access when aligned.
-  bool adjacent = (!rotate || a.interleaved) && a.row_len % 2 == 0;
+  // The vector path: slots of kP pairs in one head (whole rows of slots without rotation), every
+  // row and table start aligned to its packs (2 kP elements for adjacent pairs, kP for halves).
+  constexpr int kP = 8 / sizeof(T);  // 16-byte packs of adjacent pairs
+  const bool adjacent = !rotate || a.interleaved;
+  bool vector_ok = rotate ? a.half_dim % kP == 0 : a.row_len % (2 * kP) == 0;
+  const int act_align = adjacent ? pack_alignment<T, 2 * kP>() : pack_alignment<T, kP>();
+  const int table_align = adjacent ? pack_alignment<Tc, 2 * kP>() : pack_alignment<Tc, kP>();
   for (int i = 0; i < f.num_tensors; ++i) {
     const ltx_rope_tensor_t& src = f.tensors[i];
     RopeBackwardTensor<T, Tc>& dst = a.t[i];
@@ -244,16 +304,17 @@ int backward_typed(const ltx_qk_norm_rope_backward_args_t& args, cudaStream_t st
     dst.dweight_sum = static_cast<float*>(args.dweight_sum[i]);
     dst.rows = ltx_num_rows(&src.x);
     dst.chunks = ltx_qk_norm_rope_backward_chunks(dst.rows, args.chunk_rows);
-    adjacent =
-        adjacent && pair_aligned(src.out, 0, 1, sizeof(T)) &&
-        pair_aligned(args.grad[i], 0, 1, sizeof(T)) &&
-        (!f.normalize || pair_aligned(src.x, 0, 1, sizeof(T))) &&
-        pair_aligned(src.cos, src.cos_head_stride, a.head_dim > 0 ? f.heads : 1, sizeof(Tc)) &&
-        pair_aligned(src.sin, src.sin_head_stride, a.head_dim > 0 ? f.heads : 1, sizeof(Tc));
+    vector_ok = vector_ok && rows_aligned(src.out, 0, 1, sizeof(T), act_align) &&
+                rows_aligned(args.grad[i], 0, 1, sizeof(T), act_align) &&
+                (!f.normalize || rows_aligned(src.x, 0, 1, sizeof(T), act_align)) &&
+                rows_aligned(src.cos, src.cos_head_stride, f.heads, sizeof(Tc), table_align) &&
+                rows_aligned(src.sin, src.sin_head_stride, f.heads, sizeof(Tc), table_align);
   }
-  return with_flags({rotate, f.normalize != 0, adjacent}, [&](auto rot, auto norm, auto adj) {
-    return launch_backward<T, Tc, decltype(rot)::value, decltype(norm)::value,
-                           decltype(adj)::value>(a, stream);
+  return with_flags({rotate, f.normalize != 0}, [&](auto rot, auto norm) {
+    constexpr bool kRotate = decltype(rot)::value, kNormalize = decltype(norm)::value;
+    if (!vector_ok) return launch_backward<T, Tc, 1, false, kRotate, kNormalize>(a, stream);
+    if (adjacent) return launch_backward<T, Tc, kP, true, kRotate, kNormalize>(a, stream);
+    return launch_backward<T, Tc, kP, false, kRotate, kNormalize>(a, stream);
   });
 }
 
