@@ -41,8 +41,9 @@ FUSIONS = OPS
 #: without gradients (inference, validation sampling) use every enabled op.
 FUSED_BACKWARD: frozenset[str] = frozenset(FUSED_BACKWARD_OPS)
 #: The same under torch.compile: the ops whose fused forward + backward is also faster than what
-#: Inductor generates from the diffusers code (the norm ops' backward is not yet: 0.5-0.9x).
-FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset({"gelu", "geglu"})
+#: Inductor generates from the diffusers code (benchmark_ops.py --backward, H100: qk_rmsnorm_rope
+#: 1.0-1.27x; not yet the norm ops, 0.5-0.9x, nor rope, 0.95-1.03x).
+FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset({"gelu", "geglu", "qk_rmsnorm_rope"})
 DISABLE_ENV = "LTX_KERNELS_DISABLE"
 
 # Attribute names stored on patched modules.
