@@ -1,5 +1,5 @@
 """diffusers' caches on injected models: a model injected first and then given a cache
-(FirstBlockCache, MagCache, PyramidAttentionBroadcast, TaylorSeer) gives the outputs the stock model with the same cache gives, on every
+(FirstBlockCache, MagCache, PyramidAttentionBroadcast, FasterCache, TaylorSeer) gives the outputs the stock model with the same cache gives, on every
 call of a denoising-like sequence (the cache skipping blocks on the later ones), for every mapped
 model family diffusers offers the caches for (SD3's model has no CacheMixin); diffusers finds the
 patched blocks in its block registry."""
@@ -15,6 +15,12 @@ diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed"
 hooks = pytest.importorskip("diffusers.hooks", reason="diffusers is not installed")
 
 CACHED = ["ltx", "flux", "wan", "sd35"]
+
+
+# The timestep of the current call, for the caches that ask for it (FasterCache: its first call,
+# at 999, is outside its skip range and fills the cache, as in a pipeline).
+TIMESTEPS = (999, 500, 400, 300)
+_TIMESTEP = [TIMESTEPS[0]]
 
 
 def _apply(cache: str, model) -> None:
@@ -41,6 +47,16 @@ def _apply(cache: str, model) -> None:
                 current_timestep_callback=lambda: 500,
             )
         )
+    elif cache == "faster":  # attention reuse only (guidance-distilled: no batch split)
+        model.enable_cache(
+            diffusers.FasterCacheConfig(
+                spatial_attention_block_skip_range=2,
+                spatial_attention_timestep_skip_range=(-1, 681),
+                current_timestep_callback=lambda: _TIMESTEP[0],
+                attention_weight_callback=lambda _: 0.5,
+                is_guidance_distilled=True,
+            )
+        )
     else:
         model.enable_cache(
             diffusers.TaylorSeerCacheConfig(
@@ -51,13 +67,14 @@ def _apply(cache: str, model) -> None:
 
 # The caches that skip blocks or attention in these tiny models with the configs above (TaylorSeer
 # skips on FLUX only: its default module patterns do not match LTX's or Wan's blocks).
-ENGAGED = {"first_block", "mag", "pyramid_attention_broadcast"}
+ENGAGED = {"first_block", "mag", "pyramid_attention_broadcast", "faster"}
 
 
 def _calls(model, call, steps=4):
     """Outputs of `steps` calls in one cache context, and the number of fused op calls of each."""
     outputs, op_calls = [], []
-    for _ in range(steps):
+    for step in range(steps):
+        _TIMESTEP[0] = TIMESTEPS[step]
         with model.cache_context("cond"), OpCounter() as counter:
             outputs.append(output_of(call(model)))
         op_calls.append(sum(counter.counts.values()))
@@ -65,7 +82,7 @@ def _calls(model, call, steps=4):
 
 
 @pytest.mark.parametrize(
-    "cache", ["first_block", "mag", "pyramid_attention_broadcast", "taylorseer"]
+    "cache", ["first_block", "mag", "pyramid_attention_broadcast", "faster", "taylorseer"]
 )
 @pytest.mark.parametrize("model_name", CACHED)
 def test_cache_after_injection_matches_stock(model_name, cache):
