@@ -28,7 +28,8 @@ def models(*names):
 
 @pytest.mark.parametrize("disabled", FUSIONS)
 @pytest.mark.parametrize(
-    "model", models("ltx", "ltx_per_token", "flux", "wan_ti2v", "skyreels_v2_df", "sd35")
+    "model",
+    models("ltx", "ltx_per_token", "flux", "wan_ti2v", "skyreels_v2_df", "chronoedit", "sd35"),
 )
 def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
     tiny = model.build(torch.bfloat16)
@@ -58,7 +59,7 @@ def test_bf16_is_bit_identical_on_cpu(model):
     assert torch.equal(output_of(injected), output_of(eager))
 
 
-@pytest.mark.parametrize("model", models("ltx", "flux", "wan", "skyreels_v2"))
+@pytest.mark.parametrize("model", models("ltx", "flux", "wan", "skyreels_v2", "chronoedit"))
 def test_attention_backend_is_kept(model):
     tiny = model.build(torch.float32)
     tiny.set_attention_backend("_native_math")

@@ -26,6 +26,7 @@ TRAINED = [
     "flux",
     "wan",
     "skyreels_v2_df",
+    "chronoedit",
     "sd35",
 ]  # the tiny models of model_zoo.MODELS trained here
 # Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose

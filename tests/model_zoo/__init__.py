@@ -93,6 +93,14 @@ MODELS = {
         inputs=functools.partial(wan.tiny_inputs, variant="diffusion_forcing"),
         processor="SkyReelsKernelsAttnProcessor",
     ),
+    # ChronoEdit: diffusers' copies of WanTransformerBlock / WanAttention / WanAttnProcessor (same
+    # class names, same code), patched as Wan's; image-conditioned as Wan 2.1 I2V.
+    "chronoedit": dataclasses.replace(
+        _WAN,
+        build=wan.tiny_chronoedit,
+        inputs=functools.partial(wan.tiny_inputs, variant="i2v"),
+        op_counts=wan.chronoedit_counts,
+    ),
     "sd35": _sd3(sd3.SD35, "SD3KernelsAttnProcessor"),
     "sd3": _sd3(sd3.SD3, None),  # no q/k norm: the attention is left as it is
 }

@@ -1,6 +1,7 @@
 """Wan 2.x: the tiny transformer (diffusers' own test config), as users load it (bf16 with
 `_keep_in_fp32_modules` kept fp32), with its inputs (T2V, I2V, Wan 2.2 TI2V) and the ltx_kernels
-ops one injected forward runs; SkyReels-V2 (Wan's math) with the same config."""
+ops one injected forward runs; SkyReels-V2 (Wan's math) and ChronoEdit (Wan's block copied) with
+the same config."""
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -75,6 +76,14 @@ def tiny_skyreels(dtype, **config):
     return tiny_model(dtype, cls=SkyReelsV2Transformer3DModel, **config)
 
 
+def tiny_chronoedit(dtype, **config):
+    """ChronoEdit (image editing as Wan 2.1 I2V, with its own copies of Wan's block, attention and
+    processor, and its own RoPE), with the same tiny config and Wan's I2V image inputs."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    return tiny_model(dtype, cls=ChronoEditTransformer3DModel, **{**I2V, **config})
+
+
 def tiny_inputs(dtype, variant="t2v", batch=2):
     """variant: t2v, i2v, ti2v (Wan 2.2: a timestep per token) or diffusion_forcing (SkyReels-V2:
     a timestep per frame, temb [B, 6, S, D], a causal self-attention mask)."""
@@ -98,3 +107,10 @@ def tiny_inputs(dtype, variant="t2v", batch=2):
 def expected_counts(disabled=None, layers=LAYERS):
     """The ltx_kernels ops one forward runs, with op `disabled` left out."""
     return block_op_counts(OPS_PER_BLOCK, FALLBACKS, disabled, layers)
+
+
+def chronoedit_counts(disabled=None, layers=LAYERS):
+    """expected_counts for ChronoEdit in bf16: its RoPE tables are not among the modules it keeps in
+    fp32, so they are bf16 and the rope op is left out (Wan's own rotation runs): without the q/k
+    norm op, no rope either."""
+    return block_op_counts(OPS_PER_BLOCK, {**FALLBACKS, "qk_rmsnorm_rope": {}}, disabled, layers)
