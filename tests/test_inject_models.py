@@ -29,7 +29,16 @@ def models(*names):
 @pytest.mark.parametrize("disabled", FUSIONS)
 @pytest.mark.parametrize(
     "model",
-    models("ltx", "ltx_per_token", "flux", "wan_ti2v", "skyreels_v2_df", "chronoedit", "sd35"),
+    models(
+        "ltx",
+        "ltx_per_token",
+        "flux",
+        "wan_ti2v",
+        "skyreels_v2_df",
+        "chronoedit",
+        "wan_animate",
+        "sd35",
+    ),
 )
 def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
     tiny = model.build(torch.bfloat16)

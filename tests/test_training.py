@@ -27,6 +27,7 @@ TRAINED = [
     "wan",
     "skyreels_v2_df",
     "chronoedit",
+    "wan_animate",
     "sd35",
 ]  # the tiny models of model_zoo.MODELS trained here
 # Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose

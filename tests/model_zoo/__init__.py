@@ -101,6 +101,10 @@ MODELS = {
         inputs=functools.partial(wan.tiny_inputs, variant="i2v"),
         op_counts=wan.chronoedit_counts,
     ),
+    # Wan-Animate: the same copies, with pose/face conditioning and face adapters left stock.
+    "wan_animate": dataclasses.replace(
+        _WAN, build=wan.tiny_wan_animate, inputs=wan.tiny_animate_inputs
+    ),
     "sd35": _sd3(sd3.SD35, "SD3KernelsAttnProcessor"),
     "sd3": _sd3(sd3.SD3, None),  # no q/k norm: the attention is left as it is
 }

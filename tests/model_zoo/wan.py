@@ -1,7 +1,7 @@
 """Wan 2.x: the tiny transformer (diffusers' own test config), as users load it (bf16 with
 `_keep_in_fp32_modules` kept fp32), with its inputs (T2V, I2V, Wan 2.2 TI2V) and the ltx_kernels
-ops one injected forward runs; SkyReels-V2 (Wan's math) and ChronoEdit (Wan's block copied) with
-the same config."""
+ops one injected forward runs; SkyReels-V2 (Wan's math), ChronoEdit and Wan-Animate (Wan's block
+copied) with the same config."""
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -82,6 +82,41 @@ def tiny_chronoedit(dtype, **config):
     from diffusers import ChronoEditTransformer3DModel
 
     return tiny_model(dtype, cls=ChronoEditTransformer3DModel, **{**I2V, **config})
+
+
+# Wan-Animate's extras at toy sizes: 4 pose channels (the latent's), a 16-pixel face video through
+# a 3-level motion encoder, the face adapter after every block.
+ANIMATE = dict(
+    in_channels=12,
+    latent_channels=4,
+    motion_encoder_size=16,
+    motion_encoder_channel_sizes={"4": 16, "8": 16, "16": 16},
+    motion_style_dim=16,
+    motion_dim=4,
+    motion_encoder_dim=16,
+    face_encoder_hidden_dim=16,
+    face_encoder_num_heads=2,
+    inject_face_latents_blocks=1,
+    motion_encoder_batch_size=4,
+)
+
+
+def tiny_wan_animate(dtype, **config):
+    """Wan-Animate (Wan 2.2 Animate: its own copies of Wan's block, attention and processor, plus
+    pose embedding, motion/face encoders and face adapters, which stay stock)."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    return tiny_model(dtype, cls=WanAnimateTransformer3DModel, **{**I2V, **ANIMATE, **config})
+
+
+def tiny_animate_inputs(dtype, batch=2):
+    """Wan-Animate's inputs: I2V's, with the reference latents' channels, pose latents for all but
+    the first frame and a face video."""
+    inputs = tiny_inputs(dtype, variant="i2v", batch=batch)
+    inputs["hidden_states"] = torch.randn(batch, 12, FRAMES, HEIGHT, WIDTH, dtype=dtype)
+    inputs["pose_hidden_states"] = torch.randn(batch, 4, FRAMES - 1, HEIGHT, WIDTH, dtype=dtype)
+    inputs["face_pixel_values"] = torch.randn(batch, 3, FRAMES, 16, 16, dtype=dtype)
+    return inputs
 
 
 def tiny_inputs(dtype, variant="t2v", batch=2):
