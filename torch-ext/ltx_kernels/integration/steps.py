@@ -32,8 +32,14 @@ from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, has_forward_hook, plain_t
 def ops_for_step(ops, *operands):
     """The ops a step may use: the enabled ones, or, while autograd records through the step (grad
     mode on and an operand requires grad: a tensor, a (cos, sin) pair, or a module's weight or
-    bias), those in FUSED_BACKWARD (FUSED_BACKWARD_COMPILED under torch.compile)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(operands)):
+    bias), those in FUSED_BACKWARD (FUSED_BACKWARD_COMPILED under torch.compile). None when a
+    tensor operand's last dimension is strided (the ops read rows with unit stride; e.g.
+    HunyuanVideo's patch embedding hands its first block a transposed view): the step then runs
+    the diffusers code."""
+    tensors = _tensors(operands)
+    if any(t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1 for t in tensors):
+        return frozenset()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         compiling = torch.compiler.is_compiling()
         return ops & (FUSED_BACKWARD_COMPILED if compiling else FUSED_BACKWARD)
     return ops
