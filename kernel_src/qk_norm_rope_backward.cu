@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   const int64_t end_row = min(first_row + a.chunk_rows, t.rows);
   const int n_slots = a.n_pairs / kP;
   auto holds = [&](int s) { return team.pack(s) < n_slots; };
-  // The first pair of slot s, and whether its last element is inside the row (odd rows).
+  // Where slot s's first pair sits.
   auto slot_place = [&](int s) { return pair_place<kRotate>(a, team.pack(s) * kP); };
 
   wait_for_prior_grids();

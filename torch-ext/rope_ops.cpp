@@ -76,6 +76,17 @@ static ltx_rope_tensor_t rope_tensor(const char* op, const char* name, const at:
   return r;
 }
 
+// The C twins take one tensor at a time: runs cpu(tensor, begin, end) on the part of the pool's
+// range [b, e) that falls in tensor 0's items [0, first) and on the part in tensor 1's (counted
+// from first), and returns the first failing status.
+template <typename Cpu>
+static int split_q_then_k(int64_t b, int64_t e, int64_t first, const Cpu& cpu) {
+  int status = LTX_OK;
+  if (b < first) status = cpu(0, b, std::min(e, first));
+  if (status == LTX_OK && e > first) status = cpu(1, std::max(b, first) - first, e - first);
+  return status;
+}
+
 // The launcher arguments shared by rope and qk_rmsnorm_rope (the tensors are filled in by the op).
 static ltx_qk_norm_rope_args_t qk_norm_rope_args(const RopeRows& layout, int64_t rot_dim,
                                                  bool normalize, bool interleaved, double eps) {
@@ -175,18 +186,16 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at
   args.tensors[0] = rope_tensor(op, "q", q, q_out, cos, sin, q_weight, layout, rot_dim);
   args.tensors[1] = rope_tensor(op, "k", k, k_out, cos, sin, k_weight, layout, rot_dim);
   args.num_tensors = 2;
-  // The C twin takes the rows of one tensor at a time; the pool splits the q rows, then the k rows.
+  // The pool splits the q rows, then the k rows.
   const int64_t q_rows = q.numel() / std::max<int64_t>(row_len, 1);
   const int64_t rows = q_rows + k.numel() / std::max<int64_t>(row_len, 1);
   run_launcher(
       op, ltx_check_qk_norm_rope(&args), q, rows, row_len,
       [&](ltx_stream_t stream) { return ltx_qk_norm_rope_cuda(&args, stream); },
       [&](int64_t b, int64_t e) {
-        int status = LTX_OK;
-        if (b < q_rows) status = ltx_qk_norm_rope_cpu(&args, 0, b, std::min(e, q_rows));
-        if (status == LTX_OK && e > q_rows)
-          status = ltx_qk_norm_rope_cpu(&args, 1, std::max(b, q_rows) - q_rows, e - q_rows);
-        return status;
+        return split_q_then_k(b, e, q_rows, [&](int tensor, int64_t begin, int64_t end) {
+          return ltx_qk_norm_rope_cpu(&args, tensor, begin, end);
+        });
       },
       {{"tensors[0].x", "q"},
        {"tensors[1].x", "k"},
@@ -243,13 +252,9 @@ static void run_backward(const char* op, ltx_qk_norm_rope_backward_args_t& args,
       op, ltx_check_qk_norm_rope_backward(&args), ref, chunks[0] + chunks[1], row_len,
       [&](ltx_stream_t stream) { return ltx_qk_norm_rope_backward_cuda(&args, stream); },
       [&](int64_t b, int64_t e) {
-        int status = LTX_OK;
-        if (b < chunks[0])
-          status = ltx_qk_norm_rope_backward_cpu(&args, 0, b, std::min(e, chunks[0]));
-        if (status == LTX_OK && e > chunks[0])
-          status = ltx_qk_norm_rope_backward_cpu(&args, 1, std::max(b, chunks[0]) - chunks[0],
-                                                 e - chunks[0]);
-        return status;
+        return split_q_then_k(b, e, chunks[0], [&](int tensor, int64_t begin, int64_t end) {
+          return ltx_qk_norm_rope_backward_cpu(&args, tensor, begin, end);
+        });
       },
       names);
 }
