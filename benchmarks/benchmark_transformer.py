@@ -5,18 +5,29 @@ without the kernels, and compile_repeated_blocks(fullgraph=True) with and withou
 Models (random weights from the real default configs, bf16):
   ltx        LTXVideoTransformer3DModel (LTX-Video 2B, 28 blocks), batch 2 (CFG), 128 text tokens;
              --tokens 2688 (49 frames 512x768) and 8064 (161 frames 512x768).
+  ltx-13b    the same at LTX-Video 0.9.7/0.9.8 13B's config (48 blocks, 32x128 heads, D 4096);
+             --tokens 12672 is 257 frames 512x768.
   flux-pair  one FluxTransformerBlock + one FluxSingleTransformerBlock (dim 3072, 24x128 heads),
              batch 1, 4096 image + 512 text tokens (1024x1024).
+
+--context-parallel ulysses|ring (ltx models; launch with torchrun --nproc_per_node N): diffusers'
+context parallelism over the N GPUs, in these columns: 1-GPU eager and kernels (each rank alone on
+its GPU), N-GPU stock diffusers with the padded text mask (fails or is wrong in diffusers 0.42:
+reported) and without it, N-GPU with the kernels (injected before enable_parallelism), and that with
+compile_repeated_blocks. Ring attention runs on cuDNN (`_native_cudnn`, every column), the backend
+that returns the log-sum-exp ring attention needs and takes a mask. Rank 0 prints and writes.
 
 Time per step: CUDA events around each call (the user-visible step time, CPU launch gaps included),
 median of --reps calls after warm-up; compile time is the wall time of the first call. Each column's
 output is compared with the eager output (relative L2).
 
   python benchmarks/benchmark_transformer.py --model ltx --tokens 2688 8064 --out results/
+  torchrun --nproc_per_node 2 benchmarks/benchmark_transformer.py --context-parallel ulysses
 """
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -30,15 +41,21 @@ import bench_utils  # noqa: E402
 import ltx_kernels  # noqa: E402
 
 COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels", "compile", "compile+kernels")
-LTX_GRIDS = {2688: (7, 16, 24), 8064: (21, 16, 24), 7392: (21, 16, 22)}
+LTX_GRIDS = {2688: (7, 16, 24), 8064: (21, 16, 24), 7392: (21, 16, 22), 12672: (33, 16, 24)}
+# diffusers' scripts/convert_ltx_to_diffusers.py: 0.9.7/0.9.8 13B differ from the 2B defaults here.
+LTX_CONFIGS = {
+    "ltx": {},
+    "ltx-13b": dict(attention_head_dim=128, cross_attention_dim=4096, num_layers=48),
+}
 
 
-def ltx_case(tokens: int):
+def ltx_case(tokens: int, model_name: str = "ltx"):
     from diffusers import LTXVideoTransformer3DModel
 
     frames, height, width = LTX_GRIDS[tokens]
+    torch.manual_seed(0)  # the same weights on every rank (context parallelism)
     with torch.device("cuda"):
-        model = LTXVideoTransformer3DModel().to(torch.bfloat16).eval()
+        model = LTXVideoTransformer3DModel(**LTX_CONFIGS[model_name]).to(torch.bfloat16).eval()
     g = torch.Generator("cuda").manual_seed(0)
     batch, text = 2, 128
     mask = torch.ones(batch, text, dtype=torch.bool, device="cuda")
@@ -58,7 +75,11 @@ def ltx_case(tokens: int):
         rope_interpolation_scale=(8 / 25, 32, 32),
         return_dict=False,
     )
-    return model, lambda m: m(**inputs)[0]
+
+    def call(m, mask=True):  # mask=False: without the text mask
+        return m(**(inputs if mask else {**inputs, "encoder_attention_mask": None}))[0]
+
+    return model, call
 
 
 class FluxBlockPair(torch.nn.Module):
@@ -181,18 +202,131 @@ def rel_l2(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+CP_COLUMNS = (
+    "1 GPU eager",
+    "1 GPU kernels",
+    "N GPU eager (mask)",
+    "N GPU eager (no mask)",
+    "N GPU kernels",
+    "N GPU blocks+kernels",
+)
+
+
+def context_parallel_columns(args, tokens, world):
+    """{column: (first call s, ms, output) or an error string} for one LTX shape under diffusers'
+    context parallelism (module docstring)."""
+    from diffusers import ContextParallelConfig
+
+    degree = "ulysses_degree" if args.context_parallel == "ulysses" else "ring_degree"
+    backend = "_native_cudnn" if args.context_parallel == "ring" else None
+    measured = {}
+
+    def build():
+        model, call = ltx_case(tokens, args.model)
+        if backend:
+            model.set_attention_backend(backend)
+        return model, call
+
+    def attempt(column, fn):
+        try:
+            measured[column] = time_step(fn, args.reps)
+        except Exception as error:  # reported as the column's result
+            measured[column] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+    def one_gpu_then_stock(model, call):
+        for column in ("eager", "kernels"):
+            with configured(column, model) as target:
+                attempt(f"1 GPU {column}", lambda: call(target))
+        model.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
+        attempt("N GPU eager (mask)", lambda: call(model))
+        attempt("N GPU eager (no mask)", lambda: call(model, mask=False))
+
+    def with_kernels(model, call):
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+        model.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
+        attempt("N GPU kernels", lambda: call(model))
+        if args.model == "ltx":  # the 13B model's compile time is not worth a device run
+            torch._dynamo.reset()
+            model.compile_repeated_blocks(fullgraph=True)
+            attempt("N GPU blocks+kernels", lambda: call(model))
+
+    for phase in (one_gpu_then_stock, with_kernels):
+        phase(*build())  # a fresh model each: enable_parallelism cannot be undone
+        torch.cuda.empty_cache()
+    return measured
+
+
+def context_parallel_main(parser, args):
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:
+        parser.error("--context-parallel runs under torchrun --nproc_per_node N (N GPUs)")
+    if args.model not in LTX_CONFIGS:
+        parser.error("--context-parallel: --model ltx or ltx-13b")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    env = bench_utils.environment()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(
+        f"# {args.model}, context parallel {args.context_parallel} x {world}: {env['device']}, "
+        f"torch {env['torch']}, bf16, median of {args.reps} steps (CUDA events, rank 0)"
+    )
+    results = []
+    for tokens in args.tokens or [8064]:
+        say(f"\n## {args.model}, batch 2 x {tokens} tokens, 128 text tokens (padded mask)")
+        say("| column | ms/step | vs 1 GPU kernels | first call s | rel L2 vs 1 GPU eager |")
+        say("|---|---|---|---|---|", flush=True)
+        measured = context_parallel_columns(args, tokens, world)
+        rows = {}
+        for column, value in measured.items():
+            if isinstance(value, str):
+                rows[column] = dict(error=value)
+                say(f"| {column} | fails: {value} | | | |", flush=True)
+                continue
+            first_s, ms, out = value
+            base = measured.get("1 GPU kernels")
+            eager = measured.get("1 GPU eager")
+            row = rows[column] = dict(ms=ms, first_call_s=first_s)
+            row["speedup_vs_1gpu_kernels"] = base[1] / ms if isinstance(base, tuple) else None
+            row["rel_l2"] = rel_l2(out, eager[2]) if isinstance(eager, tuple) else None
+            say(
+                f"| {column} | {ms:.2f} | {row['speedup_vs_1gpu_kernels'] or float('nan'):.2f}x |"
+                f" {first_s:.1f} | {row['rel_l2'] if row['rel_l2'] is not None else float('nan'):.2e} |",
+                flush=True,
+            )
+        results.append(dict(tokens=tokens, columns=rows))
+    if args.out and rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        bench_utils.write_json(
+            args.out / f"transformer_{args.model}_cp_{args.context_parallel}{world}.json",
+            dict(
+                environment=env,
+                model=args.model,
+                context_parallel=args.context_parallel,
+                world_size=world,
+                results=results,
+            ),
+        )
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--model", choices=("ltx", "flux-pair"), default="ltx")
+    parser.add_argument("--model", choices=("ltx", "ltx-13b", "flux-pair"), default="ltx")
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--columns", default=",".join(COLUMNS))
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.context_parallel:
+        return context_parallel_main(parser, args)
     columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
-    tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [4096])
+    tokens_list = args.tokens or ([2688, 8064] if args.model.startswith("ltx") else [4096])
     env = bench_utils.environment()
     print(
         f"# {args.model}: {env['device']}, torch {env['torch']}, bf16, "
@@ -200,7 +334,9 @@ def main():
     )
     results = []
     for tokens in tokens_list:
-        model, call = ltx_case(tokens) if args.model == "ltx" else flux_pair_case(tokens)
+        model, call = (
+            ltx_case(tokens, args.model) if args.model in LTX_CONFIGS else flux_pair_case(tokens)
+        )
         rows = {}
         print(f"\n## {args.model}, {tokens} tokens", flush=True)
         print(

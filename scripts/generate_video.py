@@ -4,6 +4,7 @@
   python scripts/generate_video.py --no-optimized-kernels --compile
   python scripts/generate_video.py --use-optimized-kernels --compile     # both together
   python scripts/generate_video.py --compare --num-frames 49 --steps 30  # the four rows in one process
+  torchrun --nproc_per_node 2 scripts/generate_video.py --context-parallel ulysses --compare
 
 Weights (--weights): `hub` loads --model-id with diffusers (from the local cache, else downloaded);
 `random` builds the same pipeline offline from the real LTX-Video configs (the 2B transformer, the
@@ -19,6 +20,15 @@ is its compile time, reported apart. it/s is the rate of the denoising loop alon
 its first step to the end of its last); decode is the time from the end of the loop to the frames.
 Every configuration starts from the same seed, so their final latents are compared with the
 baseline's (relative L2).
+
+Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU): the
+transformer runs under diffusers' context parallelism (enable_parallelism), the kernels injected on
+top. The text mask every LTXPipeline call passes fails (Ulysses) or silently goes wrong (ring) in
+stock diffusers 0.42; ltx_kernels' attention processors handle it, so the baseline rows run the
+diffusers code through them (inject_optimized_kernels(ops=())) and stay comparable. --compare adds
+a first row: the kernels on one GPU (every rank alone). Compiling is per block there. Ring
+attention runs on cuDNN (the backend that returns the log-sum-exp ring attention needs and takes
+the mask). Rank 0 prints and writes the outputs.
 
 Outputs: the video (--output; mp4 through diffusers' export_to_video, which needs imageio +
 imageio-ffmpeg or OpenCV, else an animated GIF beside it), a JSON of the results (--json) and,
@@ -44,6 +54,7 @@ import ltx_kernels
 
 CONFIGS = ("baseline", "kernels", "compile", "kernels+compile")
 CONFIG_TITLES = {
+    "kernels-1gpu": "Optimized kernels, 1 GPU",
     "baseline": "Baseline (diffusers eager)",
     "kernels": "Optimized kernels",
     "compile": "Baseline + torch.compile",
@@ -162,6 +173,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
+        "--context-parallel",
+        choices=("ulysses", "ring"),
+        default=None,
+        help="split the transformer's sequence over the GPUs of a torchrun launch "
+        "(torchrun --nproc_per_node N scripts/generate_video.py --context-parallel ulysses)",
+    )
+    parser.add_argument(
         "--tiny",
         action="store_true",
         help="a tiny random model (2 blocks, small VAE) for smoke tests on any device",
@@ -207,6 +225,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("compile_scope", "compile_mode"):
         if getattr(args, name) is not None and not compiles:
             parser.error(f"--{name.replace('_', '-')}: no effect without --compile (or --compare)")
+    if args.context_parallel:
+        if "WORLD_SIZE" not in os.environ:
+            parser.error(
+                "--context-parallel: launch with torchrun, one process per GPU: torchrun "
+                "--nproc_per_node N scripts/generate_video.py --context-parallel "
+                f"{args.context_parallel} ..."
+            )
+        if args.cpu_offload:
+            parser.error("--context-parallel: not with --cpu-offload (each GPU holds the model)")
+        if args.compile_scope == "full":
+            parser.error(
+                "--context-parallel: compile per block (--compile-scope blocks, the default "
+                "there); diffusers' sequence gather around the whole model does not compile"
+            )
+        args.compile_scope = "blocks"
+        if args.compare:
+            args.configs = (
+                ["kernels-1gpu", *args.configs] if "kernels" in args.configs else args.configs
+            )
     args.compile_scope = args.compile_scope or "full"
     if args.cpu_offload and compiles and args.compile_scope == "full":
         parser.error(
@@ -282,7 +319,9 @@ def build_random_pipeline(dtype: torch.dtype, device: torch.device | str, tiny: 
 
 
 def load_pipeline(args, device: torch.device, dtype: torch.dtype):
-    """(pipeline, weights description). --weights auto falls back to random weights with one line."""
+    """(pipeline, weights description). --weights auto falls back to random weights with one line.
+    Random weights come from --seed: the same on every rank of a --context-parallel launch."""
+    torch.manual_seed(args.seed)
     if args.weights == "random" or args.tiny:
         pipe = build_random_pipeline(dtype, "cpu" if args.cpu_offload else device, tiny=args.tiny)
         return pipe, "random" + (" (tiny model)" if args.tiny else "")
@@ -378,18 +417,27 @@ def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dic
 def apply_config(pipe, config: str, args) -> str:
     """Switch the pipeline to `config` (from the baseline state); returns a note for the table.
     With --cpu-offload the offload hooks come off while the kernels go in, so the kernels patch
-    the bare modules (as after loading) and the hooks then wrap them."""
+    the bare modules (as after loading) and the hooks then wrap them. Under context parallelism
+    the baseline runs the diffusers code through our processors (module docstring)."""
     notes = []
-    if config.startswith("kernels"):
+    parallel = args.context_parallel and config != "kernels-1gpu"
+    if config.startswith("kernels") or parallel:
         if args.cpu_offload:
             pipe.remove_all_hooks()
-        report = ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+        ops = None if config.startswith("kernels") else ()
+        report = ltx_kernels.inject_optimized_kernels(pipe, ops=ops, verbose=False)
         if args.cpu_offload:
             pipe.enable_model_cpu_offload()
         print(report)
-        notes.append(f"{report.total_patched} modules on ltx_kernels ops")
+        if ops == ():
+            notes.append("diffusers code; ltx_kernels processors for the text mask")
+        else:
+            notes.append(f"{report.total_patched} modules on ltx_kernels ops")
         if report.skipped:
             notes.append(f"{sum(len(entries) for entries in report.skipped.values())} skipped")
+    if parallel:
+        world = torch.distributed.get_world_size()
+        notes.append(f"{args.context_parallel} x {world} GPUs")
     if config.endswith("compile"):
         torch._dynamo.reset()
         options = dict(fullgraph=True, mode=args.compile_mode)
@@ -589,6 +637,12 @@ def describe(args, env: dict, weights: str) -> str:
         f"precision: {args.dtype} | resolution: {args.width}x{args.height} | frames: "
         f"{args.num_frames} | steps: {args.steps} | guidance: {args.guidance_scale} | batch: "
         f"{args.batch_size} | weights: {weights}"
+        + (
+            f" | context parallel: {args.context_parallel} x "
+            f"{torch.distributed.get_world_size()} GPUs"
+            if args.context_parallel
+            else ""
+        )
     )
 
 
@@ -670,11 +724,76 @@ def save_video(frames, path: Path, fps: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
+# Several GPUs.
+
+
+def start_context_parallel() -> tuple[torch.device, int]:
+    """(this process's device, rank) of a torchrun launch: one GPU per process, NCCL (gloo on a
+    machine without GPUs, for tests)."""
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("cpu:gloo")
+    return device, rank
+
+
+def enable_context_parallel(pipe, args) -> None:
+    """diffusers' context parallelism on the transformer, after checking that the GPUs divide what
+    it splits: the video tokens, the text tokens and (Ulysses) the attention heads."""
+    from diffusers import ContextParallelConfig
+
+    world = torch.distributed.get_world_size()
+    config = pipe.transformer.config
+    vae = pipe.vae
+    tokens = (
+        ((args.num_frames - 1) // vae.temporal_compression_ratio + 1)
+        * (args.height // vae.spatial_compression_ratio)
+        * (args.width // vae.spatial_compression_ratio)
+    )
+    splits = {"video tokens": tokens, "text tokens": TEXT_TOKENS}
+    if args.context_parallel == "ulysses":
+        splits["attention heads"] = config.num_attention_heads
+    for what, count in splits.items():
+        if count % world:
+            raise SystemExit(
+                f"--context-parallel {args.context_parallel}: {world} GPUs do not divide the "
+                f"{count} {what}; use a GPU count that does (or change the size)"
+            )
+    if args.context_parallel == "ring" and not args.attention_backend:
+        pipe.transformer.set_attention_backend("_native_cudnn")
+    degree = "ulysses_degree" if args.context_parallel == "ulysses" else "ring_degree"
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank = 0
+    if args.context_parallel:
+        device, rank = start_context_parallel()
+        if rank:  # rank 0 reports
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+            args.no_progress, args.no_video = True, True
+    try:
+        return _generate(args, device, rank)
+    finally:
+        if args.context_parallel:
+            if rank:
+                sys.stdout.close()
+                sys.stdout = sys.__stdout__
+            torch.distributed.destroy_process_group()
+
+
+def _generate(args, device: torch.device, rank: int) -> list[Row]:
     dtype = DTYPES[args.dtype]
     if ltx_kernels.load_error is not None and any("kernels" in c for c in args.configs):
         raise SystemExit(
@@ -699,6 +818,12 @@ def main(argv=None) -> list[Row]:
 
     rows, latents, last = [], {}, None
     for config in args.configs:
+        if (
+            args.context_parallel
+            and config != "kernels-1gpu"
+            and pipe.transformer._parallel_config is None
+        ):
+            enable_context_parallel(pipe, args)
         print(f"\n== {CONFIG_TITLES[config]}", flush=True)
         try:
             row, last = measure(pipe, config, inputs, args, device)
@@ -717,7 +842,14 @@ def main(argv=None) -> list[Row]:
 
     print(f"\n{header}\n")
     print(format_table(rows))
+    by_config = {row.config: row for row in rows}
+    if "kernels-1gpu" in by_config and "kernels" in by_config:
+        world = torch.distributed.get_world_size()
+        scaling = by_config["kernels-1gpu"].total_s / by_config["kernels"].total_s
+        print(f"\nkernels on {world} GPUs vs 1 GPU: {scaling:.2f}x")
     video = None
+    if rank:
+        return rows
     if not args.no_video:
         try:
             video = save_video(last.frames, args.output, args.frame_rate)

@@ -50,6 +50,9 @@ DISABLE_ENV = "LTX_KERNELS_DISABLE"
 _ORIGINAL_CLASS = "_ltx_kernels_original_class"
 _OPS = "_ltx_kernels_ops"
 _ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
+# What diffusers sets on every attention processor that has it (set_attention_backend,
+# enable_parallelism): carried over both ways when a processor is replaced or restored.
+_PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
 
 
 @dataclasses.dataclass
@@ -195,7 +198,7 @@ class Injector:
     def set_processor(self, name: str, attn: torch.nn.Module, processor, kind: str) -> None:
         """Installs `processor` on attention module `attn`, keeping the backend settings."""
         original = attn.processor
-        for setting in ("_attention_backend", "_parallel_config"):
+        for setting in _PROCESSOR_SETTINGS:
             if hasattr(original, setting):
                 setattr(processor, setting, getattr(original, setting))
         processor.ops = self.ops
@@ -353,7 +356,8 @@ def remove_optimized_kernels(pipe_or_model) -> int:
                     f"remove_optimized_kernels: {'.'.join(p for p in (prefix, name) if p) or '<root>'}"
                     f" ({type(module).__name__}) got a forward hook after injection, which holds the "
                     "patched forward; remove the hooks first (pipe.remove_all_hooks(), "
-                    "model.disable_cache(), ...)"
+                    "model.disable_cache(), ...); under context parallelism, inject after "
+                    "enable_parallelism to be able to restore the model"
                 )
         for _, module in modules:
             original_class = getattr(type(module), _ORIGINAL_CLASS, None)
@@ -365,6 +369,11 @@ def remove_optimized_kernels(pipe_or_model) -> int:
                 restored += 1
             original_processor = module.__dict__.pop(_ORIGINAL_PROCESSOR, None)
             if original_processor is not None:
+                for (
+                    setting
+                ) in _PROCESSOR_SETTINGS:  # set on ours since (set_attention_backend, ...)
+                    if hasattr(original_processor, setting):
+                        setattr(original_processor, setting, getattr(module.processor, setting))
                 module.set_processor(original_processor)
                 restored += 1
     return restored

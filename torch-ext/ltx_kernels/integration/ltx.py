@@ -9,6 +9,9 @@ Per block (`LTXVideoTransformerBlock`), with t = scale_shift_table + temb split 
   FF up-projection + GELU-tanh  -> linear_gelu            (GELU/GEGLU detected)
   x + ff * gate_mlp             -> gated_residual
 Model (`LTXVideoTransformer3DModel`): output LayerNorm + modulation -> layernorm_modulate.
+
+Under diffusers' context parallelism attn2 attends to the whole text (context_parallel.py), and the
+patched model's `_cp_plan` also splits per-token timesteps ([B, S], LTXConditionPipeline).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from . import FusedAttnProcessor, steps
+from .context_parallel import gather_cross_attention_inputs
 
 
 def _diffusers_rope(x, cos_sin):
@@ -28,7 +32,8 @@ def _diffusers_rope(x, cos_sin):
 
 class LTXKernelsAttnProcessor(FusedAttnProcessor):
     """`LTXVideoAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature (LTXAttention
-    filters its kwargs by it); backend and parallel config are copied from the replaced processor."""
+    filters its kwargs by it); backend and parallel config are copied from the replaced processor.
+    Under context parallelism a cross-attention gathers the text and attends locally."""
 
     def __call__(
         self,
@@ -40,6 +45,9 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
     ) -> torch.Tensor:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+        encoder_hidden_states, attention_mask, parallel_config = gather_cross_attention_inputs(
+            self._parallel_config, encoder_hidden_states, attention_mask
+        )
         batch_size, sequence_length, _ = (
             hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
         )
@@ -78,7 +86,7 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
             dropout_p=0.0,
             is_causal=False,
             backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+            parallel_config=parallel_config,
         )
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         hidden_states = attn.to_out[0](hidden_states)
@@ -219,10 +227,24 @@ def patch_block(name: str, block, injector) -> None:
         injector.skip("LTXVideoTransformerBlock feed-forward", f"{name}.ff", reason)
 
 
+def _split_token_timesteps(cp_plan):
+    """diffusers' LTX `_cp_plan` plus the per-token timesteps [B, S] of LTXConditionPipeline, split
+    with the tokens (a [B] timestep is left whole, with a warning from diffusers)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    if cp_plan is None or "timestep" in cp_plan.get("", {}):
+        return cp_plan
+    inputs = dict(cp_plan[""])
+    inputs["timestep"] = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
+    return {**cp_plan, "": inputs}
+
+
 def patch_model(name: str, model, injector) -> None:
-    injector.swap_forward(
+    if injector.swap_forward(
         name, model, model_forward, "LTXVideoTransformer3DModel (output norm)", required=False
-    )
+    ):
+        patched_class = type(model)
+        patched_class._cp_plan = _split_token_timesteps(getattr(patched_class, "_cp_plan", None))
 
 
 PATCHERS = {
