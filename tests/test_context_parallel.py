@@ -110,12 +110,18 @@ def _run_case(device, config, order="before", mask=True, per_token=False, train=
     if compile:  # fullgraph, and the second call must not recompile
         torch._dynamo.reset()
         model.compile_repeated_blocks(fullgraph=True)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        with (
+            torch.no_grad(),
+            torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True),
+        ):
             model(**inputs)
     processor = model.transformer_blocks[0].attn2.processor
     result["processor"] = type(processor).__name__
     result["processor_parallel"] = processor._parallel_config is not None
-    with torch.set_grad_enabled(train), torch._dynamo.config.patch(recompile_limit=1):
+    with (
+        torch.set_grad_enabled(train),
+        torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True),
+    ):
         out = output_of(model(**inputs))
         expected = output_of(reference(**inputs))
     result["out"] = rel_l2(out, expected)

@@ -38,6 +38,10 @@ def models(*names):
         "chronoedit",
         "wan_animate",
         "sd35",
+        "hunyuan_video",
+        "hunyuan_video_i2v",
+        "hunyuan_video15",
+        "hunyuan_video15_i2v",
     ),
 )
 def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
@@ -57,7 +61,20 @@ def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
     assert disabled not in counts and counts == model.op_counts(disabled)
 
 
-@pytest.mark.parametrize("model", models("ltx", "ltx_per_token", "flux", "sd35", "sd3"))
+@pytest.mark.parametrize(
+    "model",
+    models(
+        "ltx",
+        "ltx_per_token",
+        "flux",
+        "sd35",
+        "sd3",
+        "hunyuan_video",
+        "hunyuan_video_i2v",
+        "hunyuan_video15",
+        "hunyuan_video15_i2v",
+    ),
+)
 def test_bf16_is_bit_identical_on_cpu(model):
     # Every op rounds where diffusers' bf16 code rounds; the C backend sums in the same order as
     # far as the outputs show at this size. A regression in a rounding point shows up here first.
@@ -77,7 +94,7 @@ def test_attention_backend_is_kept(model):
     assert_backend_kept([m for m in tiny.modules() if hasattr(m, "processor")], model.processor)
 
 
-@pytest.mark.parametrize("model", models("ltx", "flux", "wan"))
+@pytest.mark.parametrize("model", models("ltx", "flux", "wan", "hunyuan_video", "hunyuan_video15"))
 def test_compile_repeated_blocks_fullgraph_cpu(model):
     # Dynamo and the fake kernels, without graph breaks or recompiles (Inductor on LTX only: it
     # takes 20 s a model here). (SkyReels-V2 is left out: its model hands the first block the
@@ -90,13 +107,18 @@ def test_compile_repeated_blocks_fullgraph_cpu(model):
     tiny.compile_repeated_blocks(fullgraph=True, backend=model.compile_backend)
     blocks = [m for m in tiny.modules() if type(m).__name__ in tiny._repeated_blocks]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+    with (
+        torch.no_grad(),
+        torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True),
+    ):
         out = tiny(**inputs)
         out = tiny(**inputs)
     assert rel_l2(output_of(out), output_of(eager)) <= REL_L2_TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("model", models("ltx", "flux", "wan_ti2v", "sd35"))
+@pytest.mark.parametrize(
+    "model", models("ltx", "flux", "wan_ti2v", "sd35", "hunyuan_video", "hunyuan_video15")
+)
 def test_quantized_linear_weights_fall_back(model):
     # Linear weights as a tensor subclass that, like torchao's Float8Tensor, runs aten ops only:
     # injection reports them and the fused steps that would hand them to our ops (linear_gelu)

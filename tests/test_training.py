@@ -29,6 +29,8 @@ TRAINED = [
     "chronoedit",
     "wan_animate",
     "sd35",
+    "hunyuan_video",
+    "hunyuan_video15",
 ]  # the tiny models of model_zoo.MODELS trained here
 # Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose
 # fused step then falls back to the adapter-carrying module.

@@ -1,9 +1,13 @@
 """HunyuanVideo and HunyuanVideo-1.5: tiny transformers (diffusers' own test configs, head_dim 16 and
-RoPE axes (4, 6, 6)) and their inputs, with padded text masks. Not mapped yet beyond the generic
-AdaLN patches (integration/adaln.py), which their blocks use; their patch embedding hands block 0 a
-transposed view, which the fused steps must leave to the diffusers code."""
+RoPE axes (4, 6, 6)) with their inputs (padded text masks; HunyuanVideo T2V, I2V latent_concat and
+token_replace; HunyuanVideo-1.5 t2v and i2v) and the ltx_kernels ops one injected forward runs;
+FramePack (HunyuanVideo's blocks) with the same config."""
 
 import torch
+from diffusers import HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel
+
+from inject_helpers import randomize_norms
+from ltx_kernels.integration import FUSIONS
 
 HUNYUAN_VIDEO = dict(
     in_channels=4,
@@ -20,6 +24,10 @@ HUNYUAN_VIDEO = dict(
     pooled_projection_dim=8,
     rope_axes_dim=(4, 6, 6),
 )
+# HunyuanVideo I2V: the image latents concatenated to the noise (33 channels at full size), or the
+# first frame's tokens with their own modulation (the token-replace blocks).
+LATENT_CONCAT = dict(in_channels=9, guidance_embeds=False, image_condition_type="latent_concat")
+TOKEN_REPLACE = dict(image_condition_type="token_replace")
 HUNYUAN_VIDEO_15 = dict(
     in_channels=4,
     out_channels=4,
@@ -37,39 +45,129 @@ HUNYUAN_VIDEO_15 = dict(
     target_size=16,
     task_type="t2v",
 )
+FRAMEPACK = dict(
+    HUNYUAN_VIDEO,
+    patch_size=2,
+    has_image_proj=True,
+    image_proj_dim=16,
+    has_clean_x_embedder=True,
+)
+TEXT = 6
 
 
-def tiny_model(dtype, v15=False):
-    from diffusers import HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel
+def expected_ops(ops, double: int, single: int, token_replace: bool = False) -> dict:
+    """ltx_kernels op calls per forward of a HunyuanVideo(-1.5) model with `double` double and
+    `single` single blocks and `ops` enabled: each step runs its op, or the op of its fallback
+    (the unfused step's pieces). token_replace: blocks stay stock but for their attention and the
+    text stream's norm1_context (AdaLayerNormZero)."""
+    ops = set(ops)
+    counts = dict.fromkeys(FUSIONS, 0)
 
+    def count(op, n, fallback=None):
+        if op in ops:
+            counts[op] += n
+        elif fallback:
+            fallback(n)
+
+    def add_norm_modulate(n):
+        count("gated_residual", n)
+        count("layernorm_modulate", n)
+
+    count("rmsnorm", 4 * double + 2 * single)  # q, k (+ added q, added k) per attention
+    count("rope", 2 * double + 2 * single)  # image q and k per attention
+    if token_replace:
+        count("layernorm_modulate", double + 1)  # norm1_context, norm_out
+    else:
+        count("layernorm_modulate", 2 * double + single + 1)  # norm1(_context), norm, norm_out
+        count("add_layernorm_modulate", 2 * double, add_norm_modulate)  # x + gate*attn, norm2
+        count("gated_residual", 2 * double + single)  # FF residuals, single-block output
+        count("linear_gelu", 2 * double + single, lambda n: count("gelu", n))
+    return {op: n for op, n in counts.items() if n}
+
+
+def tiny_model(dtype, v15=False, **config):
     torch.manual_seed(0)
     if v15:
-        return HunyuanVideo15Transformer3DModel(**HUNYUAN_VIDEO_15).to(dtype).eval()
-    return HunyuanVideoTransformer3DModel(**HUNYUAN_VIDEO).to(dtype).eval()
+        model = HunyuanVideo15Transformer3DModel(**{**HUNYUAN_VIDEO_15, **config})
+    else:
+        model = HunyuanVideoTransformer3DModel(**{**HUNYUAN_VIDEO, **config})
+    return _freeze_refiner_key_bias(randomize_norms(model.to(dtype).eval()))
 
 
-def tiny_inputs(dtype, v15=False, batch=2, frames=2, size=4):
-    """One forward's keyword arguments; the first sample's text is padded."""
-    text = torch.ones(batch, 6)
-    text[0, 4:] = 0
+def _freeze_refiner_key_bias(model):
+    """The token refiner's attention (stock diffusers, no q/k norm) adds its key bias to every key
+    alike, which softmax ignores: its gradient is zero but for rounding (~1e-7, others ~1-10),
+    noise that test_training's relative comparison cannot match. Frozen, so training tests
+    compare the gradients that carry information."""
+    for name, parameter in model.named_parameters():
+        if "refiner" in name and name.endswith("attn.to_k.bias"):
+            parameter.requires_grad_(False)
+    return model
+
+
+def tiny_framepack(dtype):
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+
+    torch.manual_seed(0)
+    return randomize_norms(HunyuanVideoFramepackTransformer3DModel(**FRAMEPACK).to(dtype).eval())
+
+
+def _text_mask(batch, length, padded_sample, valid):
+    mask = torch.ones(batch, length)
+    mask[padded_sample, valid:] = 0
+    return mask
+
+
+def tiny_inputs(dtype, v15=False, variant=None, batch=2, frames=2, size=4):
+    """One forward's keyword arguments; a text sample is padded. HunyuanVideo variants:
+    None (T2V), "latent_concat", "token_replace"; HunyuanVideo-1.5: None (t2v), "i2v"."""
+    torch.manual_seed(1)
+    channels = 9 if variant == "latent_concat" else 4
     inputs = dict(
-        hidden_states=torch.randn(batch, 4, frames, size, size, dtype=dtype),
+        hidden_states=torch.randn(batch, channels, frames, size, size, dtype=dtype),
         timestep=torch.tensor([500.0]).expand(batch).to(dtype),
-        encoder_hidden_states=torch.randn(batch, 6, 16, dtype=dtype),
-        encoder_attention_mask=text,
+        encoder_hidden_states=torch.randn(batch, TEXT, 16, dtype=dtype),
+        encoder_attention_mask=_text_mask(batch, TEXT, 0, 4),
         return_dict=False,
     )
-    if v15:
-        text_2 = torch.ones(batch, 4)
-        text_2[1, 2:] = 0
+    if v15:  # the model reorders the text valid-first: [image, text_2, text, padding]
+        image = torch.randn if variant == "i2v" else torch.zeros  # t2v: all-zero image tokens
         inputs.update(
             encoder_hidden_states_2=torch.randn(batch, 4, 8, dtype=dtype),
-            encoder_attention_mask_2=text_2,
-            image_embeds=torch.zeros(batch, 3, 12, dtype=dtype),
+            encoder_attention_mask_2=_text_mask(batch, 4, 1, 2),
+            image_embeds=image(batch, 3, 12, dtype=dtype),
         )
     else:
         inputs.update(
             pooled_projections=torch.randn(batch, 8, dtype=dtype),
-            guidance=torch.tensor([3500.0]).expand(batch).to(dtype),
+            guidance=None
+            if variant == "latent_concat"
+            else torch.tensor([3500.0]).expand(batch).to(dtype),
         )
     return inputs
+
+
+def framepack_inputs(dtype, batch=1, frames=3, size=4):
+    """FramePack's inputs: the latents with their clean, 2x and 4x history and indices."""
+    torch.manual_seed(1)
+
+    def latents(f):
+        return torch.randn(batch, 4, f, size, size, dtype=dtype)
+
+    return dict(
+        hidden_states=latents(frames),
+        timestep=torch.tensor([500.0]).expand(batch).to(dtype),
+        encoder_hidden_states=torch.randn(batch, TEXT, 16, dtype=dtype),
+        encoder_attention_mask=torch.ones(batch, TEXT),
+        pooled_projections=torch.randn(batch, 8, dtype=dtype),
+        guidance=torch.tensor([3500.0]).expand(batch).to(dtype),
+        image_embeds=torch.randn(batch, TEXT, 16, dtype=dtype),
+        indices_latents=torch.arange(frames),
+        latents_clean=latents(frames - 1),
+        indices_latents_clean=torch.arange(frames - 1),
+        latents_history_2x=latents(frames - 1),
+        indices_latents_history_2x=torch.arange(frames - 1),
+        latents_history_4x=latents((frames - 1) * 4),
+        indices_latents_history_4x=torch.arange((frames - 1) * 4),
+        return_dict=False,
+    )

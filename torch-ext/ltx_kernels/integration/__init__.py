@@ -1,5 +1,6 @@
 """diffusers integration: `inject_optimized_kernels(pipe)` rewires the transformer blocks of
-LTX-Video, FLUX.1, Wan 2.x and SD3/SD3.5 onto the fused ops, `remove_optimized_kernels` undoes it.
+LTX-Video, FLUX.1, Wan 2.x, SD3/SD3.5 and HunyuanVideo/HunyuanVideo-1.5 onto the fused ops,
+`remove_optimized_kernels` undoes it.
 
 How a module is patched, and why that way:
 - A block gets a subclass of its own class *with the same name* (`__class__` swap) whose forward
@@ -252,10 +253,10 @@ def _share_block_metadata(cls: type, subclass: type) -> None:
 def _patchers() -> dict:
     """Class name -> patch function(name, module, injector), for the AdaLN modules and every
     supported model."""
-    from . import adaln, flux, ltx, sd3, wan
+    from . import adaln, flux, hunyuan, ltx, sd3, wan
 
     table = {}
-    for model in (adaln, ltx, flux, wan, sd3):
+    for model in (adaln, ltx, flux, wan, sd3, hunyuan):
         table.update(model.PATCHERS)
     return table
 
@@ -310,7 +311,8 @@ def _models(target) -> list[tuple[str, torch.nn.Module]]:
 
 def inject_optimized_kernels(pipe_or_model, ops=None, verbose: bool = True) -> InjectionReport:
     """Patches every supported block of a diffusers pipeline or model (LTX-Video, FLUX.1, Wan 2.x,
-    SD3/SD3.5 transformers, or a bare block) to run on the fused ops, in place.
+    SD3/SD3.5, HunyuanVideo/HunyuanVideo-1.5 transformers, or a bare block) to run on the fused
+    ops, in place.
 
     ops: names from FUSIONS to use (default all); LTX_KERNELS_DISABLE=a,b removes names.
     Inject after loading and before offloading, caching or compiling. Returns an InjectionReport

@@ -1,0 +1,331 @@
+"""HunyuanVideo and HunyuanVideo-1.5 (diffusers `transformer_hunyuan_video.py`,
+`transformer_hunyuan_video15.py`; FramePack reuses HunyuanVideo's blocks) on the fused ops.
+
+AdaLN modules (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous): `adaln.py`.
+Everything runs in the model dtype (upcast=False). Sequences are image rows first, text last.
+Double block (`HunyuanVideoTransformerBlock`, `HunyuanVideo15TransformerBlock`: the same code),
+for the image and the text stream each:
+  attention: per-head q/k RMSNorm              -> rmsnorm (one launch per tensor)
+             RoPE of the image q/k             -> rope (text rows are not rotated)
+  x + gate * attn, norm2 + modulation          -> add_layernorm_modulate (one pass emits both)
+  FF up-projection + GELU-tanh                 -> linear_gelu
+  x + gate * ff                                -> gated_residual
+Single block (`HunyuanVideoSingleTransformerBlock`, on cat(image, text)):
+  proj_mlp + GELU-tanh                         -> linear_gelu
+  attention: q/k RMSNorm of every row          -> rmsnorm
+             RoPE of the image rows only       -> rope
+  x + gate * proj_out(cat(attn, mlp))          -> gated_residual
+Patch embedding (`HunyuanVideoPatchEmbed`, `HunyuanVideo15PatchEmbed`): returns its transposed
+conv output contiguous, so block 0 gets rows like the other blocks (fused, and no second
+compilation of it under compile_repeated_blocks).
+
+The q/k norm is diffusers' RMSNorm, which rounds twice with a 16-bit weight
+(`(x * rsqrt).to(w.dtype) * w`); qk_rmsnorm_rope rounds once (torch.nn.RMSNorm), one ulp apart at
+some elements, so the norm is the rmsnorm op and the rotation the rope op.
+HunyuanVideo-1.5's processor builds its [B, 1, S, S] attention mask as diffusers does.
+Left stock: the token refiner and the text/image projections (a few hundred text tokens, once per
+forward); the I2V token-replace blocks (`HunyuanVideoTokenReplace*`: first-frame rows with their
+own modulation) run the diffusers code and are reported as skipped; their attention is patched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import FusedAttnProcessor, steps
+from .flux import _diffusers_rope
+
+# Modules whose blocks and processors have exactly the semantics below; FramePack
+# (transformer_hunyuan_video_framepack.py) imports transformer_hunyuan_video's.
+_HUNYUAN_MODULES = frozenset(
+    f"diffusers.models.transformers.{name}"
+    for name in ("transformer_hunyuan_video", "transformer_hunyuan_video15")
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+def _heads(attn, t):
+    return t.unflatten(2, (attn.heads, -1))
+
+
+def _norm(ops, norm, x):
+    return x if norm is None else steps.diffusers_rmsnorm(ops, norm, x)
+
+
+def _qk_norm_rope(ops, norm_q, norm_k, query, key, cos_sin=None, rows=None):
+    """The per-head q/k norm, then RoPE of the first `rows` rows (all rows by default; the single
+    block's text rows are not rotated), as diffusers slices, rotates and concatenates."""
+    query, key = _norm(ops, norm_q, query), _norm(ops, norm_k, key)
+    if cos_sin is None:
+        return query, key
+    if rows is None:
+        return steps.qk_norm_rope(
+            ops, None, None, query, key, cos_sin, _diffusers_rope, across_heads=False
+        )
+    image_query, image_key = steps.qk_norm_rope(
+        ops,
+        None,
+        None,
+        query[:, :rows],
+        key[:, :rows],
+        cos_sin,
+        _diffusers_rope,
+        across_heads=False,
+    )
+    query = torch.cat([image_query, query[:, rows:]], dim=1)
+    key = torch.cat([image_key, key[:, rows:]], dim=1)
+    return query, key
+
+
+class HunyuanVideoKernelsAttnProcessor(FusedAttnProcessor):
+    """`HunyuanVideoAttnProcessor2_0` (double and single blocks) with the q/k norms and the RoPE
+    on our ops. Same signature (Attention filters its kwargs by it); backend and parallel config
+    are copied from the replaced processor."""
+
+    def _mask(self, attention_mask, query):
+        return attention_mask
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        ops = self.ops
+        single = attn.add_q_proj is None and encoder_hidden_states is not None
+        if single:
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+        query, key, value = (
+            _heads(attn, projection(hidden_states))
+            for projection in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        image_rows = query.shape[1] - encoder_hidden_states.shape[1] if single else None
+        query, key = _qk_norm_rope(
+            ops, attn.norm_q, attn.norm_k, query, key, image_rotary_emb, image_rows
+        )
+        if attn.add_q_proj is not None and encoder_hidden_states is not None:
+            encoder_query, encoder_key, encoder_value = (
+                _heads(attn, projection(encoder_hidden_states))
+                for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            )
+            encoder_query, encoder_key = _qk_norm_rope(
+                ops, attn.norm_added_q, attn.norm_added_k, encoder_query, encoder_key
+            )
+            query = torch.cat([query, encoder_query], dim=1)
+            key = torch.cat([key, encoder_key], dim=1)
+            value = torch.cat([value, encoder_value], dim=1)
+
+        hidden_states = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=self._mask(attention_mask, query),
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            text_len = encoder_hidden_states.shape[1]
+            hidden_states, encoder_hidden_states = (
+                hidden_states[:, :-text_len],
+                hidden_states[:, -text_len:],
+            )
+            if getattr(attn, "to_out", None) is not None:
+                hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+            if getattr(attn, "to_add_out", None) is not None:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        return hidden_states, encoder_hidden_states
+
+
+class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
+    """`HunyuanVideo15AttnProcessor2_0`: the double path, with the [B, 1, S, S] mask of valid
+    (image and unpadded text) query/key pairs built in each call as diffusers does."""
+
+    def _mask(self, attention_mask, query):
+        batch_size, seq_len = query.shape[:2]
+        mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
+        mask = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        return (mask & mask.transpose(2, 3)).bool()
+
+
+# ------------------------------------------------------------------------------------------------
+# Blocks
+# ------------------------------------------------------------------------------------------------
+def double_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    freqs_cis: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args,
+    **kwargs,
+):
+    """`HunyuanVideoTransformerBlock.forward` (= `HunyuanVideo15TransformerBlock.forward`) on the
+    fused ops (same arguments, same rounding points). Returns (hidden_states, encoder_states)."""
+    ops = self._ltx_kernels_ops
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
+        hidden_states, emb=temb
+    )
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
+        self.norm1_context(encoder_hidden_states, emb=temb)
+    )
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+
+    hidden_states, norm_hidden_states = steps.add_norm_modulate(
+        ops,
+        self.norm2,
+        hidden_states,
+        attn_output,
+        scale_mlp[:, None],
+        shift_mlp[:, None],
+        gate_msa[:, None],
+    )
+    encoder_hidden_states, norm_encoder_hidden_states = steps.add_norm_modulate(
+        ops,
+        self.norm2_context,
+        encoder_hidden_states,
+        context_attn_output,
+        c_scale_mlp[:, None],
+        c_shift_mlp[:, None],
+        c_gate_msa[:, None],
+    )
+
+    ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
+    context_ff_output = steps.feed_forward(ops, self.ff_context, norm_encoder_hidden_states)
+    hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp[:, None])
+    encoder_hidden_states = steps.residual(
+        ops, encoder_hidden_states, context_ff_output, c_gate_mlp[:, None]
+    )
+    return hidden_states, encoder_hidden_states
+
+
+def single_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args,
+    **kwargs,
+):
+    """`HunyuanVideoSingleTransformerBlock.forward` on the fused ops (same arguments, rounding)."""
+    ops = self._ltx_kernels_ops
+    text_seq_length = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = steps.linear_act(ops, self.proj_mlp, self.act_mlp, norm_hidden_states)
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states[:, :-text_seq_length],
+        encoder_hidden_states=norm_hidden_states[:, -text_seq_length:],
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
+
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    hidden_states = steps.residual(ops, residual, self.proj_out(hidden_states), gate[:, None])
+    return hidden_states[:, :-text_seq_length], hidden_states[:, -text_seq_length:]
+
+
+def patch_embed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`HunyuanVideo(15)PatchEmbed.forward` with a contiguous [B, N, C] output (diffusers returns
+    the transposed view of the conv output; same values)."""
+    return self.proj(hidden_states).flatten(2).transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# Patch functions
+# ------------------------------------------------------------------------------------------------
+DOUBLE_ATTN = "HunyuanVideo Attention (double: q/k norm + RoPE on image)"
+SINGLE_ATTN = "HunyuanVideo Attention (single: q/k norm + RoPE on image rows)"
+V15_ATTN = "HunyuanVideo-1.5 Attention (q/k norm + RoPE on image)"
+PATCH_EMBED = "HunyuanVideo patch embedding (contiguous output)"
+
+
+def _is_hunyuan(obj) -> bool:
+    return type(obj).__module__ in _HUNYUAN_MODULES
+
+
+def _patch_attention(name: str, attn, kind: str, injector, v15: bool = False) -> None:
+    stock = "HunyuanVideo15AttnProcessor2_0" if v15 else "HunyuanVideoAttnProcessor2_0"
+    if injector.has_stock_processor(
+        name, attn, stock, kind, "LoRA/IP adapters or user code", is_stock=_is_hunyuan
+    ):
+        processor = HunyuanVideo15KernelsAttnProcessor if v15 else HunyuanVideoKernelsAttnProcessor
+        injector.set_processor(name, attn, processor(), kind)
+
+
+def _report_unfused_activations(name: str, block, kind: str, injector) -> None:
+    if hasattr(block, "ff"):  # double block
+        for ff_name in ("ff", "ff_context"):
+            reason = steps.feed_forward_fusable(getattr(block, ff_name))
+            if reason:
+                injector.skip(f"{kind} feed-forward", f"{name}.{ff_name}", reason)
+    else:
+        reason = steps.linear_act_fusable(block.act_mlp)
+        if reason:
+            injector.skip(f"{kind} MLP", f"{name}.act_mlp", reason)
+
+
+def _block_patcher(forward, attn_kind: str, v15: bool = False):
+    """Patch function of a block class; forward None: the block stays stock (token replace),
+    only its attention is patched."""
+
+    def patch(name: str, block, injector) -> None:
+        kind = type(block).__name__
+        if not _is_hunyuan(block):
+            injector.skip(
+                kind,
+                name,
+                f"class from {type(block).__module__}, not a diffusers HunyuanVideo module; "
+                "left unpatched",
+            )
+            return
+        if forward is None:
+            injector.skip(
+                kind,
+                name,
+                "first-frame token-replace modulation not mapped: the block runs the diffusers "
+                "code (its attention is patched)",
+            )
+        else:
+            injector.swap_forward(name, block, forward, kind)
+            _report_unfused_activations(name, block, kind, injector)
+        _patch_attention(f"{name}.attn", block.attn, attn_kind, injector, v15)
+
+    return patch
+
+
+def patch_embed(name: str, module, injector) -> None:
+    if _is_hunyuan(module):
+        injector.swap_forward(name, module, patch_embed_forward, PATCH_EMBED, required=False)
+
+
+PATCHERS = {
+    "HunyuanVideoTransformerBlock": _block_patcher(double_block_forward, DOUBLE_ATTN),
+    "HunyuanVideoSingleTransformerBlock": _block_patcher(single_block_forward, SINGLE_ATTN),
+    "HunyuanVideo15TransformerBlock": _block_patcher(double_block_forward, V15_ATTN, v15=True),
+    "HunyuanVideoTokenReplaceTransformerBlock": _block_patcher(None, DOUBLE_ATTN),
+    "HunyuanVideoTokenReplaceSingleTransformerBlock": _block_patcher(None, SINGLE_ATTN),
+    "HunyuanVideoPatchEmbed": patch_embed,
+    "HunyuanVideo15PatchEmbed": patch_embed,
+}
