@@ -205,11 +205,14 @@ def _worker(rank, port, results_dir, device):
         dist.destroy_process_group()
 
 
-def _spawn(directory, device):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(directory), device), nprocs=WORLD, join=True)
+        return s.getsockname()[1]
+
+
+def _spawn(directory, device):
+    mp.spawn(_worker, args=(_free_port(), str(directory), device), nprocs=WORLD, join=True)
     ranks = []
     for rank in range(WORLD):
         with open(directory / f"rank{rank}.json") as f:
@@ -304,11 +307,8 @@ def test_generate_video_context_parallel(tmp_path):
     """torchrun --nproc_per_node 2 scripts/generate_video.py --context-parallel ulysses --compare:
     the rows (kernels on one GPU, then the baseline and the kernels on both), their latents equal
     within fp32 rounding, the results written by rank 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     output = tmp_path / "video.mp4"
-    mp.spawn(_generate_video_worker, args=(port, str(output)), nprocs=WORLD, join=True)
+    mp.spawn(_generate_video_worker, args=(_free_port(), str(output)), nprocs=WORLD, join=True)
     results = json.loads(output.with_suffix(".json").read_text())
     rows = {row["config"]: row for row in results["results"]}
     assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]

@@ -165,32 +165,29 @@ def double_block_forward(
     )
     attn_output, context_attn_output = attention_outputs[:2]  # a third: IP-adapter output
 
-    hidden_states, norm_hidden_states = steps.add_norm_modulate(
+    hidden_states = steps.gated_attention_feed_forward(
         ops,
         self.norm2,
+        self.ff,
         hidden_states,
         attn_output,
-        scale_mlp[:, None],
-        shift_mlp[:, None],
-        gate_msa[:, None],
+        gate_msa,
+        shift_mlp,
+        scale_mlp,
+        gate_mlp,
     )
-    ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
-    hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp[:, None])
     if len(attention_outputs) == 3:
         hidden_states = hidden_states + attention_outputs[2]
-
-    encoder_hidden_states, norm_encoder_hidden_states = steps.add_norm_modulate(
+    encoder_hidden_states = steps.gated_attention_feed_forward(
         ops,
         self.norm2_context,
+        self.ff_context,
         encoder_hidden_states,
         context_attn_output,
-        c_scale_mlp[:, None],
-        c_shift_mlp[:, None],
-        c_gate_msa[:, None],
-    )
-    context_ff_output = steps.feed_forward(ops, self.ff_context, norm_encoder_hidden_states)
-    encoder_hidden_states = steps.residual(
-        ops, encoder_hidden_states, context_ff_output, c_gate_mlp[:, None]
+        c_gate_msa,
+        c_shift_mlp,
+        c_scale_mlp,
+        c_gate_mlp,
     )
     return _clip_fp16(encoder_hidden_states), hidden_states
 

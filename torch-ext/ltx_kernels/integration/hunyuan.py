@@ -187,30 +187,27 @@ def double_block_forward(
         image_rotary_emb=freqs_cis,
     )
 
-    hidden_states, norm_hidden_states = steps.add_norm_modulate(
+    hidden_states = steps.gated_attention_feed_forward(
         ops,
         self.norm2,
+        self.ff,
         hidden_states,
         attn_output,
-        scale_mlp[:, None],
-        shift_mlp[:, None],
-        gate_msa[:, None],
+        gate_msa,
+        shift_mlp,
+        scale_mlp,
+        gate_mlp,
     )
-    encoder_hidden_states, norm_encoder_hidden_states = steps.add_norm_modulate(
+    encoder_hidden_states = steps.gated_attention_feed_forward(
         ops,
         self.norm2_context,
+        self.ff_context,
         encoder_hidden_states,
         context_attn_output,
-        c_scale_mlp[:, None],
-        c_shift_mlp[:, None],
-        c_gate_msa[:, None],
-    )
-
-    ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
-    context_ff_output = steps.feed_forward(ops, self.ff_context, norm_encoder_hidden_states)
-    hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp[:, None])
-    encoder_hidden_states = steps.residual(
-        ops, encoder_hidden_states, context_ff_output, c_gate_mlp[:, None]
+        c_gate_msa,
+        c_shift_mlp,
+        c_scale_mlp,
+        c_gate_mlp,
     )
     return hidden_states, encoder_hidden_states
 

@@ -304,6 +304,18 @@ def feed_forward(ops, ff, x):
     return h
 
 
+def gated_attention_feed_forward(
+    ops, norm, ff, x, attn_output, gate_msa, shift_mlp, scale_mlp, gate_mlp
+):
+    """One stream of an AdaLN-Zero double-stream block after its attention (FLUX, HunyuanVideo),
+    with per-sample [B, D] modulation: h = x + gate_msa * attn and n = norm(h) * (1 + scale_mlp) +
+    shift_mlp in one pass, then h + gate_mlp * ff(n)."""
+    x, norm_x = add_norm_modulate(
+        ops, norm, x, attn_output, scale_mlp[:, None], shift_mlp[:, None], gate_msa[:, None]
+    )
+    return residual(ops, x, feed_forward(ops, ff, norm_x), gate_mlp[:, None])
+
+
 def feed_forward_fusable(ff) -> str | None:
     """None when feed_forward fuses ff's activation, else why not (for the report)."""
     kind = type(ff.net[0]).__name__
