@@ -40,7 +40,7 @@ static ltx_check_t float_dtype(const char* arg, ltx_dtype_t dtype) {
 
 /* arg is a model dtype or float64 (ops whose C twin computes in double, for gradcheck). */
 static ltx_check_t float_or_float64_dtype(const char* arg, ltx_dtype_t dtype) {
-  if (ltx_valid_dtype(dtype)) return ok();
+  if (ltx_model_dtype(dtype) || dtype == LTX_FLOAT64) return ok();
   return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_FLOAT_OR_FLOAT64_DTYPE, arg, dtype, NULL,
                     dtype);
 }
@@ -137,7 +137,11 @@ ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
   if (a->residual_out.data)
     LTX_RETURN_IF_FAILED(
         dtype_of(LTX_ERR_INVALID_ARGUMENT, "residual_out", a->residual_out.dtype, "x", t));
-  LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", a->out.dtype, "x", t));
+  if (a->out_scale) { /* FP8 out */
+    if (a->out.dtype != LTX_FLOAT8_E4M3) return malformed("out");
+  } else {
+    LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", a->out.dtype, "x", t));
+  }
   /* Weight and bias: T (fp32 too with upcast). */
   if (a->weight.data)
     LTX_RETURN_IF_FAILED(
@@ -393,4 +397,19 @@ ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout
   LTX_RETURN_IF_FAILED(ltx_check_gelu(dx, x, hidden, approximate, gated));
   LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "dout", dout->dtype, "x", x->dtype));
   return rows_like("dout", dout, "x", ltx_num_rows(x));
+}
+
+ltx_check_t ltx_check_quantize_fp8(const ltx_rows_t* out, const float* out_scale,
+                                   const ltx_rows_t* x, int64_t hidden,
+                                   ltx_activation_t activation) {
+  LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
+  if (out->dtype != LTX_FLOAT8_E4M3) return malformed("out");
+  if (!ltx_valid_rows(x)) return malformed("x");
+  LTX_RETURN_IF_FAILED(rows_like("out", out, "x", ltx_num_rows(x)));
+  if (!out_scale && ltx_num_rows(x) > 0) return malformed("out_scale");
+  if (hidden < 0) return malformed("hidden");
+  if (activation != LTX_ACTIVATION_NONE && activation != LTX_ACTIVATION_GELU &&
+      activation != LTX_ACTIVATION_GELU_TANH)
+    return malformed("activation");
+  return ok();
 }

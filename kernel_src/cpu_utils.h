@@ -121,6 +121,58 @@ static inline float ltx_round_to(ltx_dtype_t dtype, float v) {
   }
 }
 
+/* GELU in double (gelu_cpu.c gives the forms); also the activation of ltx_quantize_fp8_cpu. */
+#define LTX_SQRT_2_OVER_PI 0.79788456080286535588
+#define LTX_INV_SQRT_2 0.70710678118654752440
+#define LTX_INV_SQRT_2PI 0.39894228040143267794
+
+/* gelu(x) (derivative = 0) or gelu'(x) (derivative = 1), in double. */
+static inline double ltx_gelu_double(double x, ltx_gelu_approximate_t approximate, int derivative) {
+  if (approximate == LTX_GELU_TANH) {
+    const double t = 2.0 * LTX_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+    const double e = exp(-fabs(t)); /* s(t) and s(-t) from e <= 1: nothing overflows */
+    const double s_pos = t >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
+    const double s_neg = t >= 0 ? e / (1.0 + e) : 1.0 / (1.0 + e);
+    if (!derivative) return x * s_pos;
+    return s_pos + x * s_pos * s_neg * 2.0 * LTX_SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
+  }
+  {
+    const double phi_cdf = 0.5 * erfc(-x * LTX_INV_SQRT_2);
+    if (!derivative) return x * phi_cdf;
+    return phi_cdf + x * LTX_INV_SQRT_2PI * exp(-0.5 * x * x);
+  }
+}
+
+/* fp32 -> float8_e4m3fn bits, rounded to nearest even and saturated to +-448 (NaN stays NaN), as
+ * CUDA's __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3). */
+static inline uint8_t ltx_float_to_e4m3(float v) {
+  const uint8_t sign = (uint8_t)((ltx_float_to_bits(v) >> 24) & 0x80u);
+  const float magnitude = fabsf(v);
+  uint32_t bits;
+  if (magnitude != magnitude) return sign | 0x7fu;
+  if (magnitude >= LTX_FP8_MAX) return sign | 0x7eu;
+  if (magnitude < 0.015625f) /* below 2^-6: subnormal, units of 2^-9 (exact scaling) */
+    return sign | (uint8_t)nearbyintf(magnitude * 512.f); /* ties to even; 8 is 2^-6 itself */
+  bits = ltx_float_to_bits(magnitude);
+  bits += 0x7ffffu + ((bits >> 20) & 1u); /* round to nearest even at mantissa bit 20 */
+  bits = (((bits >> 23) - 120u) << 3) | ((bits >> 20) & 7u); /* rebias 127 -> 7, 3 bits */
+  return sign | (uint8_t)(bits > 0x7eu ? 0x7eu : bits);
+}
+
+/* The FP8 row rule of ltx_kernels.h for a row's amax: *scale (what the GEMM multiplies by) and
+ * the factor the values are multiplied by before their rounding to e4m3. */
+static inline float ltx_fp8_factor(float amax, float* scale) {
+  const float a = amax > LTX_FP8_MIN_AMAX || amax != amax ? amax : LTX_FP8_MIN_AMAX;
+  *scale = a / LTX_FP8_MAX;
+  return LTX_FP8_MAX / a;
+}
+
+/* max(m, |v|), NaN-propagating (a NaN anywhere in the row makes the amax NaN). */
+static inline float ltx_amax_step(float m, float v) {
+  const float a = fabsf(v);
+  return (a > m || a != a) ? a : m; /* (a NaN m stays: NaN > a and a != a are both false) */
+}
+
 /* Status of the checks a C implementation starts with: its op's argument rules, then the row
  * range [row_begin, row_end) of its call. */
 static inline int ltx_cpu_status(ltx_check_t check, int64_t row_begin, int64_t row_end,

@@ -1,11 +1,13 @@
 // Device helpers shared by every CUDA kernel of ltx_kernels, written once: fp16/bf16 <-> fp32
 // conversion and native 16-bit pairs, 16-byte vector loads/stores, weight staging, reductions,
+// GELU, FP8 row quantization,
 // the row-cached kernels' skeleton (row teams, launch shapes, streaming fallback), the row-chunked
 // kernels' skeleton, row addressing of ltx_rows_t, compile-time flags and dtype dispatch.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <string.h>
@@ -314,27 +316,46 @@ __device__ __forceinline__ void stage_as_float(float* dst, const void* src, ltx_
 // ---------------------------------------------------------------------------------------------
 // Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp must
 // call it. Each lane gets its group's total.
-__device__ __forceinline__ float group_sum(float v, int width) {
+// Combine operations of the reductions: a sum, and a NaN-propagating max (of absolute values,
+// for FP8 row scales: a row holding a NaN gets a NaN amax, as torch.amax gives).
+struct Plus {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct NanMax {
+  __device__ __forceinline__ float operator()(float a, float b) const {
+    return (a > b || a != a) ? a : b;
+  }
+};
+
+template <typename Op = Plus>
+__device__ __forceinline__ float group_reduce(float v, int width, Op op = {}) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1)
-    if (offset < width) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (offset < width) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
+
+__device__ __forceinline__ float group_sum(float v, int width) { return group_reduce(v, width); }
 
 __device__ __forceinline__ float warp_sum(float v) { return group_sum(v, 32); }
 
 // Sum over the whole block; every thread gets the total. `scratch` holds >= 32 floats and may be
 // reused right after the call returns to all threads.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+template <typename Op = Plus>
+__device__ __forceinline__ float block_reduce(float v, float* scratch, Op op = {}) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int num_warps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
+  v = group_reduce(v, 32, op);
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < num_warps; ++w) total += scratch[w];
+  float total = scratch[0];
+  for (int w = 1; w < num_warps; ++w) total = op(total, scratch[w]);
   return total;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  return block_reduce(v, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -422,19 +443,25 @@ __device__ __forceinline__ void add_squares(float& sum, const Pack<T, N>& pack) 
 // Sum over the threads of the team; every thread gets its row's total. Rows wider than a warp go
 // through `partials` (shared memory, >= blockDim.x / 32 floats). Every thread of the block must
 // call it. kBarrierFirst waits until every thread is done reading partials from an earlier call.
-template <bool kBarrierFirst>
-__device__ __forceinline__ float row_sum(float v, const RowTeam& team, float* partials) {
-  v = group_sum(v, team.tpr < 32 ? team.tpr : 32);
+template <bool kBarrierFirst, typename Op = Plus>
+__device__ __forceinline__ float row_reduce(float v, const RowTeam& team, float* partials,
+                                            Op op = {}) {
+  v = group_reduce(v, team.tpr < 32 ? team.tpr : 32, op);
   if (team.tpr > 32) {  // the same branch for the whole block
     const int warp = threadIdx.x >> 5, warps_per_row = team.tpr >> 5;
     if constexpr (kBarrierFirst) __syncthreads();
     if ((threadIdx.x & 31) == 0) partials[warp] = v;
     __syncthreads();
     const int first = warp - warp % warps_per_row;  // the row's first warp
-    v = 0.f;
-    for (int w = 0; w < warps_per_row; ++w) v += partials[first + w];
+    v = partials[first];
+    for (int w = 1; w < warps_per_row; ++w) v = op(v, partials[first + w]);
   }
   return v;
+}
+
+template <bool kBarrierFirst>
+__device__ __forceinline__ float row_sum(float v, const RowTeam& team, float* partials) {
+  return row_reduce<kBarrierFirst>(v, team, partials);
 }
 
 // Streaming kernels: rsqrt(mean(row^2) + eps) of a row of n elements, read by the whole block.
@@ -447,6 +474,103 @@ __device__ __forceinline__ float block_rstd(const T* row, int n, float inv_n, fl
     sumsq += v * v;
   }
   return rsqrtf(block_sum(sumsq, scratch) * inv_n + eps);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations (gelu.cu, quantize_fp8.cu): GELU in fp32, the same code wherever it is computed.
+// ---------------------------------------------------------------------------------------------
+// GELU, tanh form: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3),
+// which has no cancellation for x < 0 (unlike 1 + tanh(u)); with e = e^(-|2u|) <= 1 nothing
+// overflows: x / (1 + e) for x >= 0, x e / (1 + e) for x < 0. kFast (16-bit outputs): __expf and
+// an approximate reciprocal, about 2^-17 relative error, far below the output rounding and cheap
+// enough to keep the kernel memory-bound; otherwise expf and an IEEE division.
+template <bool kFast>
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float two_u = 1.5957691216057308f * fmaf(0.044715f * x, x * x, x);
+  if constexpr (kFast) {
+    const float e = __expf(-fabsf(two_u));
+    float reciprocal;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(1.f + e));
+    return (x >= 0.f ? x : x * e) * reciprocal;
+  } else {
+    const float e = expf(-fabsf(two_u));
+    return (x >= 0.f ? x : x * e) / (1.f + e);
+  }
+}
+
+// GELU, erf form: 0.5 x (1 + erf(x / sqrt(2))). kFast (16-bit outputs): erff, as PyTorch and
+// Inductor compute it (1 + erf cancels below x = -4, where the result is below 1e-4 |x|);
+// otherwise x Phi(x) with normcdff, accurate in the negative tail but about twice the work.
+template <bool kFast>
+__device__ __forceinline__ float gelu_erf(float x) {
+  if constexpr (kFast)
+    return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  else
+    return x * normcdff(x);
+}
+
+template <ltx_gelu_approximate_t kApproximate, typename T>
+__device__ __forceinline__ float gelu(float x) {
+  if constexpr (kApproximate == LTX_GELU_TANH)
+    return gelu_tanh<sizeof(T) == 2>(x);
+  else
+    return gelu_erf<sizeof(T) == 2>(x);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 row quantization (ltx_kernels.h, "FP8 outputs"): a row's values v (already rounded to the
+// op's T), their amax (NaN-propagating), a = max(amax, LTX_FP8_MIN_AMAX), e4m3(v * (448 / a))
+// rounded to nearest even and saturating (two elements per conversion), scale = a / 448.
+// ---------------------------------------------------------------------------------------------
+struct Fp8Row {
+  float factor;  // 448 / a: multiplies the values
+  float scale;   // a / 448: stored for the GEMM
+
+  __device__ __forceinline__ static Fp8Row of(float amax) {
+    const float a = amax > LTX_FP8_MIN_AMAX || amax != amax ? amax : LTX_FP8_MIN_AMAX;
+    return Fp8Row{LTX_FP8_MAX / a, a / LTX_FP8_MAX};
+  }
+};
+
+// amax = NanMax(amax, |element|) over a pack.
+template <typename T, int N>
+__device__ __forceinline__ float pack_amax(float amax, const Pack<T, N>& pack) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax = NanMax{}(amax, fabsf(pack.get(i)));
+  return amax;
+}
+
+__device__ __forceinline__ uint32_t to_e4m3(float v) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// (e4m3(lo), e4m3(hi)) in the low and the high byte, one conversion instruction.
+__device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi) {
+  return static_cast<uint32_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+
+// The N elements of a pack times `factor`, stored as N e4m3 bytes at dst (aligned to N bytes, up
+// to 8).
+template <typename T, int N>
+__device__ __forceinline__ void store_fp8(uint8_t* dst, const Pack<T, N>& pack, float factor) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "1 to 8 elements per pack");
+  uint32_t words[(N + 3) / 4] = {};
+  if constexpr (N == 1) {
+    words[0] = to_e4m3(pack.get(0) * factor);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 2)
+      words[i / 4] |= to_e4m3x2(pack.get(i) * factor, pack.get(i + 1) * factor) << (8 * (i % 4));
+  }
+  if constexpr (N == 8)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  else if constexpr (N == 4)
+    *reinterpret_cast<uint32_t*>(dst) = words[0];
+  else if constexpr (N == 2)
+    *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(words[0]);
+  else
+    *dst = static_cast<uint8_t>(words[0]);
 }
 
 // ---------------------------------------------------------------------------------------------

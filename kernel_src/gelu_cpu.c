@@ -7,27 +7,6 @@
  *   erf:   gelu(x) = x Phi(x),  Phi(x) = 0.5 erfc(-x / sqrt(2));  gelu'(x) = Phi(x) + x phi(x) */
 #include "cpu_utils.h"
 
-#define LTX_SQRT_2_OVER_PI 0.79788456080286535588
-#define LTX_INV_SQRT_2 0.70710678118654752440
-#define LTX_INV_SQRT_2PI 0.39894228040143267794
-
-/* gelu(x) (derivative = 0) or gelu'(x) (derivative = 1), in double. */
-static double gelu_double(double x, ltx_gelu_approximate_t approximate, int derivative) {
-  if (approximate == LTX_GELU_TANH) {
-    const double t = 2.0 * LTX_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-    const double e = exp(-fabs(t)); /* s(t) and s(-t) from e <= 1: nothing overflows */
-    const double s_pos = t >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
-    const double s_neg = t >= 0 ? e / (1.0 + e) : 1.0 / (1.0 + e);
-    if (!derivative) return x * s_pos;
-    return s_pos + x * s_pos * s_neg * 2.0 * LTX_SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
-  }
-  {
-    const double phi_cdf = 0.5 * erfc(-x * LTX_INV_SQRT_2);
-    if (!derivative) return x * phi_cdf;
-    return phi_cdf + x * LTX_INV_SQRT_2PI * exp(-0.5 * x * x);
-  }
-}
-
 int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approximate_t approximate,
                  int gated, int64_t row_begin, int64_t row_end) {
   const ltx_dtype_t t = x.dtype;
@@ -41,14 +20,15 @@ int ltx_gelu_cpu(ltx_rows_t out, ltx_rows_t x, int64_t hidden, ltx_gelu_approxim
     void* out_row = ltx_row_ptr(&out, row);
     for (i = 0; i < hidden; ++i) {
       if (!gated) {
-        ltx_store_double(out_row, t, i, gelu_double(ltx_load_double(x_row, t, i), approximate, 0));
+        ltx_store_double(out_row, t, i,
+                         ltx_gelu_double(ltx_load_double(x_row, t, i), approximate, 0));
         continue;
       }
       /* GEGLU: the row holds [h | g], out = round_T(h * round_T(gelu(g))); the product of two
        * values of T is exact in double, so storing it rounds as the fp32 product does. */
       {
         const double g = ltx_load_double(x_row, t, hidden + i);
-        const double gelu_g = ltx_round_double(t, gelu_double(g, approximate, 0));
+        const double gelu_g = ltx_round_double(t, ltx_gelu_double(g, approximate, 0));
         ltx_store_double(out_row, t, i, ltx_load_double(x_row, t, i) * gelu_g);
       }
     }
@@ -74,7 +54,7 @@ int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t 
       const double d = ltx_load_double(dout_row, t, i);
       if (!gated) {
         const double slope =
-            ltx_compute_precision(t, gelu_double(ltx_load_double(x_row, t, i), approximate, 1));
+            ltx_compute_precision(t, ltx_gelu_double(ltx_load_double(x_row, t, i), approximate, 1));
         ltx_store_double(dx_row, t, i, d * slope);
         continue;
       }
@@ -82,8 +62,8 @@ int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t 
        */
       {
         const double h = ltx_load_double(x_row, t, i), g = ltx_load_double(x_row, t, hidden + i);
-        const double gelu_g = ltx_round_double(t, gelu_double(g, approximate, 0));
-        const double slope = ltx_compute_precision(t, gelu_double(g, approximate, 1));
+        const double gelu_g = ltx_round_double(t, ltx_gelu_double(g, approximate, 0));
+        const double slope = ltx_compute_precision(t, ltx_gelu_double(g, approximate, 1));
         ltx_store_double(dx_row, t, i, d * gelu_g);
         ltx_store_double(dx_row, t, hidden + i, slope * ltx_round_double(t, d * h));
       }

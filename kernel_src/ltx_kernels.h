@@ -29,6 +29,7 @@ typedef enum ltx_dtype {
   LTX_FLOAT16 = 1,
   LTX_BFLOAT16 = 2,
   LTX_FLOAT64 = 3,
+  LTX_FLOAT8_E4M3 = 4, /* float8_e4m3fn: only the quantized outputs of the FP8 ops (below) */
 } ltx_dtype_t;
 
 /* Status codes (CUDA launchers may also return a positive cudaError_t). */
@@ -89,6 +90,18 @@ typedef struct ltx_vector {
  * Outputs (n, h, out) always have dtype T and are always rounded to T.
  */
 
+/*
+ * FP8 outputs (inference). An op that emits FP8 computes its value v (rounded to T as its T-output
+ * form rounds it) for a whole row, then writes, per row r of `hidden` elements:
+ *   a        = max(max |v| over the row, LTX_FP8_MIN_AMAX)    (NaN when the row holds one)
+ *   out      = e4m3(fl32(v * fl32(LTX_FP8_MAX / a))), rounded to nearest even, saturated to +-448
+ *   scale[r] = fl32(a / LTX_FP8_MAX)                          (torchao's rowwise rule)
+ * (out dtype LTX_FLOAT8_E4M3; `out_scale`: `rows` contiguous fp32, indexed by row number), the
+ * operands of a rowwise-scaled GEMM (torch._scaled_mm): v ~= out * scale[r].
+ */
+#define LTX_FP8_MAX 448.0f
+#define LTX_FP8_MIN_AMAX 1e-12f
+
 /* Normalization of the fused norm ops. */
 typedef enum ltx_norm_kind {
   LTX_NORM_RMS = 0,   /* y = h * rsqrt(mean(h^2) + eps) */
@@ -108,7 +121,8 @@ typedef enum ltx_norm_kind {
  * views with stride-0 levels. residual_out (h) is written when y is given (its data may then be
  * NULL to skip it), never read. Dtypes: x, y, out, residual_out: T. upcast = 0: gate, scale, shift,
  * weight, bias are T too. upcast = 1: gate, scale and shift share one dtype, T or fp32; weight and
- * bias each T or fp32.
+ * bias each T or fp32. With out_scale given, out is LTX_FLOAT8_E4M3: the rows of out are quantized
+ * (FP8 outputs, above) and their scales written to out_scale.
  */
 typedef struct ltx_norm_modulate_args {
   ltx_rows_t out;          /* n after modulation */
@@ -120,6 +134,7 @@ typedef struct ltx_norm_modulate_args {
   int64_t hidden;
   float eps;
   int upcast;
+  float* out_scale; /* NULL: out has dtype T; else [rows] fp32 row scales of an FP8 out */
 } ltx_norm_modulate_args_t;
 
 int ltx_norm_modulate_cuda(const ltx_norm_modulate_args_t* args, ltx_stream_t stream);
@@ -319,6 +334,23 @@ int ltx_gelu_backward_cuda(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t
 int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t hidden,
                           ltx_gelu_approximate_t approximate, int gated, int64_t row_begin,
                           int64_t row_end);
+
+/* Activations applied before a quantization. */
+typedef enum ltx_activation {
+  LTX_ACTIVATION_NONE = 0,
+  LTX_ACTIVATION_GELU = 1,      /* erf form, as ltx_gelu with LTX_GELU_NONE */
+  LTX_ACTIVATION_GELU_TANH = 2, /* tanh form, as ltx_gelu with LTX_GELU_TANH */
+} ltx_activation_t;
+
+/*
+ * Rowwise FP8 quantization (FP8 outputs, above) of v = x, or v = round_T(gelu(x)) computed as
+ * ltx_gelu computes it: out [rows, hidden] LTX_FLOAT8_E4M3, out_scale [rows] fp32 (contiguous).
+ * x: T (float32, float16, bfloat16). Also quantizes Linear weights [N, K] per output channel.
+ */
+int ltx_quantize_fp8_cuda(ltx_rows_t out, float* out_scale, ltx_rows_t x, int64_t hidden,
+                          ltx_activation_t activation, ltx_stream_t stream);
+int ltx_quantize_fp8_cpu(ltx_rows_t out, float* out_scale, ltx_rows_t x, int64_t hidden,
+                         ltx_activation_t activation, int64_t row_begin, int64_t row_end);
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,7 @@
 // (Residual +) RMSNorm/LayerNorm + AdaLN modulation over the last dimension (CUDA), in one pass
 // over memory, with the rounding points of the PyTorch code it replaces (see
-// ltx_norm_modulate_cuda in ltx_kernels.h).
+// ltx_norm_modulate_cuda in ltx_kernels.h); with an FP8 out, the row is quantized in the same
+// pass (its e4m3 values and fp32 row scale written instead of the T row).
 #include "device_utils.cuh"
 
 namespace ltx {
@@ -15,7 +16,9 @@ constexpr size_t kMaxStagedBytes = 48 * 1024;  // weight + bias staged in shared
 // Row operands of one launch; Tx: activations (x, y, h, out), Tm: scale, shift and gate.
 template <typename Tx, typename Tm>
 struct NormModulateArgs {
-  RowPtr<Tx> out;
+  RowPtr<Tx> out;           // T out (null with an FP8 out)
+  RowPtr<uint8_t> out_fp8;  // FP8 out: e4m3 rows, and their scales in out_scale
+  float* out_scale;
   RowPtr<Tx> residual_out;  // h; null unless y is given
   RowPtr<const Tx> x;
   RowPtr<const Tx> y;      // null: no residual
@@ -49,8 +52,9 @@ __device__ __forceinline__ float channel_value(const float* staged, const ltx_ve
 // Row-cached norm + modulation of [rows, hidden] rows: each row is held by a power-of-two
 // RowTeam, kSlots packs of kVec elements per thread, so x and y are read once. Load the row (x,
 // and y and gate: h is formed and written), issue the loads of scale and shift, reduce the row
-// statistics (row_sum), then normalize, scale, shift and store each pack.
-template <typename Tx, typename Tm, int kVec, int kSlots, bool kUpcast, bool kResidual>
+// statistics (row_sum), then normalize, scale, shift and store each pack. kFp8: the packs of n
+// stay in registers for the row's amax (row_reduce), then are stored as e4m3 (Fp8Row).
+template <typename Tx, typename Tm, int kVec, int kSlots, bool kUpcast, bool kResidual, bool kFp8>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     norm_modulate_cached_kernel(const NormModulateArgs<Tx, Tm> a, const int log2_tpr) {
   extern __shared__ __align__(16) float staged[];  // [hidden] weight, then [hidden] bias
@@ -137,10 +141,17 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     sum = row_sum<true>(deviations, team, partials);
   }
   if (a.stage_vectors) __syncthreads();  // the staged weight/bias are complete
-  if (!team.active) return;
+  if (!kFp8 && !team.active) return;     // (FP8: every thread joins the amax reduction)
   const float rstd = rsqrtf(sum * a.inv_hidden + a.eps);
 
-  Tx* out_row = a.out.row(team.row);
+  Tx* out_row = kFp8 ? nullptr : a.out.row(team.row);
+  // A finished pack of n: stored (T out), or kept in hs[s] for the quantization below.
+  auto emit = [&](int s, int p, const Pack<Tx, kVec>& o) {
+    if constexpr (kFp8)
+      hs[s] = o;
+    else
+      o.store(out_row + p * kVec);
+  };
   const float* staged_bias = staged + a.hidden;
   // One copy of the loop per combination of scale and shift. (layer_norm, weight and bias stay
   // uniform run-time branches: hoisting them too, one copy per combination, took the residual
@@ -163,14 +174,14 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
             o.w[j] = pair_to_word(n);
           }
         }
-        o.store(out_row + p * kVec);
+        emit(s, p, o);
       });
       return;
     }
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int p = team.pack(s);
-      if (p >= n_packs) continue;
+      if (!team.active || p >= n_packs) continue;
       const int col = p * kVec;
       if constexpr (!kPrefetchModulation) {
         if constexpr (kScale) scales[s].load(scale_row + col);
@@ -194,15 +205,29 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         if constexpr (kShift) n += shifts[s].get(i);
         o.set(i, n);
       }
-      o.store(out_row + col);
+      emit(s, p, o);
     }
   });
+
+  if constexpr (kFp8) {
+    float amax = 0.f;
+    team.for_each_pack<kSlots>(n_packs, [&](int s, int) { amax = pack_amax(amax, hs[s]); });
+    amax = row_reduce<true>(amax, team, partials, NanMax{});
+    if (!team.active) return;
+    const Fp8Row fp8 = Fp8Row::of(amax);
+    if (team.lane == 0) a.out_scale[team.row] = fp8.scale;
+    uint8_t* q_row = a.out_fp8.row(team.row);
+    team.for_each_pack<kSlots>(n_packs, [&](int s, int p) {
+      store_fp8(q_row + static_cast<int64_t>(p) * kVec, hs[s], fp8.factor);
+    });
+  }
 }
 
-// Norm + modulation for rows too long to cache in registers: one block per row (grid-stride),
-// scalar accesses; h is recomputed from x, y and gate on each pass over the row (bit-identical),
-// and written on the first.
-template <typename Tx, typename Tm, bool kUpcast>
+// Norm + modulation for rows too long to cache in registers (and FP8 outputs of rows the cached
+// kernel cannot take): one block per row (grid-stride), scalar accesses; h is recomputed from x,
+// y and gate on each pass over the row (bit-identical), and written on the first. kFp8: one more
+// pass for the row's amax, then the e4m3 values.
+template <typename Tx, typename Tm, bool kUpcast, bool kFp8>
 __global__ void __launch_bounds__(kRowBlockThreads)
     norm_modulate_streaming_kernel(const NormModulateArgs<Tx, Tm> a) {
   __shared__ float scratch[32];
@@ -241,8 +266,7 @@ __global__ void __launch_bounds__(kRowBlockThreads)
     const float rstd = rsqrtf(sum * a.inv_hidden + a.eps);
     const Tm* scale_row = a.scale.row_or_null(row);
     const Tm* shift_row = a.shift.row_or_null(row);
-    Tx* out_row = a.out.row(row);
-    for (int i = threadIdx.x; i < a.hidden; i += blockDim.x) {
+    auto n_at = [&](int i) {  // element i of out, rounded to T
       float n = (h_at(i) - mean) * rstd;
       if (a.layer_norm) {
         if (a.weight.data) n *= load_as_float(a.weight.data, a.weight.dtype, i);
@@ -256,12 +280,25 @@ __global__ void __launch_bounds__(kRowBlockThreads)
       }
       if (scale_row) n = step<Tx, kUpcast>(n * step<Tx, kUpcast>(1.f + to_float(scale_row[i])));
       if (shift_row) n += to_float(shift_row[i]);
-      out_row[i] = from_float<Tx>(n);
+      return round_to<Tx>(n);
+    };
+    if constexpr (kFp8) {
+      float amax = 0.f;
+      for (int i = threadIdx.x; i < a.hidden; i += blockDim.x)
+        amax = NanMax{}(amax, fabsf(n_at(i)));
+      const Fp8Row fp8 = Fp8Row::of(block_reduce(amax, scratch, NanMax{}));
+      if (threadIdx.x == 0) a.out_scale[row] = fp8.scale;
+      uint8_t* q_row = a.out_fp8.row(row);
+      for (int i = threadIdx.x; i < a.hidden; i += blockDim.x)
+        q_row[i] = static_cast<uint8_t>(to_e4m3(n_at(i) * fp8.factor));
+    } else {
+      Tx* out_row = a.out.row(row);
+      for (int i = threadIdx.x; i < a.hidden; i += blockDim.x) out_row[i] = from_float<Tx>(n_at(i));
     }
   }
 }
 
-template <typename Tx, typename Tm, int kVec, bool kUpcast, bool kResidual>
+template <typename Tx, typename Tm, int kVec, bool kUpcast, bool kResidual, bool kFp8>
 int launch_cached(NormModulateArgs<Tx, Tm> a, cudaStream_t stream) {
   // 4 packs per thread: x (or h), y, gate, scale and shift of them are in registers at once.
   constexpr int kSlots = 4;
@@ -275,7 +312,7 @@ int launch_cached(NormModulateArgs<Tx, Tm> a, cudaStream_t stream) {
   const size_t vector_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
   const size_t staged_bytes = (a.weight.data || a.bias.data) ? 2 * vector_bytes : 0;
   a.stage_vectors = staged_bytes > 0 && staged_bytes <= kMaxStagedBytes;
-  return launch(norm_modulate_cached_kernel<Tx, Tm, kVec, kSlots, kUpcast, kResidual>,
+  return launch(norm_modulate_cached_kernel<Tx, Tm, kVec, kSlots, kUpcast, kResidual, kFp8>,
                 dim3(static_cast<unsigned>(blocks)), dim3(threads),
                 a.stage_vectors ? staged_bytes : 0, stream, a, log2_tpr);
 }
@@ -284,7 +321,13 @@ template <typename Tx, typename Tm, bool kUpcast>
 int norm_modulate_typed(const ltx_norm_modulate_args_t& args, cudaStream_t stream) {
   const int hidden = static_cast<int>(args.hidden);
   NormModulateArgs<Tx, Tm> a{};
-  a.out = RowPtr<Tx>::of(args.out);
+  const bool fp8 = args.out_scale != nullptr;
+  if (fp8) {
+    a.out_fp8 = RowPtr<uint8_t>::of(args.out);
+    a.out_scale = args.out_scale;
+  } else {
+    a.out = RowPtr<Tx>::of(args.out);
+  }
   a.x = RowPtr<const Tx>::of(args.x);
   if (args.y.data) {  // (gate and residual_out come with y)
     a.y = RowPtr<const Tx>::of(args.y);
@@ -306,19 +349,22 @@ int norm_modulate_typed(const ltx_norm_modulate_args_t& args, cudaStream_t strea
   auto aligned = [&](const ltx_rows_t& r, int elem_bytes) {
     return !r.data || ltx_rows_aligned(&r, elem_bytes, std::min(16, kVec * elem_bytes));
   };
+  const bool out_aligned =
+      fp8 ? ltx_rows_aligned(&args.out, 1, kVec) : aligned(args.out, sizeof(Tx));
   const bool vectorizable =
-      hidden % kVec == 0 && aligned(args.x, sizeof(Tx)) && aligned(args.out, sizeof(Tx)) &&
+      hidden % kVec == 0 && aligned(args.x, sizeof(Tx)) && out_aligned &&
       (!a.y.data || (aligned(args.y, sizeof(Tx)) && aligned(args.residual_out, sizeof(Tx)) &&
                      aligned(args.gate, sizeof(Tm)))) &&
       aligned(args.scale, sizeof(Tm)) && aligned(args.shift, sizeof(Tm));
   constexpr int kMaxCachedPacks = 4 * kMaxThreadsPerRow;  // kSlots packs x 256 threads: rows of
   // up to 8192 bf16 / 4096 fp32 elements (LTX, FLUX, Wan, HunyuanVideo all fit) are cached
-  return with_flags({a.y.data != nullptr}, [&](auto has_residual) {
+  // (FP8 outputs of rows that are not vectorizable take the streaming kernel.)
+  return with_flags({a.y.data != nullptr, fp8}, [&](auto has_residual, auto fp8_out) {
     if (vectorizable && hidden / kVec <= kMaxCachedPacks)
-      return launch_cached<Tx, Tm, kVec, kUpcast, has_residual>(a, stream);
-    if (hidden <= kMaxCachedPacks)
-      return launch_cached<Tx, Tm, 1, kUpcast, has_residual>(a, stream);
-    return launch_streaming(norm_modulate_streaming_kernel<Tx, Tm, kUpcast>, a.rows,
+      return launch_cached<Tx, Tm, kVec, kUpcast, has_residual, fp8_out>(a, stream);
+    if (!fp8_out && hidden <= kMaxCachedPacks)
+      return launch_cached<Tx, Tm, 1, kUpcast, has_residual, false>(a, stream);
+    return launch_streaming(norm_modulate_streaming_kernel<Tx, Tm, kUpcast, fp8_out>, a.rows,
                             kRowBlockThreads, stream, a);
   });
 }

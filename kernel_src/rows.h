@@ -17,11 +17,16 @@ static inline int ltx_model_dtype(ltx_dtype_t dtype) {
 }
 
 static inline int ltx_valid_dtype(ltx_dtype_t dtype) {
-  return ltx_model_dtype(dtype) || dtype == LTX_FLOAT64;
+  return ltx_model_dtype(dtype) || dtype == LTX_FLOAT64 || dtype == LTX_FLOAT8_E4M3;
 }
 
 static inline int ltx_dtype_size(ltx_dtype_t dtype) {
-  return dtype == LTX_FLOAT64 ? 8 : dtype == LTX_FLOAT32 ? 4 : 2;
+  switch (dtype) {
+    case LTX_FLOAT64: return 8;
+    case LTX_FLOAT32: return 4;
+    case LTX_FLOAT8_E4M3: return 1;
+    default: return 2;
+  }
 }
 
 static inline int64_t ltx_num_rows(const ltx_rows_t* r) {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from ltx_kernels import BACKWARD_OPS, OPS, _fake, reference
+from ltx_kernels import BACKWARD_OPS, FP8_OPS, OPS, _fake, reference
 from ltx_kernels.__main__ import smoke_inputs
 from ltx_kernels.integration import FUSIONS
 
@@ -30,21 +30,27 @@ def test_ops_are_the_registered_ops():
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("ltx_kernels::")
     }
-    assert len(set(OPS + BACKWARD_OPS)) == len(OPS) + len(BACKWARD_OPS)
-    assert set(OPS + BACKWARD_OPS) == registered
+    every = OPS + FP8_OPS + BACKWARD_OPS
+    assert len(set(every)) == len(every)
+    assert set(every) == registered
 
 
 PIECES = {
     "wrappers (ltx_kernels.<op>)": lambda: _functions_defined_in(ltx_kernels),
-    "references (reference.<op>)": lambda: _functions_defined_in(reference),
+    # (and the rowwise FP8 rule the FP8 ops' references share)
+    "references (reference.<op>)": lambda: _functions_defined_in(
+        reference, but={"quantize_rows_fp8", "dequantize_rows_fp8"}
+    ),
     "reference.__all__": lambda: set(reference.__all__),
     "fakes (_fake.<op>)": lambda: _functions_defined_in(_fake, but={"register"}),
     "environment report inputs": lambda: set(smoke_inputs("cpu")),
 }
 
 
-# The backward ops have a fake and nothing else of these.
-EXPECTED = {piece: set(OPS) for piece in PIECES} | {"fakes (_fake.<op>)": set(OPS + BACKWARD_OPS)}
+# The FP8 ops have every piece; the backward ops have a fake and nothing else of these.
+EXPECTED = {piece: set(OPS + FP8_OPS) for piece in PIECES} | {
+    "fakes (_fake.<op>)": set(OPS + FP8_OPS + BACKWARD_OPS)
+}
 
 
 @pytest.mark.parametrize("piece", PIECES)

@@ -69,6 +69,7 @@ inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
     case at::kHalf: return LTX_FLOAT16;
     case at::kBFloat16: return LTX_BFLOAT16;
     case at::kDouble: return LTX_FLOAT64;
+    case at::kFloat8_e4m3fn: return LTX_FLOAT8_E4M3;        // (outputs of the FP8 ops only)
     default: LTX_CHECK(false, "unsupported dtype ", type);  // callers check first
   }
   return LTX_FLOAT32;  // unreachable
@@ -79,6 +80,7 @@ inline at::ScalarType to_scalar_type(ltx_dtype_t dtype) {
     case LTX_FLOAT16: return at::kHalf;
     case LTX_BFLOAT16: return at::kBFloat16;
     case LTX_FLOAT64: return at::kDouble;
+    case LTX_FLOAT8_E4M3: return at::kFloat8_e4m3fn;
     default: return at::kFloat;
   }
 }

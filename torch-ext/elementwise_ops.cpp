@@ -1,6 +1,6 @@
 // Bindings of the elementwise ops: gated_residual (ltx_gated_residual_*), gelu and geglu and their
-// backward (ltx_gelu_*, ltx_gelu_backward_*), and linear_gelu (a cuBLASLt GEMM epilogue; no
-// launcher of ours).
+// backward (ltx_gelu_*, ltx_gelu_backward_*), quantize_fp8 (ltx_quantize_fp8_*), and linear_gelu
+// (a cuBLASLt GEMM epilogue; no launcher of ours).
 #include "binding_utils.h"
 #include "torch_binding.h"
 
@@ -161,4 +161,33 @@ at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
     out = at::gelu(out, "tanh");
   }
   return out.view(shape);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, c10::string_view activation) {
+  const char* op = "ltx_kernels.quantize_fp8";
+  check_activation(op, "x", x);
+  ltx_activation_t kind = LTX_ACTIVATION_NONE;
+  if (activation == "gelu")
+    kind = LTX_ACTIVATION_GELU;
+  else if (activation == "gelu_tanh")
+    kind = LTX_ACTIVATION_GELU_TANH;
+  else
+    LTX_CHECK(activation == "none", op, ": activation must be 'none', 'gelu' or 'gelu_tanh', got '",
+              std::string(activation), "'");
+  const int64_t hidden = x.size(-1);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor q_scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  if (hidden == 0) q_scale.fill_(LTX_FP8_MIN_AMAX / LTX_FP8_MAX);  // empty rows: amax 0
+  float* scales = static_cast<float*>(present_data(q_scale));
+  const ltx_rows_t q_rows = rows_of(op, "out", q), x_rows = rows_of(op, "x", x);
+  run_launcher(
+      op, ltx_check_quantize_fp8(&q_rows, scales, &x_rows, hidden, kind), x,
+      q.numel() / std::max<int64_t>(hidden, 1), hidden,
+      [&](ltx_stream_t stream) {
+        return ltx_quantize_fp8_cuda(q_rows, scales, x_rows, hidden, kind, stream);
+      },
+      [&](int64_t b, int64_t e) {
+        return ltx_quantize_fp8_cpu(q_rows, scales, x_rows, hidden, kind, b, e);
+      });
+  return {q, q_scale};
 }

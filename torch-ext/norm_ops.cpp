@@ -1,5 +1,6 @@
 // Bindings of the norm ops: rmsnorm (ltx_rmsnorm_*) and the (residual +) norm + modulation ops
-// rmsnorm_modulate, layernorm_modulate and their add_ twins (ltx_norm_modulate_*).
+// rmsnorm_modulate, layernorm_modulate, their add_ twins and the FP8-output forms of the four
+// (ltx_norm_modulate_*).
 #include "binding_utils.h"
 #include "torch_binding.h"
 
@@ -34,13 +35,14 @@ static ltx_rows_t optional_rows(const char* op, const char* name,
   return rows_of(op, name, broadcast_operand(op, name, *t, x, x.sizes()));
 }
 
-// rmsnorm_modulate, layernorm_modulate and their add_ twins: one launcher. Returns (h, n); h is
-// undefined without y.
-static std::tuple<at::Tensor, at::Tensor> norm_modulate(
+// rmsnorm_modulate, layernorm_modulate, their add_ twins and the FP8-output forms of the four: one
+// launcher. Returns (h, n, n_scale): h is undefined without y; with fp8, n is float8_e4m3fn and
+// n_scale its fp32 row scales (x.shape[:-1]), else n has x's dtype and n_scale is undefined.
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_modulate(
     const char* op, ltx_norm_kind_t kind, const at::Tensor& x, const std::optional<at::Tensor>& y,
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
     const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, double eps, bool upcast) {
+    const std::optional<at::Tensor>& bias, double eps, bool upcast, bool fp8 = false) {
   check_activation(op, "x", x);
   const int64_t hidden = x.size(-1);
   ltx_norm_modulate_args_t args{};
@@ -62,14 +64,20 @@ static std::tuple<at::Tensor, at::Tensor> norm_modulate(
   args.hidden = hidden;
   args.eps = static_cast<float>(eps);
   args.upcast = upcast ? 1 : 0;
-  at::Tensor n = at::empty(x.sizes(), x.options());
+  at::Tensor n = at::empty(x.sizes(), fp8 ? x.options().dtype(at::kFloat8_e4m3fn) : x.options());
+  at::Tensor n_scale;
+  if (fp8) {
+    n_scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+    args.out_scale = static_cast<float*>(present_data(n_scale));
+    if (hidden == 0) n_scale.fill_(LTX_FP8_MIN_AMAX / LTX_FP8_MAX);  // empty rows: amax 0
+  }
   args.out = rows_of(op, "out", n);
   run_launcher(
       op, ltx_check_norm_modulate(&args), x, n.numel() / std::max<int64_t>(hidden, 1), hidden,
       [&](ltx_stream_t stream) { return ltx_norm_modulate_cuda(&args, stream); },
       [&](int64_t b, int64_t e) { return ltx_norm_modulate_cpu(&args, b, e); },
       {{"residual_out", "h"}});
-  return {h, n};
+  return {h, n, n_scale};
 }
 
 at::Tensor rmsnorm_modulate(const at::Tensor& x, const std::optional<at::Tensor>& scale,
@@ -94,8 +102,9 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm_modulate(const at::Tensor& x, con
                                                         const std::optional<at::Tensor>& gate,
                                                         const std::optional<at::Tensor>& weight,
                                                         double eps, bool upcast) {
-  return norm_modulate("ltx_kernels.add_rmsnorm_modulate", LTX_NORM_RMS, x, y, scale, shift, gate,
-                       weight, std::nullopt, eps, upcast);
+  auto [h, n, unused] = norm_modulate("ltx_kernels.add_rmsnorm_modulate", LTX_NORM_RMS, x, y, scale,
+                                      shift, gate, weight, std::nullopt, eps, upcast);
+  return {h, n};
 }
 
 std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(const at::Tensor& x, const at::Tensor& y,
@@ -105,8 +114,49 @@ std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(const at::Tensor& x, c
                                                           const std::optional<at::Tensor>& weight,
                                                           const std::optional<at::Tensor>& bias,
                                                           double eps, bool upcast) {
-  return norm_modulate("ltx_kernels.add_layernorm_modulate", LTX_NORM_LAYER, x, y, scale, shift,
-                       gate, weight, bias, eps, upcast);
+  auto [h, n, unused] = norm_modulate("ltx_kernels.add_layernorm_modulate", LTX_NORM_LAYER, x, y,
+                                      scale, shift, gate, weight, bias, eps, upcast);
+  return {h, n};
+}
+
+std::tuple<at::Tensor, at::Tensor> rmsnorm_modulate_fp8(const at::Tensor& x,
+                                                        const std::optional<at::Tensor>& scale,
+                                                        const std::optional<at::Tensor>& shift,
+                                                        const std::optional<at::Tensor>& weight,
+                                                        double eps, bool upcast) {
+  auto [h, q, q_scale] =
+      norm_modulate("ltx_kernels.rmsnorm_modulate_fp8", LTX_NORM_RMS, x, std::nullopt, scale, shift,
+                    std::nullopt, weight, std::nullopt, eps, upcast, /*fp8=*/true);
+  return {q, q_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> layernorm_modulate_fp8(const at::Tensor& x,
+                                                          const std::optional<at::Tensor>& scale,
+                                                          const std::optional<at::Tensor>& shift,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          double eps, bool upcast) {
+  auto [h, q, q_scale] =
+      norm_modulate("ltx_kernels.layernorm_modulate_fp8", LTX_NORM_LAYER, x, std::nullopt, scale,
+                    shift, std::nullopt, weight, bias, eps, upcast, /*fp8=*/true);
+  return {q, q_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_modulate_fp8(
+    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
+    const std::optional<at::Tensor>& weight, double eps, bool upcast) {
+  return norm_modulate("ltx_kernels.add_rmsnorm_modulate_fp8", LTX_NORM_RMS, x, y, scale, shift,
+                       gate, weight, std::nullopt, eps, upcast, /*fp8=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_modulate_fp8(
+    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    bool upcast) {
+  return norm_modulate("ltx_kernels.add_layernorm_modulate_fp8", LTX_NORM_LAYER, x, y, scale, shift,
+                       gate, weight, bias, eps, upcast, /*fp8=*/true);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -8,13 +8,19 @@ implementation, a fake implementation for torch.compile/export, and a pure-PyTor
 import torch
 
 from . import reference
-from ._op_names import BACKWARD_OPS, OPS  # the ops this build registers (torch.ops.ltx_kernels)
+from ._op_names import (  # the ops this build registers (torch.ops.ltx_kernels)
+    BACKWARD_OPS,
+    FP8_OPS,
+    OPS,
+)
 
 __version__ = "0.1.0"
 __all__ = [
     *OPS,
+    *FP8_OPS,
     "reference",
     "OPS",
+    "FP8_OPS",
     "BACKWARD_OPS",
     "load_error",
     "inject_optimized_kernels",
@@ -29,8 +35,8 @@ try:
     from ._op_namespace import ops
     from . import _autograd, _fake
 
-    _fake.register(OPS + BACKWARD_OPS)
-    _autograd.register(OPS + BACKWARD_OPS)
+    _fake.register(OPS + FP8_OPS + BACKWARD_OPS)
+    _autograd.register(OPS + FP8_OPS + BACKWARD_OPS)
 except (
     ImportError,
     RuntimeError,
@@ -161,6 +167,58 @@ def linear_gelu(x, weight, bias=None):
     """`F.gelu(F.linear(x, weight, bias), approximate="tanh")` as one cuBLASLt GEMM with a GELU
     epilogue (through `torch._addmm_activation`) on CUDA. x [..., K], weight [N, K], bias [N]."""
     return _library().linear_gelu(x, weight, bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8-output ops (inference only, `inject_optimized_kernels(..., fp8=True)`): the op's value, rounded
+# to x.dtype as its model-dtype twin rounds it, quantized per row to float8_e4m3fn in the same pass:
+# a = max(amax(|row|), 1e-12), q = e4m3(row * (448 / a)), round to nearest even, saturating at
+# +-448, scale = a / 448 (fp32; `ltx_kernels.reference.quantize_rows_fp8`). Each returns (q, q_scale) with
+# q of x's shape and q_scale [...] fp32 (one per row), after h for the add_ ops: the operands of
+# a rowwise-scaled `torch._scaled_mm`. No backward: differentiating them raises.
+# ------------------------------------------------------------------------------------------------
+def rmsnorm_modulate_fp8(x, scale, shift, weight=None, eps: float = 1e-6, *, upcast: bool = False):
+    """rmsnorm_modulate, its output quantized per row: (q, q_scale)."""
+    return _library().rmsnorm_modulate_fp8(x, scale, shift, weight, eps, upcast=upcast)
+
+
+def layernorm_modulate_fp8(
+    x, scale, shift, weight=None, bias=None, eps: float = 1e-6, *, upcast: bool = False
+):
+    """layernorm_modulate, its output quantized per row: (q, q_scale)."""
+    return _library().layernorm_modulate_fp8(x, scale, shift, weight, bias, eps, upcast=upcast)
+
+
+def add_rmsnorm_modulate_fp8(
+    x, y, scale, shift, gate=None, weight=None, eps: float = 1e-6, *, upcast: bool = False
+):
+    """add_rmsnorm_modulate with n quantized per row: (h, q, q_scale)."""
+    return _library().add_rmsnorm_modulate_fp8(x, y, scale, shift, gate, weight, eps, upcast=upcast)
+
+
+def add_layernorm_modulate_fp8(
+    x,
+    y,
+    scale,
+    shift,
+    gate=None,
+    weight=None,
+    bias=None,
+    eps: float = 1e-6,
+    *,
+    upcast: bool = False,
+):
+    """add_layernorm_modulate with n quantized per row: (h, q, q_scale)."""
+    return _library().add_layernorm_modulate_fp8(
+        x, y, scale, shift, gate, weight, bias, eps, upcast=upcast
+    )
+
+
+def quantize_fp8(x, activation: str = "none"):
+    """x (or gelu(x) rounded to x.dtype: activation "gelu" or "gelu_tanh") quantized per row:
+    (q, q_scale). x [..., K] float32/float16/bfloat16, contiguous last dim, rows may be strided.
+    Also quantizes Linear weights [N, K] (one scale per output channel)."""
+    return _library().quantize_fp8(x, activation)
 
 
 from .integration import (  # noqa: E402  (integration imports the op wrappers above)

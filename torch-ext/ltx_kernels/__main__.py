@@ -33,6 +33,11 @@ def smoke_inputs(device: str) -> dict:
         "gelu": (x,),
         "geglu": (x,),
         "linear_gelu": (x, rand(64, 96), rand(64)),
+        "rmsnorm_modulate_fp8": (x, mod, mod),
+        "layernorm_modulate_fp8": (x, mod, mod),
+        "add_rmsnorm_modulate_fp8": (x, y, mod, mod, mod),
+        "add_layernorm_modulate_fp8": (x, y, mod, mod, mod),
+        "quantize_fp8": (x, "gelu_tanh"),
     }
 
 
@@ -40,7 +45,9 @@ def _check_op(op: str, device: str) -> str:
     try:
         args = smoke_inputs(device)[op]
         outs = getattr(ltx_kernels, op)(*args)
-        refs = getattr(reference, op)(*args, compute_dtype=torch.float64)
+        # (the FP8 ops' reference quantizes the value of their model-dtype twin: no float64 form)
+        exact = {} if op in ltx_kernels.FP8_OPS else {"compute_dtype": torch.float64}
+        refs = getattr(reference, op)(*args, **exact)
         outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
         err = max(
             ((o.double() - r.double()).norm() / r.double().norm()).item()
@@ -92,11 +99,11 @@ def main() -> int:
         return 1
     print("  extension        loaded")
     failures = 0
-    for op in ltx_kernels.OPS:
+    for op in ltx_kernels.OPS + ltx_kernels.FP8_OPS:
         for device in devices:
             status = _check_op(op, device)
             failures += not status.startswith("ok")
-            print(f"  op {op:<22} {device:<5} {status}")
+            print(f"  op {op:<26} {device:<5} {status}")
     return 1 if failures else 0
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from ._op_names import BACKWARD_OPS, FUSED_BACKWARD_OPS
+from ._op_names import BACKWARD_OPS, FP8_OPS, FUSED_BACKWARD_OPS
 from ._op_namespace import add_op_namespace_prefix, ops
 
 
@@ -340,8 +340,21 @@ def _not_differentiable(name: str):
     return (lambda ctx, inputs, output: None), backward
 
 
+def _fp8_inference_only(name: str):
+    """setup_context and backward of an FP8-output op: differentiating it raises, naming it."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"ltx_kernels.{name} has no backward: the FP8 path (inject_optimized_kernels(..., "
+            "fp8=True)) is for inference; train with the bf16 ops (fp8=False)"
+        )
+
+    return (lambda ctx, inputs, output, keyword_only_inputs=None: None), backward
+
+
 def register(names) -> None:
-    """Registers the autograd of every op in `names` (all of them: OPS + BACKWARD_OPS)."""
+    """Registers the autograd of every op in `names` (all of them: OPS + FP8_OPS +
+    BACKWARD_OPS)."""
     for name in names:
         if name == "linear_gelu":
             setup_context, backward = _linear_gelu_setup_context, _linear_gelu_backward
@@ -353,6 +366,8 @@ def register(names) -> None:
             setup_context, backward = _fused_rope_backward(name)
         elif name in BACKWARD_OPS:
             setup_context, backward = _not_differentiable(name)
+        elif name in FP8_OPS:
+            setup_context, backward = _fp8_inference_only(name)
         else:
             setup_context, backward = _reference_backward(name)
         torch.library.register_autograd(

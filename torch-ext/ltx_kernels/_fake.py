@@ -185,3 +185,40 @@ def qk_rmsnorm_rope_backward(
         weight_grad(weight_grads[0], q_weight),
         weight_grad(weight_grads[1], k_weight),
     )
+
+
+# FP8-output ops: (q float8_e4m3fn of x's shape, one fp32 scale per row), after h for the add_ ones.
+def _fp8_rows(x):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(
+        x.shape[:-1], dtype=torch.float32
+    )
+
+
+def rmsnorm_modulate_fp8(x, scale, shift, weight=None, eps=1e-6, *, upcast=False):
+    rmsnorm_modulate(x, scale, shift, weight, eps, upcast=upcast)
+    return _fp8_rows(x)
+
+
+def layernorm_modulate_fp8(x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False):
+    layernorm_modulate(x, scale, shift, weight, bias, eps, upcast=upcast)
+    return _fp8_rows(x)
+
+
+def add_rmsnorm_modulate_fp8(x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False):
+    h, _ = add_rmsnorm_modulate(x, y, scale, shift, gate, weight, eps, upcast=upcast)
+    return (h, *_fp8_rows(x))
+
+
+def add_layernorm_modulate_fp8(
+    x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *, upcast=False
+):
+    h, _ = add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps, upcast=upcast)
+    return (h, *_fp8_rows(x))
+
+
+def quantize_fp8(x, activation="none"):
+    torch._check(
+        activation in ("none", "gelu", "gelu_tanh"),
+        lambda: "ltx_kernels.quantize_fp8: activation must be 'none', 'gelu' or 'gelu_tanh'",
+    )
+    return _fp8_rows(x)

@@ -25,6 +25,18 @@ OPS = (
     "linear_gelu",
 )
 
+# The FP8-output ops (inference only; `inject_optimized_kernels(..., fp8=True)`): each returns
+# float8_e4m3fn rows and one fp32 scale per row (reference.quantize_rows_fp8 gives the rule). They
+# have every piece an op of OPS has (wrapper, reference, fake, report inputs) but are not fusions
+# a user enables one by one, and they have no backward (their autograd raises, naming the op).
+FP8_OPS = (
+    "rmsnorm_modulate_fp8",
+    "layernorm_modulate_fp8",
+    "add_rmsnorm_modulate_fp8",
+    "add_layernorm_modulate_fp8",
+    "quantize_fp8",
+)
+
 # The functional backward ops the autograd of OPS calls (_autograd.py): registered by the library
 # after the forward ops, each with a fake (_fake.py) so AOTAutograd and Inductor trace them; no
 # wrapper or reference of their own (their reference is the VJP of the forward op's reference).

@@ -11,9 +11,9 @@ Uses:
 
 import torch
 
-from ._op_names import OPS
+from ._op_names import FP8_OPS, OPS
 
-__all__ = list(OPS)  # the reference of op <op> is the function <op> of this module
+__all__ = [*OPS, *FP8_OPS]  # the reference of op <op> is the function <op> of this module
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
@@ -274,3 +274,76 @@ def linear_gelu(x, weight, bias=None, *, compute_dtype=torch.float32, round_outp
     c = compute_dtype
     y = torch.nn.functional.linear(x.to(c), weight.to(c), None if bias is None else bias.to(c))
     return _finish(torch.nn.functional.gelu(y, approximate="tanh"), x.dtype, round_output)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8-output ops (inference only). Each computes the value v its model-dtype twin returns (rounded
+# to x.dtype as that op rounds it), then quantizes each row of v to float8_e4m3fn with one fp32
+# scale per row, the rule of quantize_rows_fp8. The GEMM that consumes them multiplies row r of q
+# by scale[r] (torch._scaled_mm's rowwise scaling).
+# ------------------------------------------------------------------------------------------------
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_MIN_AMAX = 1e-12  # the amax of an all-zero row is taken as this (scale > 0)
+
+
+def quantize_rows_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise e4m3 quantization of v [..., K] (values exact in fp32), torchao's rowwise rule:
+    a = max(max |v| over the row, 1e-12) (NaN if the row has one);
+    q = round_nearest_even_e4m3(clamp(fl32(v * fl32(448 / a)), -448, 448));
+    scale = fl32(a / 448), the factor the GEMM multiplies row r of q by.
+    Returns (q [..., K] float8_e4m3fn, scale [...] float32). q * scale approximates v within half
+    an e4m3 step (3 mantissa bits: relative error <= 2^-4 for normal values, plus fp32's 2^-23).
+    (Divisions are tensor by tensor: torch's CUDA division by a Python scalar multiplies by its
+    rounded reciprocal, which is not the correctly rounded quotient the kernels compute.)"""
+    v = v.float()
+    if v.shape[-1] == 0:
+        amax = v.new_zeros(v.shape[:-1] + (1,))
+    else:
+        amax = v.abs().amax(-1, keepdim=True)
+    amax = torch.clamp(amax, min=FP8_MIN_AMAX)
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    q = (v * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / fp8_max).squeeze(-1)
+
+
+def dequantize_rows_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32):
+    """q * scale (row r of q times scale[r]) in `dtype`."""
+    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+
+
+def rmsnorm_modulate_fp8(x, scale, shift, weight=None, eps=1e-6, *, upcast=False):
+    """rmsnorm_modulate's output quantized per row: returns (q, q_scale)."""
+    return quantize_rows_fp8(rmsnorm_modulate(x, scale, shift, weight, eps, upcast=upcast))
+
+
+def layernorm_modulate_fp8(x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False):
+    """layernorm_modulate's output quantized per row: returns (q, q_scale)."""
+    return quantize_rows_fp8(layernorm_modulate(x, scale, shift, weight, bias, eps, upcast=upcast))
+
+
+def add_rmsnorm_modulate_fp8(x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False):
+    """add_rmsnorm_modulate with n quantized per row: returns (h, q, q_scale)."""
+    h, n = add_rmsnorm_modulate(x, y, scale, shift, gate, weight, eps, upcast=upcast)
+    return (h, *quantize_rows_fp8(n))
+
+
+def add_layernorm_modulate_fp8(
+    x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *, upcast=False
+):
+    """add_layernorm_modulate with n quantized per row: returns (h, q, q_scale)."""
+    h, n = add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps, upcast=upcast)
+    return (h, *quantize_rows_fp8(n))
+
+
+FP8_ACTIVATIONS = ("none", "gelu", "gelu_tanh")
+
+
+def quantize_fp8(x, activation="none"):
+    """Rowwise e4m3 quantization of x, or of gelu(x) rounded to x.dtype first ("gelu": erf form,
+    "gelu_tanh": tanh form; the input of an FF down projection). Returns (q, q_scale). Used on
+    activations that no norm op produces and on weights ([N, K]: one scale per output channel)."""
+    if activation not in FP8_ACTIVATIONS:
+        raise ValueError(f"quantize_fp8: activation must be one of {FP8_ACTIVATIONS}")
+    if activation != "none":
+        x = gelu(x, "tanh" if activation == "gelu_tanh" else "none")
+    return quantize_rows_fp8(x)
