@@ -223,10 +223,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   }
 }
 
-// Norm + modulation for rows too long to cache in registers (and FP8 outputs of rows the cached
-// kernel cannot take): one block per row (grid-stride), scalar accesses; h is recomputed from x,
-// y and gate on each pass over the row (bit-identical), and written on the first. kFp8: one more
-// pass for the row's amax, then the e4m3 values.
+// Norm + modulation for rows too long to cache in registers: one block per row (grid-stride),
+// scalar accesses; h is recomputed from x, y and gate on each pass over the row (bit-identical),
+// and written on the first. kFp8: one more pass for the row's amax, then the e4m3 values.
 template <typename Tx, typename Tm, bool kUpcast, bool kFp8>
 __global__ void __launch_bounds__(kRowBlockThreads)
     norm_modulate_streaming_kernel(const NormModulateArgs<Tx, Tm> a) {
@@ -358,12 +357,12 @@ int norm_modulate_typed(const ltx_norm_modulate_args_t& args, cudaStream_t strea
       aligned(args.scale, sizeof(Tm)) && aligned(args.shift, sizeof(Tm));
   constexpr int kMaxCachedPacks = 4 * kMaxThreadsPerRow;  // kSlots packs x 256 threads: rows of
   // up to 8192 bf16 / 4096 fp32 elements (LTX, FLUX, Wan, HunyuanVideo all fit) are cached
-  // (FP8 outputs of rows that are not vectorizable take the streaming kernel.)
+  // (An FP8 out takes the kernel its T-output form takes, so it quantizes the very same values.)
   return with_flags({a.y.data != nullptr, fp8}, [&](auto has_residual, auto fp8_out) {
     if (vectorizable && hidden / kVec <= kMaxCachedPacks)
       return launch_cached<Tx, Tm, kVec, kUpcast, has_residual, fp8_out>(a, stream);
-    if (!fp8_out && hidden <= kMaxCachedPacks)
-      return launch_cached<Tx, Tm, 1, kUpcast, has_residual, false>(a, stream);
+    if (hidden <= kMaxCachedPacks)
+      return launch_cached<Tx, Tm, 1, kUpcast, has_residual, fp8_out>(a, stream);
     return launch_streaming(norm_modulate_streaming_kernel<Tx, Tm, kUpcast, fp8_out>, a.rows,
                             kRowBlockThreads, stream, a);
   });
