@@ -7,6 +7,7 @@ counts bytes read + bytes written, and is compared with a device-to-device copy 
 way in the same process.
 """
 
+import contextlib
 import json
 import math
 import statistics
@@ -146,3 +147,33 @@ def bar_chart(path: Path, title: str, shapes, columns, tbs, copy_tbs: float) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@contextlib.contextmanager
+def torchao_fp8_rowwise(model: torch.nn.Module):
+    """The FP8 path a user would pick instead of ours, on `model` while the block runs: torchao's
+    float8 dynamic-activation float8-weight quantization with per-row scales
+    (`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`, every
+    nn.Linear it takes). torchao replaces the weights; the bf16 ones wait on the CPU and come
+    back on exit. Raises ImportError naming torchao when it is not installed."""
+    try:
+        from torchao.quantization import (
+            Float8DynamicActivationFloat8WeightConfig,
+            PerRow,
+            quantize_,
+        )
+    except ImportError as error:
+        raise ImportError(f"the torchao anchor needs torchao (pip install torchao): {error}")
+    originals = {
+        name: (m, m.weight) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    }
+    device = next(iter(originals.values()))[1].device
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    for _, weight in originals.values():
+        weight.data = weight.data.cpu()
+    try:
+        yield model
+    finally:
+        for module, weight in originals.values():
+            weight.data = weight.data.to(device)
+            module.weight = weight

@@ -1,6 +1,10 @@
-"""One denoising step of a full-size diffusers transformer, in one process, in six columns:
+"""One denoising step of a full-size diffusers transformer, in one process, in these columns:
 eager, eager + ltx_kernels (inject_optimized_kernels), torch.compile(fullgraph=True) with and
-without the kernels, and compile_repeated_blocks(fullgraph=True) with and without the kernels.
+without the kernels, and compile_repeated_blocks(fullgraph=True) with and without the kernels;
+with --columns also the opt-in FP8 path (`+fp8`: inject_optimized_kernels(..., fp8=True)) eager,
+per block and whole-model compiled, and the anchor a user would pick instead, torchao's float8
+dynamic rowwise quantization compiled per block or whole (`torchao-fp8+blocks`,
+`torchao-fp8+compile`; needs torchao).
 
 Models (random weights from the real default configs, bf16):
   ltx        LTXVideoTransformer3DModel (LTX-Video 2B, 28 blocks), batch 2 (CFG), 128 text tokens;
@@ -41,6 +45,13 @@ import bench_utils  # noqa: E402
 import ltx_kernels  # noqa: E402
 
 COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels", "compile", "compile+kernels")
+FP8_COLUMNS = (
+    "kernels+fp8",
+    "blocks+kernels+fp8",
+    "compile+kernels+fp8",
+    "torchao-fp8+blocks",
+    "torchao-fp8+compile",
+)
 LTX_GRIDS = {2688: (7, 16, 24), 8064: (21, 16, 24), 7392: (21, 16, 22), 12672: (33, 16, 24)}
 # diffusers' scripts/convert_ltx_to_diffusers.py: 0.9.7/0.9.8 13B differ from the 2B defaults here.
 LTX_CONFIGS = {
@@ -170,16 +181,26 @@ def uncompile_blocks(model):
 
 @contextlib.contextmanager
 def configured(column, model):
-    """The model set up as `column` (kernels injected, compiled whole or per block); yields what to
-    call, or None when the model has no repeated blocks to compile. Undone on exit."""
-    injected = column.endswith("kernels") and column != "eager"
-    if injected:
-        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    """The model set up as `column` ("+"-separated: kernels, fp8, torchao-fp8, compiled whole or
+    per block); yields what to call, or None when the model has no repeated blocks to compile.
+    Undone on exit."""
+    parts = set(column.split("+"))
+    injected = "kernels" in parts
+    with contextlib.ExitStack() as undo:
+        if injected:
+            ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8="fp8" in parts)
+            undo.callback(ltx_kernels.remove_optimized_kernels, model)
+        if "torchao-fp8" in parts:
+            undo.enter_context(bench_utils.torchao_fp8_rowwise(model))
+        yield from _compiled(parts, model)
+
+
+def _compiled(parts, model):
     torch._dynamo.reset()
     try:
-        if column.startswith("compile"):
+        if "compile" in parts:
             yield torch.compile(model, fullgraph=True)
-        elif column.startswith("blocks"):
+        elif "blocks" in parts:
             if not getattr(model, "_repeated_blocks", None):
                 yield None
             else:
@@ -189,8 +210,6 @@ def configured(column, model):
             yield model
     finally:
         uncompile_blocks(model)
-        if injected:
-            ltx_kernels.remove_optimized_kernels(model)
 
 
 def run_column(column, model, call, reps):
@@ -318,14 +337,18 @@ def main():
     )
     parser.add_argument("--model", choices=("ltx", "ltx-13b", "flux-pair"), default="ltx")
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
-    parser.add_argument("--columns", default=",".join(COLUMNS))
+    parser.add_argument(
+        "--columns",
+        default=",".join(COLUMNS),
+        help=f"comma-separated, from {', '.join(COLUMNS + FP8_COLUMNS)}",
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.context_parallel:
         return context_parallel_main(parser, args)
-    columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
+    columns = bench_utils.parse_columns(parser, args.columns, COLUMNS + FP8_COLUMNS)
     tokens_list = args.tokens or ([2688, 8064] if args.model.startswith("ltx") else [4096])
     env = bench_utils.environment()
     print(

@@ -25,7 +25,14 @@ CATEGORIES = (  # first match wins; names are lower-cased CUDA kernel names
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
     (
         "ltx_kernels",
-        ("norm_modulate_", "gated_residual_", "qk_norm_rope_", "gelu_kernel", "rmsnorm_"),
+        (
+            "norm_modulate_",
+            "gated_residual_",
+            "qk_norm_rope_",
+            "gelu_kernel",
+            "rmsnorm_",
+            "quantize_fp8_",
+        ),
     ),
     ("inductor/triton", ("triton_",)),
 )
@@ -94,9 +101,10 @@ def main():
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
-    unknown = set(columns) - set(bt.COLUMNS)
+    allowed = bt.COLUMNS + bt.FP8_COLUMNS
+    unknown = set(columns) - set(allowed)
     if unknown:
-        parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(bt.COLUMNS)}")
+        parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(allowed)}")
     model, call = bt.ltx_case(args.tokens)
     print(
         f"# LTX-Video 2B, batch 2 x {args.tokens} tokens, {torch.cuda.get_device_name()}, "

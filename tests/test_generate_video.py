@@ -186,7 +186,7 @@ def test_config_switch_restores_the_baseline(gv):
     pipe = gv.build_random_pipeline(torch.float32, "cpu", tiny=True)
     args = gv.parse_args(["--tiny", "--compile", "--compile-scope", "blocks"])
     note = gv.apply_config(pipe, "kernels+compile", args)
-    assert "7 modules" in note and "compile" in note
+    assert "9 modules" in note and "compile" in note
     assert hasattr(type(pipe.transformer), "_ltx_kernels_original_class")
     assert all(m._compiled_call_impl is not None for m in pipe.transformer.transformer_blocks)
     gv.restore_baseline(pipe, args)
@@ -224,7 +224,7 @@ def test_tiny_compare_end_to_end(gv, tmp_path, capsys, monkeypatch, dtype, toler
     assert [row.config for row in rows] == ["baseline", "kernels"]
     assert rows[0].rel_l2 == 0.0 and rows[0].speedup == 1.0
     # 7 = 2 blocks + their 4 attention processors + the model's output norm
-    assert rows[1].rel_l2 <= tolerance and "7 modules" in rows[1].notes
+    assert rows[1].rel_l2 <= tolerance and "9 modules" in rows[1].notes
     if dtype == "fp32":  # the fused ops ran (bf16 tiny models are bit-identical to diffusers)
         assert rows[1].rel_l2 > 0
     assert (
@@ -355,7 +355,7 @@ def test_full_size_kernels_drift(gv, tmp_path):
     )
     baseline, kernels = rows
     assert 0 < kernels.rel_l2 <= 2e-2, kernels.rel_l2
-    assert "85 modules" in kernels.notes and baseline.peak_gib > 3
+    assert "113 modules" in kernels.notes and baseline.peak_gib > 3
 
 
 @pytest.mark.gpu
@@ -378,5 +378,5 @@ def test_tiny_compare_with_cpu_offload(gv, tmp_path):
         ]
     )
     for row in rows[1:]:
-        assert "7 modules" in row.notes and "skipped" not in row.notes
+        assert "9 modules" in row.notes and "skipped" not in row.notes
         assert 0 < row.rel_l2 <= 1e-5

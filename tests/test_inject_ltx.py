@@ -37,6 +37,7 @@ def test_tiny_ltx_matches_eager_and_restores(dtype, affine):
         "LTXAttention (self: q/k norm + RoPE)": 2,
         "LTXAttention (cross: q/k norm)": 2,
         "LTXVideoTransformer3DModel (output norm)": 1,
+        "fused projections (to_q/to_k/to_v)": 2,
     }
     assert not report.skipped
     assert count_ltx_ops(lambda: call(model)) == expected_counts()
@@ -65,7 +66,7 @@ def test_report_is_readable_and_double_injection_raises(capsys):
     report = ltx_kernels.inject_optimized_kernels(model, ops=set(FUSIONS) - {"gelu"})
     printed = capsys.readouterr().out
     assert printed.strip() == str(report)
-    assert "7 modules patched" in printed and "disabled: gelu" in printed
+    assert "9 modules patched" in printed and "disabled: gelu" in printed
     assert "LTXVideoTransformerBlock" in printed and "2 patched" in printed
     with pytest.raises(RuntimeError, match="already injected; call remove_optimized_kernels"):
         ltx_kernels.inject_optimized_kernels(model)

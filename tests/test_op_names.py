@@ -67,6 +67,6 @@ def test_fused_backward_ops_map_ops_to_backward_ops():
     assert set(FUSED_BACKWARD_OPS.values()) == set(BACKWARD_OPS)
 
 
-def test_fusions_are_the_ops():
-    assert FUSIONS == OPS
+def test_fusions_are_the_ops_and_fused_projections():
+    assert FUSIONS == (*OPS, "fused_projections")
     assert set(OPS) <= set(ltx_kernels.__all__)

@@ -16,10 +16,15 @@ How a module is patched, and why that way:
   hook (leaf-level offloading or layerwise casting added after injection); otherwise it calls the
   module as diffusers does. So a step never bypasses a hook.
 
-Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS) minus the
-comma-separated names in the environment variable LTX_KERNELS_DISABLE. A disabled op falls back to
-the diffusers code for that step only, so kernels can be taken out one at a time when hunting a
-numerical difference.
+Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS and
+"fused_projections") minus the comma-separated names in the environment variable
+LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that step only, so kernels
+can be taken out one at a time when hunting a numerical difference.
+
+Linears (linears.py): a patcher names the projections of one input that run as one GEMM
+(fuse_projections) and, for fp8=True, the block Linears that run in FP8 (fp8_linears); both are
+applied per model once its blocks are patched (finish_model), FP8 first, so that FP8 projections
+fuse their FP8 weights.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from collections import Counter, defaultdict
 import torch
 
 from .._op_names import FUSED_BACKWARD_OPS, OPS
+from . import linears
 
-#: The fused ops inject_optimized_kernels can use, by op name (each can be disabled alone): all.
-FUSIONS = OPS
+#: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
+#: name, and "fused_projections" (q/k/v projections of one input as one GEMM, linears.py).
+FUSIONS = (*OPS, "fused_projections")
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused
 #: backward (_op_names.FUSED_BACKWARD_OPS). linear_gelu's backward (cuBLAS GEMMs and a GELU
@@ -62,6 +69,7 @@ class InjectionReport:
     or step left on the diffusers code, with the reason; the ops in use."""
 
     ops: tuple[str, ...]
+    fp8: bool = False
     patched: Counter = dataclasses.field(default_factory=Counter)
     skipped: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
 
@@ -72,6 +80,7 @@ class InjectionReport:
     def __str__(self) -> str:
         lines = [
             f"ltx_kernels: {self.total_patched} modules patched; ops: {', '.join(self.ops) or 'none'}"
+            + ("; FP8 GEMMs" if self.fp8 else "")
         ]
         disabled = [name for name in FUSIONS if name not in self.ops]
         if disabled:
@@ -126,6 +135,12 @@ def has_forward_hook(module: torch.nn.Module) -> bool:
     return forward is not None and not _is_own_forward(module, forward)
 
 
+def has_hooks(module: torch.nn.Module) -> bool:
+    """has_forward_hook, or forward (pre-)hooks registered on the module: anything that would see
+    a call's inputs or outputs."""
+    return has_forward_hook(module) or bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def _is_own_forward(module: torch.nn.Module, forward) -> bool:
     return (
         getattr(forward, "__self__", None) is module
@@ -145,9 +160,51 @@ class FusedAttnProcessor:
 class Injector:
     """Handed to the per-model patch functions: applies and records patches."""
 
-    def __init__(self, ops: frozenset[str], report: InjectionReport):
+    def __init__(self, ops: frozenset[str], report: InjectionReport, fp8: bool = False):
         self.ops = ops
         self.report = report
+        self.fp8 = fp8
+        self._fp8_blocks: list = []  # (block name, [(Linear name, Linear)]), in model order
+        self._projection_groups: list = []  # (owner name, owner, key, member names)
+
+    def fp8_linears(self, name: str, block: torch.nn.Module, paths) -> None:
+        """Names the Linears of `block` (paths below it) that run in FP8 with fp8=True."""
+        if self.fp8:
+            linears = [(f"{name}.{path}", block.get_submodule(path)) for path in paths]
+            self._fp8_blocks.append((name, linears))
+
+    def fuse_projections(self, name: str, owner: torch.nn.Module, key: str, names) -> None:
+        """Names projections of one input (owner's modules `names`) that run as one GEMM."""
+        self._projection_groups.append((name, owner, key, tuple(names)))
+
+    def finish_model(self, fp8_bf16_blocks: int) -> None:
+        """Applies what the patchers named for one model: the FP8 Linears (all but those of the
+        first and last fp8_bf16_blocks blocks), then the fused projections."""
+        blocks, self._fp8_blocks = self._fp8_blocks, []
+        kind = "Linear (FP8 GEMM)"
+        for index, (block_name, block_linears) in enumerate(blocks):
+            kept = index < fp8_bf16_blocks or index >= len(blocks) - fp8_bf16_blocks
+            for name, linear in block_linears:
+                reason = (
+                    "kept bf16 (fp8_bf16_blocks)" if kept else linears.fp8_linear_reason(linear)
+                )
+                if reason:
+                    self.skip(kind, name, reason)
+                else:
+                    linears.to_fp8(linear)
+                    self.report.patched[kind] += 1
+        groups, self._projection_groups = self._projection_groups, []
+        if "fused_projections" not in self.ops:
+            return
+        for name, owner, key, names in groups:
+            if linears.fuse(owner, key, names):
+                self.report.patched[f"fused projections ({'/'.join(names)})"] += 1
+            else:
+                self.skip(
+                    "fused projections",
+                    name,
+                    "the projections differ in kind (FP8 or not, adapters), size or bias",
+                )
 
     def swap_forward(
         self, name: str, module: torch.nn.Module, forward, kind: str, required: bool = True
@@ -309,12 +366,25 @@ def _models(target) -> list[tuple[str, torch.nn.Module]]:
     return [(key, value) for key, value in components.items() if isinstance(value, torch.nn.Module)]
 
 
-def inject_optimized_kernels(pipe_or_model, ops=None, verbose: bool = True) -> InjectionReport:
+def inject_optimized_kernels(
+    pipe_or_model,
+    ops=None,
+    verbose: bool = True,
+    *,
+    fp8: bool = False,
+    fp8_bf16_blocks: int = 0,
+) -> InjectionReport:
     """Patches every supported block of a diffusers pipeline or model (LTX-Video, FLUX.1, Wan 2.x,
     SD3/SD3.5, HunyuanVideo/HunyuanVideo-1.5 transformers, or a bare block) to run on the fused
     ops, in place.
 
     ops: names from FUSIONS to use (default all); LTX_KERNELS_DISABLE=a,b removes names.
+    fp8: opt-in FP8 inference (bf16 models, GPUs with FP8 tensor cores, or the CPU): the block
+    Linears the model's patcher names (attention projections but the text-side K/V, the FF) get
+    float8_e4m3fn weights with per-output-channel scales, and the ops before them emit their
+    activations as e4m3 with one scale per row (linears.py, README "FP8"); embedders,
+    proj_in/proj_out, norms and attention stay bf16. fp8_bf16_blocks=N keeps the first and last N
+    blocks of each model in bf16.
     Inject after loading and before offloading, caching or compiling. Returns an InjectionReport
     (printed when verbose). Raises on a model that is already injected."""
     from .. import _library
@@ -322,8 +392,12 @@ def inject_optimized_kernels(pipe_or_model, ops=None, verbose: bool = True) -> I
     _library()  # raises with the build error when the extension did not load
     register_inductor_fallbacks()
     ops = _resolve_ops(ops)
-    report = InjectionReport(ops=tuple(name for name in FUSIONS if name in ops))
-    injector = Injector(ops, report)
+    if fp8_bf16_blocks < 0:
+        raise ValueError(
+            f"inject_optimized_kernels: fp8_bf16_blocks must be >= 0, got {fp8_bf16_blocks}"
+        )
+    report = InjectionReport(ops=tuple(name for name in FUSIONS if name in ops), fp8=fp8)
+    injector = Injector(ops, report, fp8)
     patchers = _patchers()
     for prefix, model in _models(pipe_or_model):
         modules = list(model.named_modules())
@@ -333,16 +407,34 @@ def inject_optimized_kernels(pipe_or_model, ops=None, verbose: bool = True) -> I
                     f"inject_optimized_kernels: {prefix}.{name} is already injected; "
                     "call remove_optimized_kernels first"
                 )
+        if fp8:
+            _check_fp8_device(model, prefix)
         patched_before = report.total_patched
         for name, module in modules:
             patch = patchers.get(type(module).__name__)
             if patch is not None:
                 patch(".".join(p for p in (prefix, name) if p), module, injector)
+        injector.finish_model(fp8_bf16_blocks)
         if report.total_patched > patched_before:
             _report_quantized_weights(model, prefix, report)
     if verbose:
         print(report)
     return report
+
+
+def _check_fp8_device(model: torch.nn.Module, prefix: str) -> None:
+    """fp8=True needs FP8 tensor cores (compute capability 8.9+) where the model's weights are on
+    a GPU."""
+    devices = {p.device for p in model.parameters() if p.is_cuda}
+    for device in devices:
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise RuntimeError(
+                f"inject_optimized_kernels(fp8=True): {prefix or 'the model'} is on {device} "
+                f"({torch.cuda.get_device_name(device)}, compute capability "
+                f"{capability[0]}.{capability[1]}), which has no FP8 tensor cores (8.9+: Ada, "
+                "Hopper, Blackwell); inject with fp8=False"
+            )
 
 
 def remove_optimized_kernels(pipe_or_model) -> int:
@@ -361,7 +453,12 @@ def remove_optimized_kernels(pipe_or_model) -> int:
                     "model.disable_cache(), ...); under context parallelism, inject after "
                     "enable_parallelism to be able to restore the model"
                 )
-        for _, module in modules:
+        for _, module in modules:  # (an owner of fused projections comes before its members)
+            linears.unfuse_all(module)
+            if isinstance(module, linears.Fp8Linear):
+                linears.restore_from_fp8(module)
+                restored += 1
+                continue
             original_class = getattr(type(module), _ORIGINAL_CLASS, None)
             if original_class is not None:
                 if "forward" in vars(module):  # stale bound patched forward left by a removed hook

@@ -2,13 +2,20 @@
 
 Per block (`LTXVideoTransformerBlock`), with t = scale_shift_table + temb split in six:
   norm1 + modulation            -> rmsnorm_modulate       (diffusers RMSNorm, weight None or not)
+  attn1: q/k/v projections      -> one GEMM               (fused_projections)
   attn1: q/k RMSNorm + RoPE     -> qk_rmsnorm_rope        (across heads, full-D interleaved RoPE)
   x + attn1 * gate_msa          -> gated_residual
   attn2: q/k RMSNorm (no RoPE)  -> qk_rmsnorm_rope without tables
   x + attn2, norm2 + modulation -> add_rmsnorm_modulate   (one pass emits both)
   FF up-projection + GELU-tanh  -> linear_gelu            (GELU/GEGLU detected)
   x + ff * gate_mlp             -> gated_residual
-Model (`LTXVideoTransformer3DModel`): output LayerNorm + modulation -> layernorm_modulate.
+Model (`LTXVideoTransformer3DModel`): output LayerNorm + modulation -> layernorm_modulate; the
+RoPE tables computed once for the batch ([1, S, D]) when every sample has the same positions (no
+video_coords): half the table traffic of the q/k kernels, the same values.
+
+FP8 (fp8=True): attn1's q/k/v (one FP8 GEMM) and out, attn2's q and out, the FF's two projections;
+norm1 and norm2 emit their output as FP8 rows for attn1's q/k/v and the FF, the FF's GELU emits
+its output as FP8 rows for the down projection; attn2's text K/V stay bf16.
 
 Under diffusers' context parallelism attn2 attends to the whole text (context_parallel.py), and the
 patched model's `_cp_plan` also splits per-token timesteps ([B, S], LTXConditionPipeline).
@@ -48,7 +55,7 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         encoder_hidden_states, attention_mask, parallel_config = gather_cross_attention_inputs(
             self._parallel_config, encoder_hidden_states, attention_mask
         )
-        batch_size, sequence_length, _ = (
+        batch_size, sequence_length, _ = (  # (hidden_states may be Fp8Rows: see block_forward)
             hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
         )
         if attention_mask is not None:
@@ -59,11 +66,11 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
                 batch_size, attn.heads, -1, attention_mask.shape[-1]
             )
         if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
-
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
+            query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
+        else:
+            query = attn.to_q(hidden_states)
+            key = attn.to_k(encoder_hidden_states)
+            value = attn.to_v(encoder_hidden_states)
         query, key = steps.qk_norm_rope(
             self.ops,
             attn.norm_q,
@@ -101,7 +108,8 @@ def block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     encoder_attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`LTXVideoTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
+    """`LTXVideoTransformerBlock.forward` on the fused ops (same arguments, same rounding points).
+    With FP8 Linears, norm1 and norm2 hand attn1 and the FF their output as FP8 rows."""
     ops = self._ltx_kernels_ops
     batch_size = hidden_states.size(0)
     num_ada_params = self.scale_shift_table.shape[0]
@@ -110,7 +118,13 @@ def block_forward(
     )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
 
-    norm_hidden_states = steps.norm_modulate(ops, self.norm1, hidden_states, scale_msa, shift_msa)
+    attn1 = self.attn1
+    fp8_attn1 = isinstance(attn1.processor, LTXKernelsAttnProcessor) and steps.fp8_consumers(
+        *(getattr(attn1, name) for name in steps.QKV), through=attn1
+    )
+    norm_hidden_states = steps.norm_modulate(
+        ops, self.norm1, hidden_states, scale_msa, shift_msa, fp8=fp8_attn1
+    )
     attn_hidden_states = self.attn1(
         hidden_states=norm_hidden_states,
         encoder_hidden_states=None,
@@ -125,7 +139,13 @@ def block_forward(
         attention_mask=encoder_attention_mask,
     )
     hidden_states, norm_hidden_states = steps.add_norm_modulate(
-        ops, self.norm2, hidden_states, attn_hidden_states, scale_mlp, shift_mlp
+        ops,
+        self.norm2,
+        hidden_states,
+        attn_hidden_states,
+        scale_mlp,
+        shift_mlp,
+        fp8=steps.feed_forward_takes_fp8(self.ff),
     )
 
     ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
@@ -149,8 +169,10 @@ def _model_forward(
     """`LTXVideoTransformer3DModel.forward` (diffusers 0.36-0.42) with the output norm fused."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
+    # One table for the batch unless the samples have their own positions (video_coords).
+    positions = hidden_states if video_coords is not None else hidden_states[:1]
     image_rotary_emb = self.rope(
-        hidden_states, num_frames, height, width, rope_interpolation_scale, video_coords
+        positions, num_frames, height, width, rope_interpolation_scale, video_coords
     )
     if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
         encoder_attention_mask = (1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0
@@ -207,8 +229,23 @@ def _lora_scaled(forward):
 model_forward = _lora_scaled(_model_forward)
 
 
+#: The block's Linears that run in FP8 with fp8=True: attention projections but the text-side K/V
+#: of attn2, and the FF (diffusers' FeedForward: net = [GELU(proj), Dropout, Linear]).
+FP8_LINEARS = (
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_out.0",
+    "ff.net.0.proj",
+    "ff.net.2",
+)
+
+
 def patch_block(name: str, block, injector) -> None:
     injector.swap_forward(name, block, block_forward, "LTXVideoTransformerBlock")
+    injector.fp8_linears(name, block, FP8_LINEARS)
     for attn_name, kind in (
         ("attn1", "LTXAttention (self: q/k norm + RoPE)"),
         ("attn2", "LTXAttention (cross: q/k norm)"),
@@ -222,6 +259,8 @@ def patch_block(name: str, block, injector) -> None:
             "LoRA/IP adapters or user code",
         ):
             injector.set_processor(f"{name}.{attn_name}", attn, LTXKernelsAttnProcessor(), kind)
+            if attn_name == "attn1":
+                injector.fuse_projections(f"{name}.attn1", attn, "qkv", steps.QKV)
     reason = steps.feed_forward_fusable(block.ff)
     if reason:
         injector.skip("LTXVideoTransformerBlock feed-forward", f"{name}.ff", reason)

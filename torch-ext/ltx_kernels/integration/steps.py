@@ -6,7 +6,13 @@ code: model-dtype steps round every operation (upcast=False), Wan's fp32 steps r
 
 While autograd records through a step (training), the step uses only ops in FUSED_BACKWARD
 (FUSED_BACKWARD_COMPILED under torch.compile) and runs the diffusers code for the others, so
-training gets stock gradients at stock speed or faster."""
+training gets stock gradients at stock speed or faster.
+
+FP8 (inject_optimized_kernels(..., fp8=True)): a norm step whose output feeds only FP8 Linears
+(fp8=True, decided by the block from its modules: fp8_consumers) returns that output quantized per
+row (linears.Fp8Rows) by the FP8-output twin of its op, in the same pass; those Linears take it as
+is. Where the op does not run (disabled, operands it cannot take) the step returns the tensor and
+each FP8 Linear quantizes it itself."""
 
 from __future__ import annotations
 
@@ -15,18 +21,23 @@ import torch.nn.functional as F
 
 from .. import (
     add_layernorm_modulate,
+    add_layernorm_modulate_fp8,
     add_rmsnorm_modulate,
+    add_rmsnorm_modulate_fp8,
     gated_residual,
     geglu,
     gelu,
     layernorm_modulate,
+    layernorm_modulate_fp8,
     linear_gelu,
     qk_rmsnorm_rope,
     rmsnorm,
     rmsnorm_modulate,
+    rmsnorm_modulate_fp8,
     rope,
 )
-from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, has_forward_hook, plain_tensor
+from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, has_forward_hook, has_hooks, plain_tensor
+from .linears import Fp8Linear, Fp8Rows, fp8_rows, projections
 
 
 def ops_for_step(ops, *operands):
@@ -67,6 +78,20 @@ def _plain(*modules) -> bool:
         and plain_tensor(getattr(m, "weight", None))
         and plain_tensor(getattr(m, "bias", None))
         for m in modules
+    )
+
+
+def _bf16_linear(m) -> bool:
+    """An nn.Linear whose weight the fused ops may read (an Fp8Linear's is parked on the CPU)."""
+    return isinstance(m, torch.nn.Linear) and not isinstance(m, Fp8Linear)
+
+
+def fp8_consumers(*linears, through=None) -> bool:
+    """Whether a step may hand its output to `linears` as Fp8Rows: each is a hook-free
+    Fp8Linear, and the module the rows pass through on their way (an attention module, which
+    must then run our processor: the caller checks that) is hook-free too."""
+    return all(isinstance(m, Fp8Linear) and not has_hooks(m) for m in linears) and not (
+        through is not None and has_hooks(through)
     )
 
 
@@ -112,15 +137,25 @@ def diffusers_rmsnorm(ops, norm, x):
 # ------------------------------------------------------------------------------------------------
 # Norm + modulation (AdaLN): n = norm(x) * (1 + scale) + shift
 # ------------------------------------------------------------------------------------------------
-def norm_modulate(ops, norm, x, scale, shift):
-    """diffusers RMSNorm or nn.LayerNorm of x, modulated, in x's dtype."""
+def norm_modulate(ops, norm, x, scale, shift, fp8: bool = False):
+    """diffusers RMSNorm or nn.LayerNorm of x, modulated, in x's dtype (fp8: as Fp8Rows where
+    the op runs)."""
     ops = ops_for_step(ops, x, norm, scale, shift)
     if _plain(norm) and _modulation_ok(x, norm, scale, shift):
         if "rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
-            return rmsnorm_modulate(x, scale, shift, norm.weight, norm.eps)
+            op = rmsnorm_modulate_fp8 if fp8 else rmsnorm_modulate
+            return _rows_if(fp8, op(x, scale, shift, norm.weight, norm.eps))
         if "layernorm_modulate" in ops and is_plain_layernorm(norm):
-            return layernorm_modulate(x, scale, shift, norm.weight, norm.bias, norm.eps)
+            op = layernorm_modulate_fp8 if fp8 else layernorm_modulate
+            return _rows_if(fp8, op(x, scale, shift, norm.weight, norm.bias, norm.eps))
     return norm(x) * (1 + scale) + shift
+
+
+def _rows_if(fp8: bool, out):
+    """An FP8-output op's (q, q_scale) as Fp8Rows (after h for the add_ ops); out as it is."""
+    if not fp8:
+        return out
+    return Fp8Rows(*out) if len(out) == 2 else (out[0], Fp8Rows(*out[1:]))
 
 
 def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
@@ -163,18 +198,19 @@ def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None):
     return h, norm_modulate_fp32(ops, norm, h, scale, shift)
 
 
-def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None):
-    """h = x + y * gate (x + y without gate); n = norm(h) * (1 + scale) + shift. Returns (h, n)."""
+def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None, fp8: bool = False):
+    """h = x + y * gate (x + y without gate); n = norm(h) * (1 + scale) + shift. Returns (h, n)
+    (fp8: n as Fp8Rows where the op runs)."""
     ops = ops_for_step(ops, x, y, norm, scale, shift, gate)
     if _plain(norm) and _modulation_ok(x, norm, scale, shift, gate) and _same_dtype(x, y):
         if "add_rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
-            return add_rmsnorm_modulate(x, y, scale, shift, gate, norm.weight, norm.eps)
+            op = add_rmsnorm_modulate_fp8 if fp8 else add_rmsnorm_modulate
+            return _rows_if(fp8, op(x, y, scale, shift, gate, norm.weight, norm.eps))
         if "add_layernorm_modulate" in ops and is_plain_layernorm(norm):
-            return add_layernorm_modulate(
-                x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps
-            )
+            op = add_layernorm_modulate_fp8 if fp8 else add_layernorm_modulate
+            return _rows_if(fp8, op(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps))
     h = residual(ops, x, y, gate)
-    return h, norm_modulate(ops, norm, h, scale, shift)
+    return h, norm_modulate(ops, norm, h, scale, shift, fp8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,6 +230,18 @@ def residual_fp32(ops, x, y, gate):
     if "gated_residual" in ops and _same_dtype(x, y) and gate.dtype in (x.dtype, torch.float32):
         return gated_residual(x, y, gate, upcast=True)
     return (x.float() + y * gate).type_as(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: q/k/v projections
+# ------------------------------------------------------------------------------------------------
+QKV = ("to_q", "to_k", "to_v")
+
+
+def fused_projections(ops, attn, x, key: str = "qkv", names=QKV):
+    """attn.to_q(x), attn.to_k(x), attn.to_v(x) (or the modules `names`) as one GEMM over the
+    weights injection fused (linears.projections), where it can; x may be Fp8Rows."""
+    return projections(attn, key, names, x, "fused_projections" in ops)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,18 +327,18 @@ def _same_rope_tables(x, cos_sin) -> bool:
 # ------------------------------------------------------------------------------------------------
 def feed_forward(ops, ff, x):
     """diffusers FeedForward (net = [activation with its projection, Dropout, Linear, ...]) with the
-    GELU-tanh projection as one GEMM with a GELU epilogue, or GELU/GEGLU as our op."""
+    GELU-tanh projection as one GEMM with a GELU epilogue, or GELU/GEGLU as our op. With FP8
+    projections (x may then be Fp8Rows: feed_forward_takes_fp8) the GELU and the down
+    projection's input quantization are one pass."""
     net = list(ff.net)
     act = net[0]
     kind = type(act).__name__
     proj = getattr(act, "proj", None)
     ops = ops_for_step(ops, x, proj)
     h = None
-    if (
-        _plain(act, proj)
-        and isinstance(proj, torch.nn.Linear)
-        and _same_dtype(x, proj.weight, proj.bias)
-    ):
+    if isinstance(proj, Fp8Linear) and kind == "GELU" and _plain(act):
+        h = _gelu_for(ops, proj(x), act.approximate, net[1:])
+    elif _plain(act, proj) and _bf16_linear(proj) and _same_dtype(x, proj.weight, proj.bias):
         if kind == "GELU" and act.approximate == "tanh" and "linear_gelu" in ops:
             h = linear_gelu(x, proj.weight, proj.bias)
         elif kind == "GELU" and "gelu" in ops:
@@ -300,8 +348,31 @@ def feed_forward(ops, ff, x):
     if h is None:
         h = act(x)
     for module in net[1:]:
-        h = module(h)
+        if not (isinstance(h, Fp8Rows) and isinstance(module, torch.nn.Dropout)):
+            h = module(h)  # (rows pass inactive Dropouts only: _gelu_for)
     return h
+
+
+def feed_forward_takes_fp8(ff) -> bool:
+    """Whether feed_forward takes its input as Fp8Rows: a hook-free GELU whose projection is an
+    FP8 Linear."""
+    act = ff.net[0]
+    return type(act).__name__ == "GELU" and _plain(act) and fp8_consumers(act.proj)
+
+
+def _gelu_for(ops, h, approximate: str, rest):
+    """gelu(h) for the modules `rest` after it: quantized per row in the same pass (Fp8Rows) when
+    the first of them past inactive Dropouts is an FP8 Linear. The FP8 form runs where the bf16
+    step would run our kernel (linear_gelu for GELU-tanh, gelu otherwise)."""
+    if ("linear_gelu" if approximate == "tanh" else "gelu") not in ops:
+        return F.gelu(h, approximate=approximate)
+    for module in rest:
+        if isinstance(module, torch.nn.Dropout) and (module.p == 0 or not module.training):
+            continue
+        if fp8_consumers(module):
+            return fp8_rows(h, "gelu_tanh" if approximate == "tanh" else "gelu")
+        break
+    return gelu(h, approximate)
 
 
 def gated_attention_feed_forward(
@@ -331,7 +402,7 @@ def linear_act(ops, proj, act, x):
             "linear_gelu" in ops
             and act.approximate == "tanh"
             and _plain(proj)
-            and isinstance(proj, torch.nn.Linear)
+            and _bf16_linear(proj)
             and _same_dtype(x, proj.weight, proj.bias)
         ):
             return linear_gelu(x, proj.weight, proj.bias)

@@ -1,0 +1,429 @@
+"""The Linear layers of injected models (integration/linears.py): q/k/v projections fused into one
+GEMM, and the opt-in FP8 path (inject_optimized_kernels(..., fp8=True)) on LTX-Video. Tiny models
+on the CPU (the FP8 GEMM dequantizes there; everything up to it is the GPU's code path), the
+full-size model on the GPU."""
+
+import pytest
+import torch
+
+import ltx_kernels
+from inject_helpers import (
+    assert_matches_eager,
+    caller,
+    clone,
+    count_ltx_ops,
+    eager_and_injected,
+    output_of,
+    rel_l2,
+)
+from ltx_kernels import reference
+from ltx_kernels.integration import FUSIONS, linears
+from ltx_kernels.integration.ltx import FP8_LINEARS
+from model_zoo.ltx import TINY, full_inputs, tiny_inputs, tiny_model
+
+from diffusers import LTXVideoTransformer3DModel  # noqa: E402  (inject_helpers skips without it)
+
+BF16 = torch.bfloat16
+QKV = ("to_q", "to_k", "to_v")
+# FP8 (e4m3, 3 mantissa bits) against the bf16 injected model: the output of the tiny 2-block
+# model moves by ~1.5e-2 (full size on the H100: test_full_size_fp8_gpu prints it).
+FP8_VS_BF16 = 5e-2
+
+
+def attn1s(model):
+    return [block.attn1 for block in model.transformer_blocks]
+
+
+def fp8_injected(model, **kwargs):
+    with torch.no_grad():
+        report = ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8=True, **kwargs)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused q/k/v projections (bf16 and fp32)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_fused_qkv_shares_the_parameters_storage(dtype):
+    model = tiny_model(dtype)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {name: p for name, p in model.named_parameters()}
+    eager, injected, _ = eager_and_injected(model, caller(tiny_inputs(dtype)))
+    assert_matches_eager(eager, injected, dtype, "fused q/k/v")
+    assert {name: p for name, p in model.named_parameters()} == params  # the same objects
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    for attn in attn1s(model):
+        fused = attn._ltx_kernels_fused_qkv_weight
+        start = fused.data_ptr()
+        step = fused[: attn.to_q.out_features].nbytes
+        # the parameters are the row blocks of the fused weight: no second copy
+        for i, name in enumerate(QKV):
+            assert getattr(attn, name).weight.data_ptr() == start + i * step
+    ltx_kernels.remove_optimized_kernels(model)
+    for attn in attn1s(model):
+        assert "_ltx_kernels_fused_qkv_weight" not in attn._buffers
+        pointers = {getattr(attn, name).weight.data_ptr() for name in QKV}
+        assert len(pointers) == 3
+        assert all(
+            getattr(attn, n).weight.untyped_storage().nbytes() == getattr(attn, n).weight.nbytes
+            for n in QKV
+        )  # each its own storage again
+
+
+class GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (aten mm/addmm/bmm) dispatched while active."""
+
+    GEMMS = ("mm", "addmm", "bmm", "_addmm_activation")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace == "aten" and func._schema.name.split("::")[-1] in self.GEMMS
+        return func(*args, **(kwargs or {}))
+
+
+def gemms(call) -> int:
+    with torch.no_grad(), GemmCounter() as counter:
+        call()
+    return counter.count
+
+
+def test_fused_qkv_runs_one_gemm_instead_of_three():
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    unfused = clone(model)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    ltx_kernels.inject_optimized_kernels(
+        unfused, verbose=False, ops=set(FUSIONS) - {"fused_projections"}
+    )
+    assert gemms(lambda: call(model)) == gemms(lambda: call(unfused)) - 2 * TINY["num_layers"]
+    # a hook on a member: that attention runs the three modules (the hook sees its call)
+    seen = []
+    hook = model.transformer_blocks[0].attn1.to_k.register_forward_hook(
+        lambda module, args, out: seen.append(out.shape)
+    )
+    assert gemms(lambda: call(model)) == gemms(lambda: call(unfused)) - 2 * TINY["num_layers"] + 2
+    assert len(seen) == 1
+    hook.remove()
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), output_of(call(unfused)))
+
+
+def test_fused_qkv_sees_weights_written_or_reallocated_after_injection():
+    model = tiny_model(BF16)
+    inputs = tiny_inputs(BF16)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    stock = tiny_model(BF16)
+    stock.load_state_dict(new_state)
+    with torch.no_grad():
+        expected = output_of(stock(**inputs))
+        model.load_state_dict(new_state)  # in place: into the fused weight's row blocks
+        assert torch.equal(output_of(model(**inputs)), expected)
+        attn = model.transformer_blocks[1].attn1
+        attn.to_v.weight.data = attn.to_v.weight.data * 0.5  # re-allocated: eager re-links
+        stock.transformer_blocks[1].attn1.to_v.weight.data *= 0.5
+        assert torch.equal(output_of(model(**inputs)), output_of(stock(**inputs)))
+        model.to(torch.float32).to(BF16)  # every parameter re-allocated (as offloading does)
+        assert torch.equal(output_of(model(**inputs)), output_of(stock(**inputs)))
+
+
+def test_fused_qkv_can_be_disabled():
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    eager, injected, report = eager_and_injected(
+        model, call, ops=set(FUSIONS) - {"fused_projections"}
+    )
+    assert torch.equal(output_of(injected), output_of(eager))
+    assert not any("fused projections" in kind for kind in report.patched)
+    assert all("_ltx_kernels_fused_qkv_weight" not in attn._buffers for attn in attn1s(model))
+
+
+def test_rope_tables_are_computed_once_for_the_batch():
+    """No video_coords: one [1, S, D] table for the batch (same values); with per-sample
+    video_coords, each sample's own."""
+    model = tiny_model(torch.float32)
+    inputs = tiny_inputs(torch.float32)
+    tables = []
+    model.rope.register_forward_hook(lambda module, args, out: tables.append(out[0].shape))
+    eager, injected, _ = eager_and_injected(model, caller(inputs))
+    assert tables == [(2, 32, 16), (1, 32, 16)]
+    assert_matches_eager(eager, injected, torch.float32, "shared tables")
+    coords = torch.rand(2, 3, 32) * 20  # per-sample positions (LTXConditionPipeline)
+    with torch.no_grad():
+        out = model(**inputs, video_coords=coords)
+        ltx_kernels.remove_optimized_kernels(model)
+        stock = model(**inputs, video_coords=coords)
+    assert tables[-1] == (2, 32, 16)
+    assert rel_l2(output_of(out), output_of(stock)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8
+# ------------------------------------------------------------------------------------------------
+def fp8_emulated(model):
+    """A stock copy of `model` whose FP8 Linears compute what the FP8 path must: x's bf16 value
+    quantized per row and the weight per output channel (reference.quantize_rows_fp8), the
+    products summed in fp32, scaled by both scales, bias added, rounded once."""
+    emulated = clone(model)
+    for block in emulated.transformer_blocks:
+        for path in FP8_LINEARS:
+            linear = block.get_submodule(path)
+            weight, weight_scale = reference.quantize_rows_fp8(linear.weight.detach())
+
+            def forward(x, linear=linear, weight=weight, weight_scale=weight_scale):
+                q, scale = reference.quantize_rows_fp8(x)
+                out = (q.float() @ weight.float().T) * scale[..., None] * weight_scale
+                return (out + linear.bias.float()).to(x.dtype)
+
+            linear.forward = forward
+    return emulated
+
+
+def test_fp8_computes_the_rowwise_rule_at_every_linear():
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    with torch.no_grad():
+        bf16 = output_of(call(model))
+        emulated = output_of(call(fp8_emulated(model)))
+    report = fp8_injected(model)
+    assert report.patched["Linear (FP8 GEMM)"] == len(FP8_LINEARS) * TINY["num_layers"]
+    assert not report.skipped
+    with torch.no_grad():
+        out = output_of(call(model))
+    assert torch.equal(out, emulated)
+    error = rel_l2(out, bf16)
+    assert 1e-3 < error <= FP8_VS_BF16, f"FP8 vs bf16 relative L2 {error:.3g}"
+
+
+def test_fp8_weights_are_quantized_once_and_parked():
+    model = tiny_model(BF16)
+    weights = {
+        name: (m.weight, m.weight.detach().clone())
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fp8_injected(model)
+    for block in model.transformer_blocks:
+        for path in FP8_LINEARS:
+            linear = block.get_submodule(path)
+            assert isinstance(linear, linears.Fp8Linear)
+            q, scale = reference.quantize_rows_fp8(linear.weight.detach())
+            assert linear.weight_fp8.dtype == torch.float8_e4m3fn
+            assert torch.equal(linear.weight_fp8.view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(linear.weight_scale, scale)
+            assert "weight_fp8" not in model.state_dict()
+        assert type(block.attn2.to_k) is torch.nn.Linear  # text K/V stay bf16
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    ltx_kernels.remove_optimized_kernels(model)
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            assert type(m) is torch.nn.Linear and not m._buffers
+            assert m.weight is weights[name][0] and torch.equal(m.weight, weights[name][1])
+
+
+def test_fp8_remove_restores_bit_identical_outputs():
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    with torch.no_grad():
+        before = output_of(call(model))
+    fp8_injected(model)
+    ltx_kernels.remove_optimized_kernels(model)
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), before)
+    fp8_injected(model)  # and again after removal
+
+
+def test_fp8_op_counts():
+    """Per block: norm1 and norm2 emit FP8 rows (attn1's q/k/v, one GEMM; the FF), the GELU emits
+    them for the down projection; attn1's and attn2's output projections and attn2's query
+    quantize their input (quantize_fp8). No linear_gelu (the FP8 GEMM has no GELU epilogue)."""
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    fp8_injected(model)
+    layers = TINY["num_layers"]
+    assert count_ltx_ops(lambda: call(model)) == {
+        "rmsnorm_modulate_fp8": layers,
+        "add_rmsnorm_modulate_fp8": layers,
+        "quantize_fp8": 4 * layers,
+        "qk_rmsnorm_rope": 2 * layers,
+        "gated_residual": 2 * layers,
+        "layernorm_modulate": 1,
+    }
+
+
+@pytest.mark.parametrize("disabled", FUSIONS)
+def test_fp8_each_fusion_disabled_alone_gives_the_same_output(disabled):
+    """An FP8-output op quantizes exactly the value its bf16 twin returns, and that value is what
+    the diffusers code computes (bf16 bit-identity): disabling any one fusion moves the
+    quantization into the FP8 Linear and changes no bit."""
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    reference_model = clone(model)
+    fp8_injected(reference_model)
+    fp8_injected(model, ops=set(FUSIONS) - {disabled})
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), output_of(call(reference_model)))
+
+
+def test_fp8_bf16_blocks_keeps_the_first_and_last_blocks():
+    model = tiny_model(BF16, num_layers=3)
+    call = caller(tiny_inputs(BF16))
+    report = fp8_injected(model, fp8_bf16_blocks=1)
+    kinds = [
+        type(block.get_submodule(path))
+        for block in model.transformer_blocks
+        for path in ("ff.net.2",)
+    ]
+    assert kinds == [torch.nn.Linear, linears.Fp8Linear, torch.nn.Linear]
+    assert report.patched["Linear (FP8 GEMM)"] == len(FP8_LINEARS)
+    kept = report.skipped["Linear (FP8 GEMM)"]
+    assert len(kept) == 2 * len(FP8_LINEARS)
+    assert all(reason == "kept bf16 (fp8_bf16_blocks)" for _, reason in kept)
+    with torch.no_grad():
+        assert torch.isfinite(output_of(call(model))).all()
+    with pytest.raises(ValueError, match="fp8_bf16_blocks must be >= 0"):
+        ltx_kernels.inject_optimized_kernels(tiny_model(BF16), fp8=True, fp8_bf16_blocks=-1)
+
+
+def test_fp8_skips_what_it_cannot_take_and_says_why():
+    report = fp8_injected(tiny_model(torch.float32))
+    assert "Linear (FP8 GEMM)" not in report.patched
+    reasons = {reason for _, reason in report.skipped["Linear (FP8 GEMM)"]}
+    assert reasons == {"weight is torch.float32; FP8 GEMMs write bf16 (bf16 models only)"}
+
+
+def test_fp8_hooks_see_tensors_and_the_output_is_unchanged():
+    """A hook on attn1 or on an FP8 Linear added after injection: the norm then returns its bf16
+    output (the hook sees a tensor) and each FP8 Linear quantizes it itself: the same bits."""
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    fp8_injected(model)
+    with torch.no_grad():
+        expected = output_of(call(model))
+    seen = []
+    block = model.transformer_blocks[0]
+    for module in (block.attn1, block.ff.net[0].proj, block.ff.net[2]):
+        hook = module.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(type(args[0] if args else kwargs["hidden_states"])),
+            with_kwargs=True,
+        )
+        with torch.no_grad():
+            assert torch.equal(output_of(call(model)), expected)
+        hook.remove()
+    assert seen == [torch.Tensor] * 3
+
+
+def test_fp8_sees_weights_loaded_after_injection():
+    model = tiny_model(BF16)
+    inputs = tiny_inputs(BF16)
+    fp8_injected(model)
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    fresh = tiny_model(BF16)
+    fresh.load_state_dict(new_state)
+    fp8_injected(fresh)
+    with torch.no_grad():
+        model.load_state_dict(new_state)  # into the parked weights: re-quantized at the next call
+        assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
+
+
+def test_fp8_is_inference_only():
+    model = tiny_model(BF16)
+    inputs = tiny_inputs(BF16)
+    fp8_injected(model)
+    model.train()
+    with pytest.raises(RuntimeError, match=r"runs in FP8 .* which is for inference"):
+        model(**inputs)
+    model.eval()  # gradients through an FP8 op: backward raises naming it
+    out = output_of(model(**{**inputs, "hidden_states": inputs["hidden_states"].requires_grad_()}))
+    with pytest.raises(RuntimeError, match="has no backward: the FP8 path"):
+        out.float().sum().backward()
+
+
+def test_fp8_with_lora_adapters_loaded_first():
+    """Adapters on the attention projections (peft), then FP8 injection: the adapted projections
+    stay bf16 (reported), the others run in FP8; the output keeps the adapters' effect."""
+    from peft import LoraConfig
+
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a non-zero adapter
+    with torch.no_grad():
+        bf16 = output_of(call(model))
+    report = fp8_injected(model)
+    skipped = dict(report.skipped["Linear (FP8 GEMM)"])
+    assert len(skipped) == 4 * TINY["num_layers"]  # attn1's q/k/v, attn2's q (its k/v: bf16)
+    assert all(
+        reason.startswith("a peft.tuners.lora.layer.Linear, not a plain nn.Linear")
+        for reason in skipped.values()
+    )
+    with torch.no_grad():
+        out = output_of(call(model))
+    assert rel_l2(out, bf16) <= FP8_VS_BF16
+
+
+def test_fp8_compiles_fullgraph_without_recompiling():
+    torch._dynamo.reset()
+    model = tiny_model(BF16)
+    inputs = tiny_inputs(BF16)
+    fp8_injected(model)
+    with torch.no_grad():
+        eager = output_of(model(**inputs))
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            compiled(**{**inputs, "timestep": torch.randint(0, 1000, (2,))})
+        out = output_of(compiled(**inputs))
+    assert rel_l2(out, eager) <= 1e-2
+
+
+def test_fp8_moves_between_devices_keeping_the_weight_parked():
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    fp8_injected(model)
+    with torch.no_grad():
+        expected = output_of(call(model))
+    model.to(torch.float32).to(BF16)  # a cast: the FP8 buffers keep their dtypes
+    linear = model.transformer_blocks[0].ff.net[2]
+    assert linear.weight_fp8.dtype == torch.float8_e4m3fn
+    assert linear.weight_scale.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Full size on the GPU
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_full_size_fp8_gpu():
+    """LTX-Video 2B, 2x2688 tokens: the FP8 model against the bf16 injected model, and the weights
+    on the GPU (1 byte per FP8 weight; the bf16 originals on the CPU)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LTXVideoTransformer3DModel().to(BF16).eval()
+    call = caller(full_inputs(2, 7, 16, 24, "cuda"))
+    bf16_bytes = torch.cuda.memory_allocated()
+    eager, injected, _ = eager_and_injected(model, call)
+    ltx_kernels.remove_optimized_kernels(model)
+    report = fp8_injected(model)
+    assert report.patched["Linear (FP8 GEMM)"] == 28 * len(FP8_LINEARS)
+    fp8_bytes = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out = output_of(call(model))
+    error, error_eager = rel_l2(out, output_of(injected)), rel_l2(out, output_of(eager))
+    print(
+        f"full-size LTX-Video FP8, 2x2688 tokens: relative L2 vs bf16 kernels {error:.2e}, vs "
+        f"eager {error_eager:.2e}; weights {bf16_bytes / 2**30:.2f} -> {fp8_bytes / 2**30:.2f} GiB"
+    )
+    assert error <= FP8_VS_BF16 and fp8_bytes < 0.6 * bf16_bytes
+    ltx_kernels.remove_optimized_kernels(model)
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), output_of(eager))

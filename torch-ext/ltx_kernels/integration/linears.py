@@ -1,0 +1,303 @@
+"""The Linear layers of patched blocks: projections of one input fused into one GEMM, and the
+opt-in FP8 GEMMs of `inject_optimized_kernels(..., fp8=True)`.
+
+Fused projections ("fused_projections" in FUSIONS). The projections a block applies to one input
+(q, k and v of a self-attention) run as one GEMM over their concatenated weights. At injection the
+weights (and biases) are copied into one [sum of N, K] tensor, registered on the owning module as
+a non-persistent buffer, and each module's parameter is re-pointed at its row block
+(`param.data = view`): no second copy; the modules, their parameters (objects, values,
+requires_grad) and the state dict stay as they were, and in-place writes (load_state_dict) reach
+the fused tensor. Something that re-allocates a parameter (`model.to(...)`, `param.data = ...`)
+breaks the link: eager calls check it (data pointers, a few host ns) and re-fuse; compiled graphs
+read the fused buffer, which `.to()` moves alongside. A group whose modules are replaced (a peft
+adapter), hooked, or whose parameters need gradients (training) runs the modules one by one.
+
+FP8 (opt-in, inference). A block Linear chosen for FP8 becomes an `Fp8Linear` (a subclass of
+nn.Linear): its weight is quantized once per output channel to float8_e4m3fn (buffers `weight_fp8`
+[N, K] and `weight_scale` [N] fp32, not in the state dict), and its GEMM is `torch._scaled_mm`
+with rowwise scales (cuBLASLt/CUTLASS through libtorch; bias in the epilogue; bf16 out): y =
+(q_x @ q_w^T) * s_x * s_w + bias, the fp32 accumulator scaled and rounded once. Its input is an
+`Fp8Rows` (e4m3 rows plus one fp32 scale per row, produced by the norm / GELU op before it in the
+same pass) or a tensor, which it quantizes per row itself (`quantize_fp8`, one pass). The rule is
+torchao's dynamic rowwise one (reference.quantize_rows_fp8). The original bf16 weight stays the
+module's parameter, parked on the CPU (so GPU memory holds 1 byte per weight, not 3), untouched:
+state_dict unchanged, restored exactly by remove_optimized_kernels. Weights written after
+injection (load_state_dict into the parked parameter) are re-quantized at the next eager call. On
+the CPU the GEMM dequantizes (fp32 matmul of the e4m3 values, scaled, rounded once), so CPU tests
+run the same code path up to the GEMM."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import quantize_fp8
+
+FP8_DTYPE = torch.float8_e4m3fn
+#: The weight dtype FP8 Linears take: torch._scaled_mm's rowwise scaling writes bf16 only.
+FP8_MODEL_DTYPE = torch.bfloat16
+#: cuBLASLt's fast accumulation (fp32 accumulator updated every MMA, no two-level promotion):
+#: off, for accuracy at K = 8192 (the FF down projection).
+FP8_FAST_ACCUMULATION = False
+_FUSED_PREFIX = "_ltx_kernels_fused_"
+_GROUPS = "_ltx_kernels_fused_groups"
+_WEIGHT_VERSION = "_ltx_kernels_weight_version"
+
+
+class Fp8Rows(NamedTuple):
+    """An activation [..., K] quantized per row: data float8_e4m3fn [..., K] and scale fp32 [...],
+    value ~ data * scale[..., None]. What the FP8-output ops return, as an Fp8Linear's input."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+def fp8_rows(x: torch.Tensor, activation: str = "none") -> Fp8Rows:
+    """x (or gelu(x): activation "gelu" / "gelu_tanh") quantized per row, in one pass."""
+    if x.dim() > 0 and x.size(-1) > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return Fp8Rows(*quantize_fp8(x, activation))
+
+
+def fp8_matmul(
+    rows: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor, bias, out_dtype
+) -> torch.Tensor:
+    """rows @ weight^T * scales (+ bias) in out_dtype: [..., K] x [N, K] -> [..., N]."""
+    data, scale = rows
+    a, a_scale = data.reshape(-1, data.size(-1)), scale.reshape(-1, 1)
+    if a.is_cuda and a.size(0) > 0:
+        out = torch._scaled_mm(
+            a,
+            weight.t(),
+            scale_a=a_scale,
+            scale_b=weight_scale[None],
+            bias=bias,
+            out_dtype=out_dtype,
+            use_fast_accum=FP8_FAST_ACCUMULATION,
+        )
+    else:  # the CPU (and empty inputs): the same products in fp32, scaled, rounded once
+        out = (a.float() @ weight.float().t()) * a_scale * weight_scale[None]
+        out = (out if bias is None else out + bias.float()).to(out_dtype)
+    return out.view(*data.shape[:-1], weight.size(0))
+
+
+class Fp8Linear(torch.nn.Linear):
+    """nn.Linear whose GEMM runs in FP8 (module docstring): weight_fp8 [N, K] float8_e4m3fn and
+    weight_scale [N] fp32 buffers; `weight` is the original parameter, parked on the CPU."""
+
+    _ltx_kernels_original_class = torch.nn.Linear
+
+    def forward(self, x) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "ltx_kernels: this Linear runs in FP8 (inject_optimized_kernels(..., fp8=True)), "
+                "which is for inference; call model.eval() or torch.no_grad(), or train with "
+                "fp8=False (remove_optimized_kernels, then inject again)"
+            )
+        if not torch.compiler.is_compiling():
+            refresh_fp8_weight(self)
+        rows = x if isinstance(x, Fp8Rows) else fp8_rows(x)
+        return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, self.weight.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """Device moves and casts (`.to`, `.cuda()`, offload hooks) move the FP8 buffers and the
+        bias; the parked weight stays on the CPU as it is, the buffers keep their dtypes."""
+        parked = self._parameters.pop("weight")
+        fp8 = {name: self._buffers.pop(name) for name in ("weight_fp8", "weight_scale")}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = parked
+        device = fn(torch.empty(0, device=fp8["weight_scale"].device)).device
+        self._buffers.update({name: t.to(device) for name, t in fp8.items()})
+        return self
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", float8_e4m3fn weight (rowwise scales)"
+
+
+def fp8_linear_reason(linear) -> str | None:
+    """None when `linear` can become an Fp8Linear, else why not (for the report)."""
+    from . import has_hooks, plain_tensor
+
+    if type(linear) is not torch.nn.Linear:
+        kind = f"{type(linear).__module__}.{type(linear).__qualname__}"
+        return f"a {kind}, not a plain nn.Linear (adapter or custom layer)"
+    if has_hooks(linear):
+        return "carries a hook"
+    if not (plain_tensor(linear.weight) and plain_tensor(linear.bias)):
+        return f"weight is a {type(linear.weight).__name__} (already quantized)"
+    if linear.weight.dtype != FP8_MODEL_DTYPE:
+        return f"weight is {linear.weight.dtype}; FP8 GEMMs write bf16 (bf16 models only)"
+    if linear.in_features % 16 or linear.out_features % 16:
+        return "in/out features not multiples of 16 (torch._scaled_mm)"
+    return None
+
+
+def to_fp8(linear: torch.nn.Linear) -> None:
+    """Quantizes linear's weight per output channel, parks the original on the CPU, and makes the
+    module an Fp8Linear."""
+    weight = linear.weight
+    weight_fp8, weight_scale = quantize_fp8(weight.detach())
+    linear.register_buffer("weight_fp8", weight_fp8, persistent=False)
+    linear.register_buffer("weight_scale", weight_scale, persistent=False)
+    weight.data = weight.data.to("cpu")  # frees the device copy (the buffers hold the GEMM's)
+    setattr(linear, _WEIGHT_VERSION, weight._version)
+    linear.__class__ = Fp8Linear
+
+
+def refresh_fp8_weight(linear: Fp8Linear) -> None:
+    """Re-quantizes an Fp8Linear whose parked weight was written since (load_state_dict)."""
+    weight = linear.weight
+    if weight._version != getattr(linear, _WEIGHT_VERSION):
+        device = linear.weight_scale.device
+        linear.weight_fp8, linear.weight_scale = quantize_fp8(weight.detach().to(device))
+        setattr(linear, _WEIGHT_VERSION, weight._version)
+
+
+def restore_from_fp8(linear: Fp8Linear) -> None:
+    """The plain nn.Linear again, its original weight back on the module's device."""
+    device = linear.weight_scale.device
+    linear.weight.data = linear.weight.data.to(device)
+    del linear._buffers["weight_fp8"], linear._buffers["weight_scale"]
+    delattr(linear, _WEIGHT_VERSION)
+    linear.__class__ = torch.nn.Linear
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused projections
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Group:
+    """Modules `names` of an owner fused on `attrs` (each a fused buffer, the members' tensors its
+    row blocks at `pointers`)."""
+
+    names: tuple[str, ...]
+    attrs: tuple[str, ...]
+    sizes: tuple[int, ...]
+    pointers: dict = dataclasses.field(default_factory=dict)
+
+
+def _fused_attrs(linears) -> tuple[str, ...] | None:
+    """The tensors to fuse for modules that are all plain nn.Linear or all Fp8Linear with one
+    input size, dtype and device, all with or all without bias; else None."""
+    kinds = {type(m) for m in linears}
+    if kinds == {Fp8Linear}:
+        attrs = ("weight_fp8", "weight_scale", "bias")
+    elif kinds == {torch.nn.Linear}:
+        attrs = ("weight", "bias")
+    else:
+        return None
+    first = linears[0]
+    same = all(
+        m.in_features == first.in_features
+        and (m.bias is None) == (first.bias is None)
+        and getattr(m, attrs[0]).dtype == getattr(first, attrs[0]).dtype
+        and getattr(m, attrs[0]).device == getattr(first, attrs[0]).device
+        for m in linears
+    )
+    return attrs if same else None
+
+
+def fuse(owner: torch.nn.Module, key: str, names: tuple[str, ...]) -> bool:
+    """Fuses owner's modules `names` (paths below owner) as group `key`; False when they cannot
+    be (kinds, sizes or bias differ: fp8_linear_reason / _fused_attrs)."""
+    from . import plain_tensor
+
+    linears = [owner.get_submodule(n) for n in names]
+    attrs = _fused_attrs(linears)
+    if attrs is None or not all(plain_tensor(m.weight) for m in linears):
+        return False
+    group = _Group(names, attrs, tuple(m.out_features for m in linears))
+    _link(owner, key, group, linears)
+    owner.__dict__.setdefault(_GROUPS, {})[key] = group
+    return True
+
+
+def _link(owner, key: str, group: _Group, linears) -> None:
+    """(Re)builds the group's fused tensors from the members' current ones and points the members
+    at their row blocks."""
+    for attr in group.attrs:
+        parts = [getattr(m, attr) for m in linears]
+        if parts[0] is None:
+            continue
+        fused = torch.cat([p.detach() for p in parts])
+        owner.register_buffer(f"{_FUSED_PREFIX}{key}_{attr}", fused, persistent=False)
+        group.pointers[attr] = []
+        for m, block in zip(linears, fused.split(group.sizes)):
+            if attr in m._parameters:
+                m._parameters[attr].data = block
+            else:
+                m._buffers[attr] = block
+            group.pointers[attr].append(block.data_ptr())
+
+
+def unfuse_all(owner: torch.nn.Module) -> None:
+    """Gives each member of owner's groups its own tensors again and drops the fused buffers."""
+    for key, group in owner.__dict__.pop(_GROUPS, {}).items():
+        for attr in group.attrs:
+            owner._buffers.pop(f"{_FUSED_PREFIX}{key}_{attr}", None)
+            for name in group.names:
+                member = owner.get_submodule(name)
+                if attr in member._parameters and member._parameters[attr] is not None:
+                    member._parameters[attr].data = member._parameters[attr].data.clone()
+                elif member._buffers.get(attr) is not None:
+                    member._buffers[attr] = member._buffers[attr].clone()
+
+
+def fused_group(owner: torch.nn.Module, key: str, x) -> tuple | None:
+    """(group, members) when owner's group `key` can run as one GEMM on x now: its members are the
+    fused modules, hook-free, and no gradient is recorded for their parameters. Eager calls re-link
+    a group whose members were re-allocated."""
+    from . import has_hooks
+
+    group = owner.__dict__.get(_GROUPS, {}).get(key)
+    if group is None:
+        return None
+    members = [owner.get_submodule(n) for n in group.names]
+    if _fused_attrs(members) != group.attrs or any(has_hooks(m) for m in members):
+        return None
+    if torch.is_grad_enabled() and any(p.requires_grad for m in members for p in m.parameters()):
+        return None
+    if not torch.compiler.is_compiling():
+        for m in members:
+            if isinstance(m, Fp8Linear):
+                refresh_fp8_weight(m)
+        linked = all(
+            getattr(m, attr).data_ptr() == pointer
+            for attr, pointers in group.pointers.items()
+            for m, pointer in zip(members, pointers)
+        )
+        if not linked:
+            _link(owner, key, group, members)
+    return group, members
+
+
+def projections(owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fuse_ok: bool):
+    """The outputs of owner's modules `names` on x (a tensor or Fp8Rows): one GEMM over group
+    `key`'s fused weights when fuse_ok and the group is usable now (fused_group), else each
+    module in turn."""
+    found = fused_group(owner, key, x) if fuse_ok else None
+    if found is None:
+        return tuple(owner.get_submodule(n)(x) for n in names)
+    group, members = found
+    fused = lambda attr: getattr(owner, f"{_FUSED_PREFIX}{key}_{attr}", None)  # noqa: E731
+    if group.attrs[0] == "weight_fp8":
+        rows = x if isinstance(x, Fp8Rows) else fp8_rows(x)
+        out = fp8_matmul(
+            rows,
+            fused("weight_fp8"),
+            fused("weight_scale"),
+            fused("bias"),
+            members[0].weight.dtype,
+        )
+    else:
+        out = F.linear(x, fused("weight"), fused("bias"))
+    return out.split(group.sizes, dim=-1)
