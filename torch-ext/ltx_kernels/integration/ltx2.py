@@ -133,9 +133,8 @@ def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb):
         query, key = steps.qk_norm_rope(
             ops, norm_q, norm_k, query, key, None, None, across_heads=True
         )
-        return _rotate(ops, query, query_rotary_emb, split), _rotate(
-            ops, key, key_rotary_emb, split
-        )
+        key = _rotate(ops, key, key_rotary_emb, split)
+        return _rotate(ops, query, query_rotary_emb, split), key
     if not split:
         return steps.qk_norm_rope(
             ops,
