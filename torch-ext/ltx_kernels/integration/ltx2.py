@@ -120,6 +120,12 @@ def _rotate(ops, x, cos_sin, split: bool):
     return rotated.flatten(2)
 
 
+def _same_tables(a, b) -> bool:
+    """Whether two (cos, sin) pairs hold the same tensors (compared one by one: Dynamo does not
+    trace `is` on tuples)."""
+    return all(x is y for x, y in zip(a, b, strict=True))
+
+
 def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb):
     """LTX2AudioVideoAttnProcessor's q/k path on [B, S, D]: torch.nn.RMSNorm over the token, then
     attn.rope_type's RoPE (none without a query table), the key rotated by its own table where it
@@ -129,7 +135,7 @@ def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb):
     if query_rotary_emb is None or attn.rope_type not in ("interleaved", "split"):
         return steps.qk_norm_rope(ops, norm_q, norm_k, query, key, None, None, across_heads=True)
     split = attn.rope_type == "split"
-    if key_rotary_emb is not None and key_rotary_emb is not query_rotary_emb:
+    if key_rotary_emb is not None and not _same_tables(key_rotary_emb, query_rotary_emb):
         query, key = steps.qk_norm_rope(
             ops, norm_q, norm_k, query, key, None, None, across_heads=True
         )
