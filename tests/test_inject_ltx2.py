@@ -15,6 +15,7 @@ from inject_helpers import (
     caller,
     count_ltx_ops,
     eager_and_injected,
+    inject_then_group_offload,
     rel_l2,
 )
 from ltx_kernels.integration import FUSIONS, ltx2
@@ -206,8 +207,7 @@ def test_block_with_each_audio_video_attention(release, a2v, v2a):
     assert_same_outputs(injected, eager, dtype)
     with torch.no_grad(), OpRows() as spy:
         call(block)
-    # one rope op per rotated tensor of the audio-video attention in use (video queries are 8
-    # wide after the a2v projection, as are the audio ones: the audio attention's width)
+    # one rope op per rotated tensor (q and k) of each audio-video attention in use
     assert sum(op == "rope" for op, _ in spy.calls) == 2 * (a2v + v2a)
     norms = [width for op, width in spy.calls if op in ("rmsnorm_modulate", "add_rmsnorm_modulate")]
     used = a2v + v2a
@@ -360,6 +360,36 @@ def test_model_hook_then_inject_reports_output_norms():
     with torch.no_grad():
         assert_same_outputs(call(model), eager, torch.bfloat16)
     assert "layernorm_modulate" not in count_ltx_ops(lambda: call(model))
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_inject_then_group_offload(offload_type):
+    model = tiny_model(torch.bfloat16, "2.3")
+    call = caller(inputs(torch.bfloat16, "2.3"))
+    inject_then_group_offload(model, call, offload_type)
+    if offload_type == "leaf_level":
+        # Hooks on the Linear layers and q/k norms: the FF step calls the hooked projection and
+        # the q/k norms run as torch.nn.RMSNorm (then our RoPE); the weightless block norms and
+        # the residuals stay fused.
+        counts = count_ltx_ops(lambda: call(model))
+        assert "linear_gelu" not in counts and "qk_rmsnorm_rope" not in counts
+        assert counts["add_rmsnorm_modulate"] == 12 and counts["rope"] == 16
+
+
+def test_compile_whole_model_fullgraph_no_recompile_cpu():
+    torch._dynamo.reset()
+    model = tiny_model(torch.float32, "2.5")
+    kwargs = inputs(torch.float32, "2.5", "i2v")
+    eager, _, _ = eager_and_injected(model, caller(kwargs))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with (
+        torch.no_grad(),
+        torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True),
+    ):
+        compiled(**{**kwargs, "timestep": kwargs["timestep"] * 0.5})  # another step's timesteps
+        out = compiled(**kwargs)
+    for ours, theirs in zip(out, eager, strict=True):
+        assert rel_l2(ours, theirs) <= FP32_TOLERANCE
 
 
 # ------------------------------------------------------------------------------------------------
