@@ -110,6 +110,20 @@ def test_config_variants_are_bit_identical(release, overrides):
     assert count_ltx_ops(lambda: call(model)) == expected_ops(FUSIONS, release)
 
 
+@pytest.mark.parametrize("disabled", [{"rope"}, {"qk_rmsnorm_rope"}, {"rope", "qk_rmsnorm_rope"}])
+@pytest.mark.parametrize("rope_type", ["split", "interleaved"])
+def test_rope_fallbacks_are_bit_identical(rope_type, disabled):
+    # Without the rope op the rotations run diffusers' own code on the views our steps hand it
+    # (split: head views and transposed tables, turned back); without qk_rmsnorm_rope the norms
+    # run as torch.nn.RMSNorm over the token before the head views.
+    model = tiny_model(torch.bfloat16, "2.3", rope_type=rope_type)
+    call = caller(inputs(torch.bfloat16, "2.3"))
+    eager, injected, _ = eager_and_injected(model, call, ops=set(FUSIONS) - disabled)
+    assert_same_outputs(injected, eager, torch.bfloat16)
+    counts = count_ltx_ops(lambda: call(model))
+    assert not disabled & set(counts) and counts["add_rmsnorm_modulate"] == 12
+
+
 @pytest.mark.parametrize("release", ["2.0", "2.3"])
 def test_isolate_modalities_skips_the_audio_video_attention(release):
     model = tiny_model(torch.bfloat16, release)
