@@ -298,26 +298,47 @@ def test_audio_video_rope_rotates_queries_and_keys_by_their_own_tables():
 # What stays stock
 # ------------------------------------------------------------------------------------------------
 def test_code_other_than_diffusers_0_42_1_is_left_stock():
-    # A block or model whose forward is not the code the patches reproduce (a fork, another
-    # diffusers version) keeps it, reported; the stock attention processors inside are patched.
+    # A block, processor or model whose code is not the code the patches reproduce (a fork,
+    # another diffusers version) keeps it, reported; the rest is patched.
     class LTX2VideoTransformerBlock(transformer_ltx2.LTX2VideoTransformerBlock):
         def forward(self, *args, **kwargs):  # e.g. a fork's extra step
             hidden_states, audio_hidden_states = super().forward(*args, **kwargs)
             return hidden_states * 1.0, audio_hidden_states
 
+    class LTX2AudioVideoAttnProcessor(transformer_ltx2.LTX2AudioVideoAttnProcessor):
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            return super().__call__(attn, hidden_states, *args, **kwargs)
+
+    class LTX2VideoTransformer3DModel(transformer_ltx2.LTX2VideoTransformer3DModel):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
     model = tiny_model(torch.bfloat16, "2.0")
-    block = model.transformer_blocks[1]
-    block.__class__ = LTX2VideoTransformerBlock
+    model.__class__ = LTX2VideoTransformer3DModel
+    model.transformer_blocks[1].__class__ = LTX2VideoTransformerBlock
+    model.transformer_blocks[0].attn2.set_processor(LTX2AudioVideoAttnProcessor())
     call = caller(inputs(torch.bfloat16, "2.0"))
     eager, injected, report = eager_and_injected(model, call)
     assert_same_outputs(injected, eager, torch.bfloat16)
-    [(name, reason)] = report.skipped[BLOCK]
-    assert name == "transformer_blocks.1" and "not the diffusers 0.42.1 code" in reason
-    assert report.patched[BLOCK] == 1 and report.patched[SELF_ATTN] == 4
+    for kind, name, method in (
+        (BLOCK, "transformer_blocks.1", "LTX2VideoTransformerBlock.forward"),
+        (TEXT_ATTN, "transformer_blocks.0.attn2", "LTX2AudioVideoAttnProcessor.__call__"),
+        (MODEL, "", "LTX2VideoTransformer3DModel.forward"),
+    ):
+        [(skipped, reason)] = report.skipped[kind]
+        assert skipped == name and f"{method} (test_inject_ltx2)" in reason
+        assert "is not the diffusers 0.42.1 code" in reason
     assert (
-        ltx2._fingerprint(transformer_ltx2.LTX2VideoTransformerBlock.forward)
-        == (ltx2.REPRODUCED["LTX2VideoTransformerBlock.forward"])
+        report.patched[BLOCK] == 1
+        and report.patched[TEXT_ATTN] == 3
+        and MODEL not in report.patched
     )
+    assert report.patched[SELF_ATTN] == 4  # the forked block's attention is patched
+    expected = expected_ops(FUSIONS, "2.0", layers=1)
+    expected["qk_rmsnorm_rope"] += 5  # block 1's patched attention, but block 0's attn2
+    expected["rope"] += 4
+    del expected["layernorm_modulate"]  # the output norms
+    assert count_ltx_ops(lambda: call(model)) == expected
 
 
 def test_fingerprint_ignores_docstrings_comments_and_blank_lines_only():
