@@ -110,6 +110,21 @@ def test_config_variants_are_bit_identical(release, overrides):
     assert count_ltx_ops(lambda: call(model)) == expected_ops(FUSIONS, release)
 
 
+def test_video_self_attention_mask():
+    # IC-LoRA's multiplicative [B, S, S] mask on the video self-attention (reference tokens at
+    # half strength), turned into a bias by the model and into [B, H, S, S] by the processor.
+    model = tiny_model(torch.bfloat16, "2.3")
+    kwargs = inputs(torch.bfloat16, "2.3")
+    mask = torch.ones(2, 32, 32)
+    mask[:, :, 16:] = 0.5
+    mask[1, :, 24:] = 0.0
+    call = caller({**kwargs, "video_self_attention_mask": mask})
+    eager, injected, _ = eager_and_injected(model, call)
+    assert_same_outputs(injected, eager, torch.bfloat16)
+    with torch.no_grad():
+        assert rel_l2(caller(kwargs)(model)[0], injected[0]) > 1e-3  # the mask is applied
+
+
 @pytest.mark.parametrize("disabled", [{"rope"}, {"qk_rmsnorm_rope"}, {"rope", "qk_rmsnorm_rope"}])
 @pytest.mark.parametrize("rope_type", ["split", "interleaved"])
 def test_rope_fallbacks_are_bit_identical(rope_type, disabled):
