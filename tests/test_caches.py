@@ -14,7 +14,7 @@ from model_zoo import MODELS
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed")
 hooks = pytest.importorskip("diffusers.hooks", reason="diffusers is not installed")
 
-CACHED = ["ltx", "flux", "wan", "sd35", "hunyuan_video", "hunyuan_video15"]
+CACHED = ["ltx", "ltx2", "ltx23", "flux", "wan", "sd35", "hunyuan_video", "hunyuan_video15"]
 
 
 # The timestep of the current call, for the caches that ask for it (FasterCache: its first call,

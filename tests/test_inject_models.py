@@ -32,6 +32,10 @@ def models(*names):
     models(
         "ltx",
         "ltx_per_token",
+        "ltx2",
+        "ltx2_i2v",
+        "ltx23",
+        "ltx25_i2v",
         "flux",
         "wan_ti2v",
         "skyreels_v2_df",
@@ -66,6 +70,10 @@ def test_each_op_can_be_disabled_alone(model, disabled, monkeypatch):
     models(
         "ltx",
         "ltx_per_token",
+        "ltx2",
+        "ltx2_i2v",
+        "ltx23",
+        "ltx25_i2v",
         "flux",
         "sd35",
         "sd3",
@@ -85,7 +93,9 @@ def test_bf16_is_bit_identical_on_cpu(model):
     assert torch.equal(output_of(injected), output_of(eager))
 
 
-@pytest.mark.parametrize("model", models("ltx", "flux", "wan", "skyreels_v2", "chronoedit"))
+@pytest.mark.parametrize(
+    "model", models("ltx", "ltx2", "ltx23", "flux", "wan", "skyreels_v2", "chronoedit")
+)
 def test_attention_backend_is_kept(model):
     tiny = model.build(torch.float32)
     tiny.set_attention_backend("_native_math")
@@ -94,7 +104,9 @@ def test_attention_backend_is_kept(model):
     assert_backend_kept([m for m in tiny.modules() if hasattr(m, "processor")], model.processor)
 
 
-@pytest.mark.parametrize("model", models("ltx", "flux", "wan", "hunyuan_video", "hunyuan_video15"))
+@pytest.mark.parametrize(
+    "model", models("ltx", "ltx2", "ltx23", "flux", "wan", "hunyuan_video", "hunyuan_video15")
+)
 def test_compile_repeated_blocks_fullgraph_cpu(model):
     # Dynamo and the fake kernels, without graph breaks or recompiles (Inductor on LTX only: it
     # takes 20 s a model here). (SkyReels-V2 is left out: its model hands the first block the
@@ -117,7 +129,10 @@ def test_compile_repeated_blocks_fullgraph_cpu(model):
 
 
 @pytest.mark.parametrize(
-    "model", models("ltx", "flux", "wan_ti2v", "sd35", "hunyuan_video", "hunyuan_video15")
+    "model",
+    models(
+        "ltx", "ltx2", "ltx25_i2v", "flux", "wan_ti2v", "sd35", "hunyuan_video", "hunyuan_video15"
+    ),
 )
 def test_quantized_linear_weights_fall_back(model):
     # Linear weights as a tensor subclass that, like torchao's Float8Tensor, runs aten ops only:

@@ -23,6 +23,9 @@ from model_zoo import MODELS, ltx
 TRAINED = [
     "ltx",
     "ltx_per_token",
+    "ltx2",
+    "ltx23",
+    "ltx25_i2v",
     "flux",
     "wan",
     "skyreels_v2_df",

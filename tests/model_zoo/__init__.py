@@ -1,5 +1,5 @@
 """The tiny diffusers models the injection and training tests run on the CPU: one module per model
-family (`ltx`, `flux`, `wan`, `sd3`, `hunyuan`: config, model, inputs, the ltx_kernels ops one
+family (`ltx`, `ltx2`, `flux`, `wan`, `sd3`, `hunyuan`: config, model, inputs, the ltx_kernels ops one
 injected forward runs), and MODELS, the table of model variants that the tests parametrized over
 models (test_inject_models.py, test_training.py) take."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("diffusers", reason="diffusers is not installed")
 
 from ltx_kernels.integration import FUSIONS  # noqa: E402
 
-from . import flux, hunyuan, ltx, sd3, wan  # noqa: E402
+from . import flux, hunyuan, ltx, ltx2, sd3, wan  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,17 @@ def _hunyuan(v15: bool, variant: str | None = None, **config) -> TinyModel:
     )
 
 
+def _ltx2(release: str, variant: str | None = None) -> TinyModel:
+    return TinyModel(
+        functools.partial(ltx2.tiny_model, release=release),
+        functools.partial(ltx2.inputs, release=release, variant=variant),
+        lambda disabled: ltx2.expected_ops(_every_op_but(disabled), release),
+        "LTX2KernelsPerturbedAttnProcessor"
+        if ltx2.RELEASES[release]["perturbed_attn"]
+        else "LTX2KernelsAttnProcessor",
+    )
+
+
 _WAN = TinyModel(wan.tiny_model, wan.tiny_inputs, wan.expected_counts, "WanKernelsAttnProcessor")
 
 MODELS = {
@@ -84,6 +95,23 @@ MODELS = {
         ltx.expected_counts,
         "LTXKernelsAttnProcessor",
         bit_identical_without=("qk_rmsnorm_rope",),
+    ),
+    # LTX-2.x: video and audio streams, split RoPE; image-to-video with per-token timesteps;
+    # 2.3 with gates, text cross-attention modulation and the STG processor; 2.5 without video FF
+    # biases, image-to-video with the keyframe mask.
+    "ltx2": _ltx2("2.0"),
+    "ltx2_i2v": _ltx2("2.0", "i2v"),
+    "ltx23": _ltx2("2.3"),
+    # Its RMSNorm + modulation ops are left out of the bf16 bit-identity test: with these inputs
+    # one normalized video element (second sample, token 26, after the text cross-attention) is
+    # exactly 1.4257813389, 9e-9 above the bf16 midpoint 1.42578125; torch 2.11's CPU fp32 rsqrt,
+    # one ulp high there, puts diffusers' fp32 product at 1.4257813692 (rounds up), our correctly
+    # rounded rsqrt puts it on the midpoint itself (rounds to even, down): one bf16 ulp, carried
+    # into the audio stream by the audio-video cross-attention (the SD3.5 caveat above). Both ops
+    # are checked against float64 in test_norm_modulate.py, and this model matches eager with
+    # every op in the other tests.
+    "ltx25_i2v": dataclasses.replace(
+        _ltx2("2.5", "i2v"), bit_identical_without=("rmsnorm_modulate", "add_rmsnorm_modulate")
     ),
     "flux": TinyModel(
         flux.tiny_model,

@@ -310,10 +310,10 @@ def _share_block_metadata(cls: type, subclass: type) -> None:
 def _patchers() -> dict:
     """Class name -> patch function(name, module, injector), for the AdaLN modules and every
     supported model."""
-    from . import adaln, flux, hunyuan, ltx, sd3, wan
+    from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
 
     table = {}
-    for model in (adaln, ltx, flux, wan, sd3, hunyuan):
+    for model in (adaln, ltx, ltx2, flux, wan, sd3, hunyuan):
         table.update(model.PATCHERS)
     return table
 

@@ -418,3 +418,29 @@ def linear_act_fusable(act) -> str | None:
 
 def _no_kernel_for_activation(kind: str) -> str:
     return f"activation {kind} has no fused kernel; it runs as in diffusers"
+
+
+# ------------------------------------------------------------------------------------------------
+# Norm without modulation after a residual, and the RoPE of one tensor (LTX-2: norm2 without the
+# text-query modulation; audio-video cross-attention, whose queries and keys have their own tables)
+# ------------------------------------------------------------------------------------------------
+def add_norm(ops, norm, x, y, gate=None):
+    """h = x + y * gate (x + y without gate); n = norm(h), a diffusers RMSNorm or nn.LayerNorm
+    without modulation. Returns (h, n)."""
+    ops = ops_for_step(ops, x, y, norm, gate)
+    if _plain(norm) and _modulation_ok(x, norm, None, None, gate) and _same_dtype(x, y):
+        if "add_rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
+            return add_rmsnorm_modulate(x, y, None, None, gate, norm.weight, norm.eps)
+        if "add_layernorm_modulate" in ops and is_plain_layernorm(norm):
+            return add_layernorm_modulate(x, y, None, None, gate, norm.weight, norm.bias, norm.eps)
+    h = residual(ops, x, y, gate)
+    return h, diffusers_rmsnorm(ops, norm, h)
+
+
+def rotate(ops, x, cos_sin, diffusers_rope, interleaved: bool = True):
+    """RoPE of x with its own cos_sin = (cos, sin): the rope op, or diffusers_rope(x, cos_sin) (the
+    model's own rotation) when the op is disabled or cannot take the tables."""
+    ops = ops_for_step(ops, x, cos_sin)
+    if "rope" in ops and _same_rope_tables(x, cos_sin):
+        return rope(x, *cos_sin, interleaved)
+    return diffusers_rope(x, cos_sin)
