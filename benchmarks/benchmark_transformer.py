@@ -195,16 +195,20 @@ def configured(column, model):
         yield from _compiled(parts, model)
 
 
+#: torch.compile's mode for the compiled columns (--compile-mode), None: the default.
+COMPILE_MODE = None
+
+
 def _compiled(parts, model):
     torch._dynamo.reset()
     try:
         if "compile" in parts:
-            yield torch.compile(model, fullgraph=True)
+            yield torch.compile(model, fullgraph=True, mode=COMPILE_MODE)
         elif "blocks" in parts:
             if not getattr(model, "_repeated_blocks", None):
                 yield None
             else:
-                model.compile_repeated_blocks(fullgraph=True)
+                model.compile_repeated_blocks(fullgraph=True, mode=COMPILE_MODE)
                 yield model
         else:
             yield model
@@ -343,12 +347,19 @@ def main():
         help=f"comma-separated, from {', '.join(COLUMNS + FP8_COLUMNS)}",
     )
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)",
+    )
     parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.context_parallel:
         return context_parallel_main(parser, args)
     columns = bench_utils.parse_columns(parser, args.columns, COLUMNS + FP8_COLUMNS)
+    global COMPILE_MODE
+    COMPILE_MODE = args.compile_mode
     tokens_list = args.tokens or ([2688, 8064] if args.model.startswith("ltx") else [4096])
     env = bench_utils.environment()
     print(

@@ -1,13 +1,17 @@
 """Where one LTX-Video denoising step spends its GPU time, per column of benchmark_transformer.py:
 torch.profiler over --steps calls after warm-up, kernel time summed per category (GEMM, attention,
 ltx_kernels ops, Inductor/Triton, other), the top kernels by total time, and how long the host
-takes to issue one step against its wall time.
+takes to issue one step against its wall time; with --graph also the step replayed as one CUDA
+graph (its GPU time without host gaps), with --cprofile the host functions that take the most time
+issuing one step.
 
   python benchmarks/profile_step.py --tokens 2688 --columns kernels,compile+kernels
 """
 
 import argparse
 import collections
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -61,7 +65,45 @@ def host_times(step, reps=5):
     return statistics.median(issue), statistics.median(wall)
 
 
-def profile_column(column, model, call, steps, top):
+def graph_replay_ms(step, reps=10):
+    """Median ms of one step captured in a CUDA graph and replayed (no host gaps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    del graph
+    return statistics.median(times)
+
+
+def host_profile(step, top):
+    """The host functions taking the most time (cProfile, own time) while one step is issued."""
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
+    print(f"  host, own time per function over one step (total {stats.total_tt * 1000:.1f} ms):")
+    for (path, line, name), (_, calls, own, cumulative, _) in rows:
+        where = f"{Path(path).name}:{line}({name})" if path != "~" else name
+        print(f"    {own * 1000:7.2f} ms own {cumulative * 1000:7.2f} ms cum x{calls:5d}  {where}")
+
+
+def profile_column(column, model, call, steps, top, graph=False, cprofile=False):
     with configured(column, model) as target, torch.no_grad():
         if target is None:
             print(f"\n## {column}: the model has no repeated blocks")
@@ -69,6 +111,12 @@ def profile_column(column, model, call, steps, top):
         for _ in range(3):
             call(target)
         issue_ms, wall_ms = host_times(lambda: call(target))
+        if graph:
+            print(
+                f"\n## {column}: one step as a CUDA graph {graph_replay_ms(lambda: call(target)):.2f} ms"
+            )
+        if cprofile:
+            host_profile(lambda: call(target), top)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 call(target)
@@ -99,6 +147,8 @@ def main():
     parser.add_argument("--columns", default="eager,kernels,compile,compile+kernels")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--graph", action="store_true", help="also time the step as a CUDA graph")
+    parser.add_argument("--cprofile", action="store_true", help="host functions by time")
     args = parser.parse_args()
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
     allowed = bt.COLUMNS + bt.FP8_COLUMNS
@@ -111,7 +161,7 @@ def main():
         f"torch {torch.__version__}"
     )
     for column in columns:
-        profile_column(column, model, call, args.steps, args.top)
+        profile_column(column, model, call, args.steps, args.top, args.graph, args.cprofile)
 
 
 if __name__ == "__main__":

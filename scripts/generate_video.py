@@ -4,6 +4,7 @@
   python scripts/generate_video.py --no-optimized-kernels --compile
   python scripts/generate_video.py --use-optimized-kernels --compile     # both together
   python scripts/generate_video.py --compare --num-frames 49 --steps 30  # the four rows in one process
+  python scripts/generate_video.py --fp8 --compile                        # opt-in FP8 GEMMs
   torchrun --nproc_per_node 2 scripts/generate_video.py --context-parallel ulysses --compare
 
 Weights (--weights): `hub` loads --model-id with diffusers (from the local cache, else downloaded);
@@ -19,7 +20,14 @@ come back as a tensor on the GPU, and writing the file is not timed), synchroniz
 is its compile time, reported apart. it/s is the rate of the denoising loop alone (from the end of
 its first step to the end of its last); decode is the time from the end of the loop to the frames.
 Every configuration starts from the same seed, so their final latents are compared with the
-baseline's (relative L2).
+baseline's (relative L2), and their decoded frames too (PSNR in dB, frames in [0, 1]); the rows that
+keep bf16 numerics (kernels, compile) give the noise floor the FP8 rows are read against.
+
+FP8 (--fp8, or the --compare configurations kernels+fp8 and kernels+fp8+compile): the kernels with
+inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (README "FP8"). torchao-fp8+compile is
+the path a user would pick instead: torchao's float8 dynamic rowwise quantization of every Linear
+of the transformer (torchao from PyPI), compiled; torchao replaces the weights, the bf16 ones wait
+on the CPU and come back after the row.
 
 Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU): the
 transformer runs under diffusers' context parallelism (enable_parallelism), the kernels injected on
@@ -38,7 +46,9 @@ with --compare, a PNG chart (--chart, needs matplotlib).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import math
 import json
 import os
 import statistics
@@ -53,12 +63,16 @@ import torch
 import ltx_kernels
 
 CONFIGS = ("baseline", "kernels", "compile", "kernels+compile")
+FP8_CONFIGS = ("kernels+fp8", "kernels+fp8+compile", "torchao-fp8+compile")
 CONFIG_TITLES = {
     "kernels-1gpu": "Optimized kernels, 1 GPU",
     "baseline": "Baseline (diffusers eager)",
     "kernels": "Optimized kernels",
     "compile": "Baseline + torch.compile",
     "kernels+compile": "Optimized kernels + torch.compile",
+    "kernels+fp8": "Optimized kernels, FP8",
+    "kernels+fp8+compile": "Optimized kernels, FP8 + torch.compile",
+    "torchao-fp8+compile": "torchao float8 rowwise + torch.compile",
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PROMPT = (
@@ -109,15 +123,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: default)",
     )
     parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="with the kernels: FP8 GEMMs (inject_optimized_kernels(..., fp8=True), opt-in)",
+    )
+    parser.add_argument(
+        "--fp8-bf16-blocks",
+        type=int,
+        default=0,
+        help="with FP8: keep the first and last N transformer blocks in bf16",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="run baseline, kernels, compile and kernels+compile in one process and "
-        "print the comparison table (--configs picks a subset)",
+        "print the comparison table (--configs picks a subset, FP8 rows included)",
     )
     parser.add_argument(
         "--configs",
         default=",".join(CONFIGS),
-        help=f"configurations for --compare, comma-separated from {', '.join(CONFIGS)}",
+        help="configurations for --compare, comma-separated from "
+        f"{', '.join(CONFIGS + FP8_CONFIGS)}",
     )
     parser.add_argument("--batch-size", type=int, default=1, help="videos per prompt")
     parser.add_argument("--num-frames", type=int, default=161, help="8k+1 frames")
@@ -189,13 +215,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.configs != parser.get_default("configs") and not args.compare:
         parser.error("--configs: only with --compare (otherwise the flags pick one configuration)")
-    unknown = sorted(set(configs) - set(CONFIGS))
+    unknown = sorted(set(configs) - set(CONFIGS + FP8_CONFIGS))
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+        parser.error(
+            f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS + FP8_CONFIGS)}"
+        )
     if not configs:
         parser.error("--configs: give at least one configuration")
+    if args.fp8 and (args.compare or not args.kernels):
+        parser.error(
+            "--fp8: with the kernels, one configuration (--compare: --configs kernels+fp8)"
+        )
+    if args.fp8_bf16_blocks < 0:
+        parser.error("--fp8-bf16-blocks: must be >= 0")
     if args.compare:
-        args.configs = [c for c in CONFIGS if c in configs]
+        args.configs = [c for c in CONFIGS + FP8_CONFIGS if c in configs]
+    elif args.fp8:
+        args.configs = ["kernels+fp8+compile" if args.compile else "kernels+fp8"]
     else:
         args.configs = [
             ("kernels+compile" if args.compile else "kernels")
@@ -420,12 +456,16 @@ def apply_config(pipe, config: str, args) -> str:
     the bare modules (as after loading) and the hooks then wrap them. Under context parallelism
     the baseline runs the diffusers code through our processors (module docstring)."""
     notes = []
+    parts = config.split("+")
     parallel = args.context_parallel and config != "kernels-1gpu"
     if config.startswith("kernels") or parallel:
         if args.cpu_offload:
             pipe.remove_all_hooks()
         ops = None if config.startswith("kernels") else ()
-        report = ltx_kernels.inject_optimized_kernels(pipe, ops=ops, verbose=False)
+        fp8 = "fp8" in parts
+        report = ltx_kernels.inject_optimized_kernels(
+            pipe, ops=ops, verbose=False, fp8=fp8, fp8_bf16_blocks=args.fp8_bf16_blocks
+        )
         if args.cpu_offload:
             pipe.enable_model_cpu_offload()
         print(report)
@@ -433,12 +473,21 @@ def apply_config(pipe, config: str, args) -> str:
             notes.append("diffusers code; ltx_kernels processors for the text mask")
         else:
             notes.append(f"{report.total_patched} modules on ltx_kernels ops")
+        if fp8:
+            kept = args.fp8_bf16_blocks
+            notes.append("FP8 GEMMs" + (f" (first/last {kept} blocks bf16)" if kept else ""))
         if report.skipped:
             notes.append(f"{sum(len(entries) for entries in report.skipped.values())} skipped")
+    if "torchao-fp8" in parts:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from bench_utils import torchao_fp8_rowwise
+
+        _UNDO.enter_context(torchao_fp8_rowwise(pipe.transformer))
+        notes.append("torchao Float8DynamicActivationFloat8WeightConfig(PerRow), every Linear")
     if parallel:
         world = torch.distributed.get_world_size()
         notes.append(f"{args.context_parallel} x {world} GPUs")
-    if config.endswith("compile"):
+    if parts[-1] == "compile":
         torch._dynamo.reset()
         options = dict(fullgraph=True, mode=args.compile_mode)
         if args.compile_scope == "blocks":
@@ -450,8 +499,13 @@ def apply_config(pipe, config: str, args) -> str:
     return "; ".join(notes) or "reference"
 
 
+#: What apply_config set up that restore_baseline undoes besides the kernels (torchao's weights).
+_UNDO = contextlib.ExitStack()
+
+
 def restore_baseline(pipe, args) -> None:
-    """Undo apply_config: drop compiled call paths and the kernels."""
+    """Undo apply_config: drop compiled call paths, torchao's weights and the kernels."""
+    _UNDO.close()
     for module in pipe.transformer.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
@@ -523,6 +577,7 @@ class Row:
     speedup: float | None = None
     vs_compile: float | None = None
     rel_l2: float | None = None
+    psnr_db: float | None = None  # decoded frames vs the baseline's
 
 
 def measure(pipe, config: str, inputs: dict, args, device: torch.device) -> tuple[Row, Call]:
@@ -573,13 +628,22 @@ def relative_l2(x: torch.Tensor, reference: torch.Tensor) -> float:
     return ((x.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
-def finish_rows(rows: list[Row], latents: dict) -> None:
-    """Speedups over the baseline and over compile alone; latent drift from the baseline."""
+def psnr_db(frames: torch.Tensor, reference: torch.Tensor) -> float:
+    """PSNR of frames in [0, 1] against reference frames (inf when identical)."""
+    mse = (frames.double() - reference.double()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
+
+
+def finish_rows(rows: list[Row], calls: dict) -> None:
+    """Speedups over the baseline and over compile alone; latent and frame drift from the
+    baseline (calls: config -> its last Call)."""
     by_config = {row.config: row for row in rows}
     for row in rows:
         if "baseline" in by_config:
+            baseline = calls["baseline"]
             row.speedup = by_config["baseline"].total_s / row.total_s
-            row.rel_l2 = relative_l2(latents[row.config], latents["baseline"])
+            row.rel_l2 = relative_l2(calls[row.config].latents, baseline.latents)
+            row.psnr_db = psnr_db(calls[row.config].frames, baseline.frames)
         if "compile" in by_config:
             row.vs_compile = by_config["compile"].total_s / row.total_s
 
@@ -617,8 +681,8 @@ def format_table(rows: list[Row]) -> str:
     from the end of the loop to the frames; first call: a compiled row's compile warm-up."""
     lines = [
         "| Configuration | Time (s) | it/s | Speedup | vs compile | Decode (s) | Peak GiB "
-        "| Latent rel L2 | First call (s) | Notes |",
-        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+        "| Latent rel L2 | Frames PSNR (dB) | First call (s) | Notes |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
     ]
     for row in rows:
         first_call = row.warmup_s[0] if "compile" in row.config and row.warmup_s else None
@@ -626,7 +690,7 @@ def format_table(rows: list[Row]) -> str:
             f"| {CONFIG_TITLES[row.config]} | {row.total_s:.2f} | {row.it_per_s:.2f} | "
             f"{_fmt(row.speedup, '.2f', 'x')} | {_fmt(row.vs_compile, '.2f', 'x')} | "
             f"{row.decode_s:.3f} | {_fmt(row.peak_gib, '.1f')} | {_fmt(row.rel_l2, '.1e')} | "
-            f"{_fmt(first_call, '.1f')} | {row.notes} |"
+            f"{_fmt(row.psnr_db, '.1f')} | {_fmt(first_call, '.1f')} | {row.notes} |"
         )
     return "\n".join(lines)
 
@@ -816,7 +880,7 @@ def _generate(args, device: torch.device, rank: int) -> list[Row]:
     print(header)
     inputs = pipeline_inputs(pipe, args, device, dtype)
 
-    rows, latents, last = [], {}, None
+    rows, calls, last = [], {}, None
     for config in args.configs:
         if (
             args.context_parallel
@@ -829,7 +893,7 @@ def _generate(args, device: torch.device, rank: int) -> list[Row]:
             row, last = measure(pipe, config, inputs, args, device)
         finally:
             restore_baseline(pipe, args)
-        latents[config] = last.latents
+        calls[config] = last
         rows.append(row)
         print(
             f"{config}: {row.total_s:.2f} s ({row.it_per_s:.2f} it/s, decode {row.decode_s:.3f} s)"
@@ -838,7 +902,7 @@ def _generate(args, device: torch.device, rank: int) -> list[Row]:
             ),
             flush=True,
         )
-    finish_rows(rows, latents)
+    finish_rows(rows, calls)
 
     print(f"\n{header}\n")
     print(format_table(rows))

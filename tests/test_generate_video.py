@@ -197,6 +197,45 @@ def test_config_switch_restores_the_baseline(gv):
         assert "_ltx_kernels_original_processor" not in vars(module), name
 
 
+def test_tiny_compare_fp8_rows(gv, tmp_path, capsys):
+    """The FP8 row beside the bf16 kernels: latent drift and frame PSNR against the baseline, the
+    FP8 row further off than the bf16 kernels (bit-identical to diffusers on the CPU)."""
+    rows = gv.main(
+        [
+            *TINY_RUN,
+            "--compare",
+            "--configs",
+            "baseline,kernels,kernels+fp8",
+            "--dtype",
+            "bf16",
+            "--no-video",
+            "--output",
+            str(tmp_path / "v.mp4"),
+        ]
+    )
+    baseline, kernels, fp8 = rows
+    assert fp8.config == "kernels+fp8" and "FP8 GEMMs" in fp8.notes
+    assert baseline.psnr_db == kernels.psnr_db == float("inf") and kernels.rel_l2 == 0
+    assert 0 < fp8.rel_l2 <= 0.1 and 20 < fp8.psnr_db < float("inf")
+    assert "| Optimized kernels, FP8 |" in capsys.readouterr().out
+
+
+def test_torchao_row_names_what_it_needs(gv, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as when torchao is not installed
+    with pytest.raises(ImportError, match="the torchao anchor needs torchao"):
+        gv.main(
+            [
+                *TINY_RUN,
+                "--compare",
+                "--configs",
+                "torchao-fp8+compile",
+                "--no-video",
+                "--output",
+                str(tmp_path / "v.mp4"),
+            ]
+        )
+
+
 @pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-5), ("bf16", 2e-2)])
 def test_tiny_compare_end_to_end(gv, tmp_path, capsys, monkeypatch, dtype, tolerance):
     """baseline vs kernels, 2 steps, through main(): the table, the JSON, the chart and the video
@@ -223,7 +262,7 @@ def test_tiny_compare_end_to_end(gv, tmp_path, capsys, monkeypatch, dtype, toler
     printed = capsys.readouterr().out
     assert [row.config for row in rows] == ["baseline", "kernels"]
     assert rows[0].rel_l2 == 0.0 and rows[0].speedup == 1.0
-    # 7 = 2 blocks + their 4 attention processors + the model's output norm
+    # 9 = 2 blocks + their 4 attention processors and 2 fused q/k/v + the model's output norm
     assert rows[1].rel_l2 <= tolerance and "9 modules" in rows[1].notes
     if dtype == "fp32":  # the fused ops ran (bf16 tiny models are bit-identical to diffusers)
         assert rows[1].rel_l2 > 0

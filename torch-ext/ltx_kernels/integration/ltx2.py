@@ -36,7 +36,9 @@ import ast
 import functools
 import hashlib
 import inspect
+import io
 import textwrap
+import tokenize
 from typing import Any
 
 import torch
@@ -47,28 +49,52 @@ from .ltx import _lora_scaled
 # ------------------------------------------------------------------------------------------------
 # Which diffusers code the patches reproduce
 # ------------------------------------------------------------------------------------------------
-#: The fingerprints (_fingerprint) of the diffusers 0.42.1 functions the patches reproduce.
+#: The fingerprints (_fingerprint) of the diffusers 0.42.1 functions the patches reproduce (the
+#: same under Python 3.11, 3.12 and 3.13).
 REPRODUCED = {
-    "LTX2VideoTransformerBlock.forward": "278ce5812aeb4a1b",
-    "LTX2AudioVideoAttnProcessor.__call__": "ad6e0f75bd5adfac",
-    "LTX2PerturbedAttnProcessor.__call__": "c2c4f35171325277",
-    "LTX2VideoTransformer3DModel.forward": "ac94511e3e8ac317",
+    "LTX2VideoTransformerBlock.forward": "8bd48f03fd087ee8",
+    "LTX2AudioVideoAttnProcessor.__call__": "5dfc938d8d89d426",
+    "LTX2PerturbedAttnProcessor.__call__": "9e60af959fb0229d",
+    "LTX2VideoTransformer3DModel.forward": "1ab560b2ade200d5",
 }
+
+
+#: Tokens that carry no code: layout, comments, the encoding marker.
+_LAYOUT_TOKENS = frozenset(
+    (
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENCODING,
+        tokenize.ENDMARKER,
+    )
+)
 
 
 @functools.cache
 def _fingerprint(function) -> str | None:
-    """sha256 of a function's syntax tree without its docstring (comments and formatting do not
-    count), or None when its source cannot be read."""
+    """sha256 of a function's code tokens, joined without whitespace, its docstring left out:
+    comments, blank lines and formatting do not count, nor does the Python version (3.12
+    tokenizes f-strings in pieces that join to the same text; syntax-tree dumps differ between
+    versions). None when the source cannot be read."""
     try:
         source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
     except (OSError, TypeError):
         return None
+    tokens = [
+        token
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type not in _LAYOUT_TOKENS
+    ]
     definition = ast.parse(source).body[0]
-    body = definition.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        del body[0]
-    return hashlib.sha256(ast.dump(definition).encode()).hexdigest()[:16]
+    first = definition.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):  # the docstring
+        docstring = (first.lineno, first.col_offset)
+        tokens = [t for t in tokens if t.start != docstring]
+    code = "".join(token.string for token in tokens)
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
 def _reproduces(cls: type, method: str) -> bool:
