@@ -35,3 +35,19 @@ def _fresh_seed(request):
     # A different but reproducible seed per test: fresh random inputs, never zeros.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_diffusers_attention_backend():
+    # diffusers' set_attention_backend also sets the process-wide active backend, which every
+    # attention without its own backend then uses: restored after each test, so that no test's
+    # backend leaks into the next (seen: HunyuanVideo-1.5's bf16 bit-identity after a test that
+    # set _native_math).
+    try:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    except ImportError:  # no diffusers: nothing to restore
+        yield
+        return
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(active)

@@ -40,6 +40,8 @@ def report_for(double: int, single: int) -> dict:
         "AdaLayerNormContinuous": 1,
         DOUBLE_ATTN: double,
         SINGLE_ATTN: single,
+        "fused projections (to_q/to_k/to_v)": double + single,
+        "fused projections (add_q_proj/add_k_proj/add_v_proj)": double,
     }
 
 
@@ -158,6 +160,8 @@ def check_block_pair(device, dim, heads, head_dim, axes_dim, side, text):
         "AdaLayerNormZeroSingle": 1,
         DOUBLE_ATTN: 1,
         SINGLE_ATTN: 1,
+        "fused projections (to_q/to_k/to_v)": 2,
+        "fused projections (add_q_proj/add_k_proj/add_v_proj)": 1,
     }
     expected = expected_ops(FUSIONS, 1, 1)
     expected["layernorm_modulate"] -= 1  # no output norm here

@@ -42,6 +42,7 @@ from diffusers import WanTransformer3DModel, WanVACETransformer3DModel  # noqa: 
 BLOCK_KINDS = {
     "WanAttention (self: q/k norm + RoPE)": LAYERS,
     "WanAttention (cross: q/k norm)": LAYERS,
+    "fused projections (to_q/to_k/to_v)": LAYERS,
 }
 OUTPUT_NORM = "WanTransformer3DModel (output norm)"
 

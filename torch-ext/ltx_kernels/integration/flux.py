@@ -11,6 +11,12 @@ Single block (`FluxSingleTransformerBlock`):
   proj_mlp + GELU-tanh                -> linear_gelu
   attention: q/k RMSNorm + RoPE       -> qk_rmsnorm_rope
   x + gate * proj_out(cat(attn, mlp)) -> gated_residual
+Each stream's q/k/v projections run as one GEMM (fused_projections).
+
+FP8 (fp8=True): the image stream's Linears (q/k/v, out, FF; the single block's q/k/v, proj_mlp
+and proj_out); the text stream and the AdaLN linears stay bf16. norm2 hands the image FF its
+output as FP8 rows, the FF's GELU hands them to the down projection; the other FP8 Linears
+quantize their input in one pass of their own (the AdaLN norms are diffusers' modules).
 """
 
 from __future__ import annotations
@@ -62,9 +68,17 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
+        if attn.fused_projections:  # diffusers' own fusion (attn.fuse_projections())
+            query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+                attn, hidden_states, encoder_hidden_states
+            )
+        else:
+            query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
+            encoder_query = encoder_key = encoder_value = None
+            if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+                encoder_query, encoder_key, encoder_value = steps.fused_projections(
+                    self.ops, attn, encoder_hidden_states, "added_qkv", steps.ADDED_QKV
+                )
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
         joint = attn.added_kv_proj_dim is not None
         text_len = encoder_query.shape[1] if joint else 0
@@ -228,15 +242,31 @@ DOUBLE_ATTN = "FluxAttention (double: q/k norm + RoPE per stream)"
 SINGLE_ATTN = "FluxAttention (single: q/k norm + RoPE)"
 
 
+#: The Linears that run in FP8 with fp8=True: the image stream's (module docstring).
+DOUBLE_FP8_LINEARS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "ff.net.0.proj",
+    "ff.net.2",
+)
+SINGLE_FP8_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
+
+
 def _patch_attention(name: str, attn, kind: str, injector) -> None:
     if injector.has_stock_processor(
         name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code"
     ):
         injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
+        injector.fuse_projections(name, attn, "qkv", steps.QKV)
+        if attn.added_kv_proj_dim is not None:
+            injector.fuse_projections(name, attn, "added_qkv", steps.ADDED_QKV)
 
 
 def patch_double_block(name: str, block, injector) -> None:
     injector.swap_forward(name, block, double_block_forward, "FluxTransformerBlock")
+    injector.fp8_linears(name, block, DOUBLE_FP8_LINEARS)
     _patch_attention(f"{name}.attn", block.attn, DOUBLE_ATTN, injector)
     for ff_name in ("ff", "ff_context"):
         reason = steps.feed_forward_fusable(getattr(block, ff_name))
@@ -246,6 +276,7 @@ def patch_double_block(name: str, block, injector) -> None:
 
 def patch_single_block(name: str, block, injector) -> None:
     injector.swap_forward(name, block, single_block_forward, "FluxSingleTransformerBlock")
+    injector.fp8_linears(name, block, SINGLE_FP8_LINEARS)
     _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector)
     reason = steps.linear_act_fusable(block.act_mlp)
     if reason:

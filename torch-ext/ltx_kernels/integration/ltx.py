@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, has_hooks, steps
+from . import FusedAttnProcessor, steps
 from .context_parallel import gather_cross_attention_inputs
 
 
@@ -100,23 +100,6 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         return attn.to_out[1](hidden_states)
 
 
-def _attend(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
-    """attn(hidden_states, ...): our processor called directly when nothing hooks attn.
-    LTXAttention.forward only passes these on, after filtering kwargs through
-    inspect.signature of its processor, which costs more host time per call than the kernels
-    of a 2688-token attention take to launch."""
-    if not isinstance(attn.processor, LTXKernelsAttnProcessor) or has_hooks(attn):
-        return attn(
-            hidden_states,
-            encoder_hidden_states=encoder_hidden_states,
-            attention_mask=attention_mask,
-            image_rotary_emb=image_rotary_emb,
-        )
-    return attn.processor(
-        attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
-    )
-
-
 def block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -142,11 +125,11 @@ def block_forward(
     norm_hidden_states = steps.norm_modulate(
         ops, self.norm1, hidden_states, scale_msa, shift_msa, fp8=fp8_attn1
     )
-    attn_hidden_states = _attend(attn1, norm_hidden_states, None, None, image_rotary_emb)
+    attn_hidden_states = steps.attention(attn1, norm_hidden_states, None, None, image_rotary_emb)
     hidden_states = steps.residual(ops, hidden_states, attn_hidden_states, gate_msa)
 
-    attn_hidden_states = _attend(
-        self.attn2, hidden_states, encoder_hidden_states, encoder_attention_mask, None
+    attn_hidden_states = steps.attention(
+        self.attn2, hidden_states, encoder_hidden_states, encoder_attention_mask
     )
     hidden_states, norm_hidden_states = steps.add_norm_modulate(
         ops,

@@ -36,7 +36,14 @@ from .. import (
     rmsnorm_modulate_fp8,
     rope,
 )
-from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, has_forward_hook, has_hooks, plain_tensor
+from . import (
+    FUSED_BACKWARD,
+    FUSED_BACKWARD_COMPILED,
+    FusedAttnProcessor,
+    has_forward_hook,
+    has_hooks,
+    plain_tensor,
+)
 from .linears import Fp8Linear, Fp8Rows, fp8_rows, projections
 
 
@@ -170,32 +177,36 @@ def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
     )
 
 
-def norm_modulate_fp32(ops, norm, x, scale=None, shift=None):
+def norm_modulate_fp32(ops, norm, x, scale=None, shift=None, fp8: bool = False):
     """Wan: `(norm(x.float()) * (1 + scale) + shift).type_as(x)` with an fp32 LayerNorm, or
-    `norm(x.float()).type_as(x)` without modulation (Wan's norm2)."""
+    `norm(x.float()).type_as(x)` without modulation (Wan's norm2); fp8: as Fp8Rows where the op
+    runs."""
     ops = ops_for_step(ops, x, norm, scale, shift)
     if "layernorm_modulate" in ops and _fp32_norm_fusable(norm, x, scale, shift):
-        return layernorm_modulate(x, scale, shift, norm.weight, norm.bias, norm.eps, upcast=True)
+        op = layernorm_modulate_fp8 if fp8 else layernorm_modulate
+        return _rows_if(fp8, op(x, scale, shift, norm.weight, norm.bias, norm.eps, upcast=True))
     n = norm(x.float())  # nn.Identity for Wan's norm2 without cross_attn_norm
     if scale is not None:
         n = n * (1 + scale) + shift
     return n.type_as(x)
 
 
-def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None):
+def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None, fp8: bool = False):
     """The upcast twin of add_norm_modulate (Wan), each output rounded once. Returns (h, n):
-    h = (x.float() + y * gate).type_as(x), or x + y without gate; n = norm_modulate_fp32(h)."""
+    h = (x.float() + y * gate).type_as(x), or x + y without gate; n = norm_modulate_fp32(h)
+    (fp8: as Fp8Rows where the op runs)."""
     ops = ops_for_step(ops, x, y, norm, scale, shift, gate)
     if (
         "add_layernorm_modulate" in ops
         and _same_dtype(x, y)
         and _fp32_norm_fusable(norm, x, scale, shift, gate)
     ):
-        return add_layernorm_modulate(
-            x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps, upcast=True
+        op = add_layernorm_modulate_fp8 if fp8 else add_layernorm_modulate
+        return _rows_if(
+            fp8, op(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps, upcast=True)
         )
     h = x + y if gate is None else residual_fp32(ops, x, y, gate)
-    return h, norm_modulate_fp32(ops, norm, h, scale, shift)
+    return h, norm_modulate_fp32(ops, norm, h, scale, shift, fp8)
 
 
 def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None, fp8: bool = False):
@@ -238,10 +249,25 @@ def residual_fp32(ops, x, y, gate):
 QKV = ("to_q", "to_k", "to_v")
 
 
+ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")  # a joint attention's text stream
+
+
 def fused_projections(ops, attn, x, key: str = "qkv", names=QKV):
     """attn.to_q(x), attn.to_k(x), attn.to_v(x) (or the modules `names`) as one GEMM over the
     weights injection fused (linears.projections), where it can; x may be Fp8Rows."""
     return projections(attn, key, names, x, "fused_projections" in ops)
+
+
+def attention(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary=None):
+    """attn(hidden_states, encoder_hidden_states, attention_mask, rotary) of a diffusers attention
+    module (LTX, FLUX, Wan: their forward passes these to the processor in this order), calling
+    our processor directly when nothing hooks attn: the module's forward only filters keyword
+    arguments, through inspect.signature of its processor on every call, which costs more host
+    time than a 2688-token attention's kernels take to launch. hidden_states may be Fp8Rows
+    (fp8_consumers(..., through=attn))."""
+    if isinstance(attn.processor, FusedAttnProcessor) and not has_hooks(attn):
+        return attn.processor(attn, hidden_states, encoder_hidden_states, attention_mask, rotary)
+    return attn(hidden_states, encoder_hidden_states, attention_mask, rotary)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,7 +408,14 @@ def gated_attention_feed_forward(
     with per-sample [B, D] modulation: h = x + gate_msa * attn and n = norm(h) * (1 + scale_mlp) +
     shift_mlp in one pass, then h + gate_mlp * ff(n)."""
     x, norm_x = add_norm_modulate(
-        ops, norm, x, attn_output, scale_mlp[:, None], shift_mlp[:, None], gate_msa[:, None]
+        ops,
+        norm,
+        x,
+        attn_output,
+        scale_mlp[:, None],
+        shift_mlp[:, None],
+        gate_msa[:, None],
+        fp8=feed_forward_takes_fp8(ff),
     )
     return residual(ops, x, feed_forward(ops, ff, norm_x), gate_mlp[:, None])
 

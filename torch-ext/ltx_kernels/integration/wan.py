@@ -14,6 +14,12 @@ per-token temb [B, 6, S, D]), with t = scale_shift_table + temb.float() split in
   FF up-projection + GELU-tanh                           -> linear_gelu
   (x.float() + ff.float() * g).type_as(x)                -> gated_residual (upcast)
 Every step rounds where the eager code does (each `type_as`, the q/k norm output, the RoPE output).
+Self-attention's q/k/v projections run as one GEMM (fused_projections).
+
+FP8 (fp8=True): attn1's q/k/v (one GEMM) and out, attn2's q and out, the FF; the text (and I2V
+image-context) K/V stay bf16. norm1, norm2 and norm3 hand attn1's q/k/v, attn2's q and the FF
+their output as FP8 rows (the upcast ops' FP8 twins), the FF's GELU hands them to the down
+projection.
 I2V's image-context attention runs as in diffusers (its K norm is one torch kernel already).
 Not patched: the model's output norm is inline in `WanTransformer3DModel.forward`; fusing it means
 copying that whole forward for one LayerNorm per call (reported as skipped).
@@ -142,7 +148,12 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
             encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
             encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
 
-        query, key, value = helpers._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        if encoder_hidden_states is None and not attn.fused_projections:
+            query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
+        else:  # (hidden_states may be Fp8Rows: to_q takes them)
+            query, key, value = helpers._get_qkv_projections(
+                attn, hidden_states, encoder_hidden_states
+            )
         query, key = qk_norm_rope(self.ops, attn, query, key, rotary_emb)
         value = _heads(attn, value)
 
@@ -186,6 +197,14 @@ def _projection_helpers(attn):
 # ------------------------------------------------------------------------------------------------
 # Blocks
 # ------------------------------------------------------------------------------------------------
+def _takes_fp8(attn, names=("to_q",)) -> bool:
+    """Whether attn takes its input as FP8 rows: our processor, its projections `names` (those of
+    the input) hook-free FP8 Linears."""
+    return isinstance(attn.processor, WanKernelsAttnProcessor) and steps.fp8_consumers(
+        *(getattr(attn, name) for name in names), through=attn
+    )
+
+
 def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb, attention_mask=None):
     """Self-attention, cross-attention and FF of a Wan block; modulation = the six fp32 chunks."""
     ops = self._ltx_kernels_ops
@@ -194,16 +213,22 @@ def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb, a
         hidden_states = hidden_states.contiguous()  # our ops read rows (same values)
 
     norm_hidden_states = steps.norm_modulate_fp32(
-        ops, self.norm1, hidden_states, scale_msa, shift_msa
+        ops, self.norm1, hidden_states, scale_msa, shift_msa, fp8=_takes_fp8(self.attn1, steps.QKV)
     )
-    attn_output = self.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
+    attn_output = steps.attention(self.attn1, norm_hidden_states, None, attention_mask, rotary_emb)
     hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
-        ops, self.norm2, hidden_states, attn_output, gate=gate_msa
+        ops, self.norm2, hidden_states, attn_output, gate=gate_msa, fp8=_takes_fp8(self.attn2)
     )
 
-    attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    attn_output = steps.attention(self.attn2, norm_hidden_states, encoder_hidden_states)
     hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
-        ops, self.norm3, hidden_states, attn_output, c_scale_msa, c_shift_msa
+        ops,
+        self.norm3,
+        hidden_states,
+        attn_output,
+        c_scale_msa,
+        c_shift_msa,
+        fp8=steps.feed_forward_takes_fp8(self.ffn),
     )
 
     ff_output = steps.feed_forward(ops, self.ffn, norm_hidden_states)
@@ -284,6 +309,19 @@ def _is_wan(obj) -> bool:
     return type(obj).__module__ in _WAN_MODULES
 
 
+#: The Linears that run in FP8 with fp8=True (module docstring).
+FP8_LINEARS = (
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_out.0",
+    "ffn.net.0.proj",
+    "ffn.net.2",
+)
+
+
 def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKernelsAttnProcessor):
     def patch(name: str, block, injector) -> None:
         kind = type(block).__name__
@@ -295,6 +333,7 @@ def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKer
             )
             return
         injector.swap_forward(name, block, forward, kind)
+        injector.fp8_linears(name, block, FP8_LINEARS)
         for attn_name, attn_kind in (("attn1", SELF_ATTENTION), ("attn2", CROSS_ATTENTION)):
             attn = getattr(block, attn_name)
             if not injector.has_stock_processor(
@@ -307,6 +346,8 @@ def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKer
             ):
                 continue
             injector.set_processor(f"{name}.{attn_name}", attn, processor(attn), attn_kind)
+            if attn_name == "attn1":
+                injector.fuse_projections(f"{name}.attn1", attn, "qkv", steps.QKV)
             if attn.add_k_proj is not None:
                 injector.skip(
                     IMAGE_CONTEXT,
