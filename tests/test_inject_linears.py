@@ -477,51 +477,34 @@ def test_full_size_fp8_gpu():
 def _real_size(family: str):
     """(model, inputs) at real widths on the GPU: FLUX.1 (one double and one single block, 4096
     image + 512 text tokens) or Wan 2.1 1.3B (2 of its 30 layers, 81 frames at 480x832)."""
+    if family == "wan":
+        return wan_zoo.layers_of_1_3b(BF16)
     generator = torch.Generator("cuda").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator, device="cuda", dtype=BF16)
 
     with torch.device("cuda"):
-        if family == "flux":
-            model = flux_zoo.tiny_model(
-                BF16,
-                in_channels=64,
-                num_layers=1,
-                num_single_layers=1,
-                attention_head_dim=128,
-                num_attention_heads=24,
-                joint_attention_dim=4096,
-                pooled_projection_dim=768,
-                axes_dims_rope=[16, 56, 56],
-            )
-            inputs = dict(
-                hidden_states=randn(1, 4096, 64),
-                encoder_hidden_states=randn(1, 512, 4096),
-                pooled_projections=randn(1, 768),
-                timestep=torch.full((1,), 0.5, dtype=BF16),
-                img_ids=flux_zoo.image_ids(64, 64, "cuda"),
-                txt_ids=torch.zeros(512, 3),
-                return_dict=False,
-            )
-        else:
-            model = wan_zoo.tiny_model(
-                BF16,
-                num_attention_heads=12,
-                attention_head_dim=128,
-                in_channels=16,
-                out_channels=16,
-                text_dim=4096,
-                ffn_dim=8960,
-                num_layers=2,
-                rope_max_seq_len=1024,
-            )
-            inputs = dict(
-                hidden_states=randn(1, 16, 21, 60, 104),
-                timestep=torch.tensor([500.0]),
-                encoder_hidden_states=randn(1, 512, 4096),
-                return_dict=False,
-            )
+        model = flux_zoo.tiny_model(
+            BF16,
+            in_channels=64,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            axes_dims_rope=[16, 56, 56],
+        )
+        inputs = dict(
+            hidden_states=randn(1, 4096, 64),
+            encoder_hidden_states=randn(1, 512, 4096),
+            pooled_projections=randn(1, 768),
+            timestep=torch.full((1,), 0.5, dtype=BF16),
+            img_ids=flux_zoo.image_ids(64, 64, "cuda"),
+            txt_ids=torch.zeros(512, 3),
+            return_dict=False,
+        )
     return model, inputs
 
 

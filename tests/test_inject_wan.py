@@ -24,6 +24,7 @@ from inject_helpers import (
 from ltx_kernels.integration import FUSIONS
 from ltx_kernels.integration.wan import WanKernelsAttnProcessor
 from model_zoo.wan import (
+    layers_of_1_3b,
     FRAMES,
     HEIGHT,
     I2V,
@@ -249,30 +250,7 @@ def test_inject_then_leaf_offload_falls_back_where_hooked():
 def test_wan_1_3b_layers_gpu():
     # Wan 2.1 1.3B dimensions (2 of its 30 layers), 81 frames at 480x832: 32760 tokens.
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = randomize(
-            WanTransformer3DModel(
-                num_attention_heads=12,
-                attention_head_dim=128,
-                in_channels=16,
-                out_channels=16,
-                text_dim=4096,
-                ffn_dim=8960,
-                num_layers=2,
-            )
-        )
-    model = load_as(model, torch.bfloat16)
-    generator = torch.Generator("cuda").manual_seed(0)
-    inputs = dict(
-        hidden_states=torch.randn(
-            1, 16, 21, 60, 104, generator=generator, device="cuda", dtype=torch.bfloat16
-        ),
-        timestep=torch.tensor([500.0], device="cuda"),
-        encoder_hidden_states=torch.randn(
-            1, 512, 4096, generator=generator, device="cuda", dtype=torch.bfloat16
-        ),
-        return_dict=False,
-    )
+    model, inputs = layers_of_1_3b(torch.bfloat16)
     call = caller(inputs)
     eager, injected, report = eager_and_injected(model, call)
     assert dict(report.patched) == {"WanTransformerBlock": 2, **BLOCK_KINDS}

@@ -69,6 +69,34 @@ def tiny_model(dtype, cls=WanTransformer3DModel, **config):
     return load_as(randomize(cls(**{**TINY, **config})), dtype)
 
 
+def layers_of_1_3b(dtype, layers=2, device="cuda"):
+    """(model, inputs): Wan 2.1 1.3B's dimensions with `layers` of its 30 layers, loaded as
+    `dtype`, and one forward's inputs at 81 frames of 480x832 (32760 tokens), on `device`."""
+    with torch.device(device):
+        model = WanTransformer3DModel(
+            num_attention_heads=12,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            ffn_dim=8960,
+            num_layers=layers,
+        )
+    model = load_as(randomize(model), dtype)
+    generator = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(
+            1, 16, 21, 60, 104, generator=generator, device=device, dtype=dtype
+        ),
+        timestep=torch.tensor([500.0], device=device),
+        encoder_hidden_states=torch.randn(
+            1, 512, 4096, generator=generator, device=device, dtype=dtype
+        ),
+        return_dict=False,
+    )
+    return model, inputs
+
+
 def tiny_skyreels(dtype, **config):
     """SkyReels-V2 (Wan's math under its own classes), with the same tiny config."""
     from diffusers import SkyReelsV2Transformer3DModel

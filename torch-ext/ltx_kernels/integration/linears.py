@@ -125,6 +125,17 @@ class Fp8Linear(torch.nn.Linear):
         return super().extra_repr() + ", float8_e4m3fn weight (rowwise scales)"
 
 
+def self_cross_ff_fp8_linears(ff: str) -> tuple[str, ...]:
+    """The Linears that run in FP8 in a block of self-attention attn1, cross-attention attn2 on
+    text and a diffusers FeedForward named `ff` (LTX-Video, Wan): every attention projection but
+    attn2's text-side K/V, and the FF's two (net = [GELU(proj), Dropout, Linear])."""
+    return (
+        *(f"attn1.{name}" for name in ("to_q", "to_k", "to_v", "to_out.0")),
+        *(f"attn2.{name}" for name in ("to_q", "to_out.0")),
+        *(f"{ff}.net.{name}" for name in ("0.proj", "2")),
+    )
+
+
 def fp8_linear_reason(linear) -> str | None:
     """None when `linear` can become an Fp8Linear, else why not (for the report)."""
     from . import has_hooks, plain_tensor

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from . import FusedAttnProcessor, steps
+from .linears import self_cross_ff_fp8_linears
 from .context_parallel import gather_cross_attention_inputs
 
 
@@ -222,18 +223,8 @@ def _lora_scaled(forward):
 model_forward = _lora_scaled(_model_forward)
 
 
-#: The block's Linears that run in FP8 with fp8=True: attention projections but the text-side K/V
-#: of attn2, and the FF (diffusers' FeedForward: net = [GELU(proj), Dropout, Linear]).
-FP8_LINEARS = (
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_out.0",
-    "ff.net.0.proj",
-    "ff.net.2",
-)
+#: The block's Linears that run in FP8 with fp8=True.
+FP8_LINEARS = self_cross_ff_fp8_linears("ff")
 
 
 def patch_block(name: str, block, injector) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import FusedAttnProcessor, steps
+from .linears import self_cross_ff_fp8_linears
 
 # Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
 # animate and ChronoEdit copies are verbatim). A same-named class from elsewhere is left alone.
@@ -310,16 +311,7 @@ def _is_wan(obj) -> bool:
 
 
 #: The Linears that run in FP8 with fp8=True (module docstring).
-FP8_LINEARS = (
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_out.0",
-    "ffn.net.0.proj",
-    "ffn.net.2",
-)
+FP8_LINEARS = self_cross_ff_fp8_linears("ffn")
 
 
 def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKernelsAttnProcessor):
