@@ -370,6 +370,20 @@ def test_fp8_sees_weights_loaded_after_injection():
     with torch.no_grad():
         model.load_state_dict(new_state)  # into the parked weights: re-quantized at the next call
         assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
+    # a weight replaced by another tensor (load_state_dict(assign=True), `linear.weight = ...`),
+    # even one whose version counter matches the quantized one's: re-quantized too
+    linear, stock_linear = (
+        model.transformer_blocks[0].ff.net[2],
+        fresh.transformer_blocks[0].ff.net[2],
+    )
+    replacement = torch.nn.Parameter(linear.weight.detach() * 0.5)
+    with torch.no_grad():
+        while replacement._version < linear.weight._version:
+            replacement.mul_(1)
+        assert replacement._version == linear.weight._version
+        linear.weight = replacement
+        stock_linear.weight.mul_(0.5)
+        assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
 
 
 def test_fp8_is_inference_only():

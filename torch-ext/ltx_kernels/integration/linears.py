@@ -46,7 +46,7 @@ FP8_MODEL_DTYPE = torch.bfloat16
 FP8_FAST_ACCUMULATION = True
 _FUSED_PREFIX = "_ltx_kernels_fused_"
 _GROUPS = "_ltx_kernels_fused_groups"
-_WEIGHT_VERSION = "_ltx_kernels_weight_version"
+_QUANTIZED_FROM = "_ltx_kernels_quantized_from"  # (the weight tensor, its version counter)
 
 
 class Fp8Rows(NamedTuple):
@@ -162,17 +162,19 @@ def to_fp8(linear: torch.nn.Linear) -> None:
     linear.register_buffer("weight_fp8", weight_fp8, persistent=False)
     linear.register_buffer("weight_scale", weight_scale, persistent=False)
     weight.data = weight.data.to("cpu")  # frees the device copy (the buffers hold the GEMM's)
-    setattr(linear, _WEIGHT_VERSION, weight._version)
+    setattr(linear, _QUANTIZED_FROM, (weight, weight._version))
     linear.__class__ = Fp8Linear
 
 
 def refresh_fp8_weight(linear: Fp8Linear) -> None:
-    """Re-quantizes an Fp8Linear whose parked weight was written since (load_state_dict)."""
+    """Re-quantizes an Fp8Linear whose weight was written since (load_state_dict) or replaced
+    (load_state_dict(..., assign=True), `linear.weight = ...`)."""
     weight = linear.weight
-    if weight._version != getattr(linear, _WEIGHT_VERSION):
+    source, version = getattr(linear, _QUANTIZED_FROM)
+    if weight is not source or weight._version != version:
         device = linear.weight_scale.device
         linear.weight_fp8, linear.weight_scale = quantize_fp8(weight.detach().to(device))
-        setattr(linear, _WEIGHT_VERSION, weight._version)
+        setattr(linear, _QUANTIZED_FROM, (weight, weight._version))
 
 
 def restore_from_fp8(linear: Fp8Linear) -> None:
@@ -180,7 +182,7 @@ def restore_from_fp8(linear: Fp8Linear) -> None:
     device = linear.weight_scale.device
     linear.weight.data = linear.weight.data.to(device)
     del linear._buffers["weight_fp8"], linear._buffers["weight_scale"]
-    delattr(linear, _WEIGHT_VERSION)
+    delattr(linear, _QUANTIZED_FROM)
     linear.__class__ = torch.nn.Linear
 
 
@@ -277,7 +279,11 @@ def fused_group(owner: torch.nn.Module, key: str, x) -> tuple | None:
     members = [owner.get_submodule(n) for n in group.names]
     if _fused_attrs(members) != group.attrs or any(has_hooks(m) for m in members):
         return None
-    if torch.is_grad_enabled() and any(p.requires_grad for m in members for p in m.parameters()):
+    if (  # (a bf16 group's fused weight is no parameter; FP8 has no gradients)
+        group.attrs[0] == "weight"
+        and torch.is_grad_enabled()
+        and any(p.requires_grad for m in members for p in m.parameters())
+    ):
         return None
     if not torch.compiler.is_compiling():
         for m in members:
