@@ -23,6 +23,12 @@ Every configuration starts from the same seed, so their final latents are compar
 baseline's (relative L2), and their decoded frames too (PSNR in dB, frames in [0, 1]); the rows that
 keep bf16 numerics (kernels, compile) give the noise floor the FP8 rows are read against.
 
+Caches (--cache first-block|pyramid-attention-broadcast): diffusers' cache on the transformer,
+added after the kernels (inject first, then cache, as the README says), configured below
+(CACHE_CONFIGS); with --compare it adds the rows "Baseline + cache" (stock diffusers with the same
+cache, the peer to compare with) and "Optimized kernels + cache". The latent drift and PSNR of a
+cached row include what the cache skips.
+
 FP8 (--fp8, or the --compare configurations kernels+fp8 and kernels+fp8+compile): the kernels with
 inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (README "FP8"). torchao-fp8+compile is
 the path a user would pick instead: torchao's float8 dynamic rowwise quantization of every Linear
@@ -64,6 +70,7 @@ import ltx_kernels
 
 CONFIGS = ("baseline", "kernels", "compile", "kernels+compile")
 FP8_CONFIGS = ("kernels+fp8", "kernels+fp8+compile", "torchao-fp8+compile")
+CACHE_ROWS = ("cache", "kernels+cache")  # with --cache
 CONFIG_TITLES = {
     "kernels-1gpu": "Optimized kernels, 1 GPU",
     "baseline": "Baseline (diffusers eager)",
@@ -73,7 +80,28 @@ CONFIG_TITLES = {
     "kernels+fp8": "Optimized kernels, FP8",
     "kernels+fp8+compile": "Optimized kernels, FP8 + torch.compile",
     "torchao-fp8+compile": "torchao float8 rowwise + torch.compile",
+    "cache": "Baseline + cache",
+    "kernels+cache": "Optimized kernels + cache",
 }
+
+
+def cache_config(name: str, pipe):
+    """The diffusers cache config --cache names, for an LTX pipeline: FirstBlockCache with
+    diffusers' documented threshold range's low end (skips the later blocks while the first
+    block's output changes by less than 5%), or PyramidAttentionBroadcast reusing spatial
+    attention every other block between timesteps 100 and 800 (the pipeline's current one)."""
+    import diffusers
+
+    if name == "first-block":
+        return diffusers.FirstBlockCacheConfig(threshold=0.05)
+    return diffusers.PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(100, 800),
+        current_timestep_callback=lambda: pipe.current_timestep,
+    )
+
+
+CACHES = ("first-block", "pyramid-attention-broadcast")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PROMPT = (
     "A woman with long brown hair and light skin smiles at another woman with long blonde "
@@ -132,6 +160,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=0,
         help="with FP8: keep the first and last N transformer blocks in bf16",
+    )
+    parser.add_argument(
+        "--cache",
+        choices=CACHES,
+        default=None,
+        help="a diffusers cache on the transformer, added after the kernels (with --compare: "
+        "rows with the cache on stock diffusers and on the kernels)",
     )
     parser.add_argument(
         "--compare",
@@ -215,10 +250,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.configs != parser.get_default("configs") and not args.compare:
         parser.error("--configs: only with --compare (otherwise the flags pick one configuration)")
-    unknown = sorted(set(configs) - set(CONFIGS + FP8_CONFIGS))
+    known = CONFIGS + FP8_CONFIGS + (CACHE_ROWS if args.cache else ())
+    unknown = sorted(set(configs) - set(known))
     if unknown:
         parser.error(
-            f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS + FP8_CONFIGS)}"
+            f"--configs: unknown {unknown}; choose from {', '.join(known)}"
+            + ("" if args.cache else " (cache, kernels+cache: with --cache)")
         )
     if not configs:
         parser.error("--configs: give at least one configuration")
@@ -229,7 +266,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fp8_bf16_blocks < 0:
         parser.error("--fp8-bf16-blocks: must be >= 0")
     if args.compare:
-        args.configs = [c for c in CONFIGS + FP8_CONFIGS if c in configs]
+        if args.cache and args.configs == parser.get_default("configs"):
+            configs += CACHE_ROWS
+        args.configs = [c for c in known if c in configs]
+    elif args.cache:
+        if args.fp8 or args.compile:
+            parser.error("--cache: with the kernels or without, not with --fp8 or --compile")
+        args.configs = ["kernels+cache" if args.kernels else "cache"]
     elif args.fp8:
         args.configs = ["kernels+fp8+compile" if args.compile else "kernels+fp8"]
     else:
@@ -478,6 +521,11 @@ def apply_config(pipe, config: str, args) -> str:
             notes.append("FP8 GEMMs" + (f" (first/last {kept} blocks bf16)" if kept else ""))
         if report.skipped:
             notes.append(f"{sum(len(entries) for entries in report.skipped.values())} skipped")
+    if "cache" in parts:  # after the kernels: the cache's hooks wrap the fused blocks
+        transformer = pipe.transformer
+        transformer.enable_cache(cache_config(args.cache, pipe))
+        _UNDO.callback(transformer.disable_cache)
+        notes.append(f"diffusers cache: {args.cache}")
     if "torchao-fp8" in parts:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         from bench_utils import torchao_fp8_rowwise
@@ -504,7 +552,7 @@ _UNDO = contextlib.ExitStack()
 
 
 def restore_baseline(pipe, args) -> None:
-    """Undo apply_config: drop compiled call paths, torchao's weights and the kernels."""
+    """Undo apply_config: drop compiled call paths, the cache, torchao's weights and the kernels."""
     _UNDO.close()
     for module in pipe.transformer.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:

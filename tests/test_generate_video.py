@@ -220,6 +220,50 @@ def test_tiny_compare_fp8_rows(gv, tmp_path, capsys):
     assert "| Optimized kernels, FP8 |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("cache", ["first-block", "pyramid-attention-broadcast"])
+def test_tiny_compare_cache_rows(gv, tmp_path, cache):
+    """--cache adds stock diffusers with the cache and the kernels with it: the same caching
+    decisions on the same (bf16 bit-identical) values give the same latents; the cache comes off
+    after each row."""
+    rows = gv.main(
+        [
+            *TINY_RUN,
+            "--steps",
+            "4",
+            "--compare",
+            "--cache",
+            cache,
+            "--configs",
+            "baseline,cache,kernels+cache",
+            "--dtype",
+            "bf16",
+            "--no-video",
+            "--output",
+            str(tmp_path / "v.mp4"),
+        ]
+    )
+    baseline, stock_cached, kernels_cached = rows
+    assert [row.config for row in rows] == ["baseline", "cache", "kernels+cache"]
+    assert f"diffusers cache: {cache}" in stock_cached.notes
+    assert f"diffusers cache: {cache}" in kernels_cached.notes and "modules" in kernels_cached.notes
+    assert kernels_cached.rel_l2 == stock_cached.rel_l2
+    assert kernels_cached.psnr_db == stock_cached.psnr_db
+    if cache == "pyramid-attention-broadcast":  # it skips attention here: the latents move
+        assert stock_cached.rel_l2 > 0
+    # (FirstBlockCache's 5% threshold is not reached on the tiny random model: its first block's
+    # output changes more between steps; tests/test_caches.py engages it with its own config.)
+
+
+def test_cache_rows_need_the_cache_option(gv, capsys):
+    with pytest.raises(SystemExit):
+        gv.parse_args(["--compare", "--configs", "baseline,cache"])
+    assert "(cache, kernels+cache: with --cache)" in capsys.readouterr().err
+    args = gv.parse_args(["--cache", "first-block"])  # one run: the kernels with the cache
+    assert args.configs == ["kernels+cache"]
+    args = gv.parse_args(["--compare", "--cache", "first-block"])  # the default rows and both
+    assert args.configs == [*gv.CONFIGS, *gv.CACHE_ROWS]
+
+
 def test_torchao_row_names_what_it_needs(gv, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # as when torchao is not installed
     with pytest.raises(ImportError, match="the torchao anchor needs torchao"):
