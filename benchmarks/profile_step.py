@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_utils  # noqa: E402
 import benchmark_transformer as bt  # noqa: E402
 from benchmark_transformer import configured  # noqa: E402
 
@@ -65,28 +66,6 @@ def host_times(step, reps=5):
     return statistics.median(issue), statistics.median(wall)
 
 
-def graph_replay_ms(step, reps=10):
-    """Median ms of one step captured in a CUDA graph and replayed (no host gaps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    del graph
-    return statistics.median(times)
-
-
 def host_profile(step, top):
     """The host functions taking the most time (cProfile, own time) while one step is issued."""
     torch.cuda.synchronize()
@@ -112,9 +91,8 @@ def profile_column(column, model, call, steps, top, graph=False, cprofile=False)
             call(target)
         issue_ms, wall_ms = host_times(lambda: call(target))
         if graph:
-            print(
-                f"\n## {column}: one step as a CUDA graph {graph_replay_ms(lambda: call(target)):.2f} ms"
-            )
+            graph_ms = bench_utils.graph_time_us(lambda: call(target), [()], replays=10) / 1000
+            print(f"\n## {column}: one step as a CUDA graph {graph_ms:.2f} ms")
         if cprofile:
             host_profile(lambda: call(target), top)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

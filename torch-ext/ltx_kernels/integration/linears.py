@@ -267,8 +267,8 @@ def unfuse_all(owner: torch.nn.Module) -> None:
                     member._buffers[attr] = member._buffers[attr].clone()
 
 
-def fused_group(owner: torch.nn.Module, key: str, x) -> tuple | None:
-    """(group, members) when owner's group `key` can run as one GEMM on x now: its members are the
+def fused_group(owner: torch.nn.Module, key: str) -> tuple | None:
+    """(group, members) when owner's group `key` can run as one GEMM now: its members are the
     fused modules, hook-free, and no gradient is recorded for their parameters. Eager calls re-link
     a group whose members were re-allocated."""
     from . import has_hooks
@@ -303,7 +303,7 @@ def projections(owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fus
     """The outputs of owner's modules `names` on x (a tensor or Fp8Rows): one GEMM over group
     `key`'s fused weights when fuse_ok and the group is usable now (fused_group), else each
     module in turn."""
-    found = fused_group(owner, key, x) if fuse_ok else None
+    found = fused_group(owner, key) if fuse_ok else None
     if found is None:
         return tuple(owner.get_submodule(n)(x) for n in names)
     group, members = found
