@@ -1,4 +1,5 @@
-"""Timing helpers shared by the micro-benchmarks.
+"""Helpers shared by the benchmarks and scripts: timing, environment, the checkpoints' real
+configs (configs/*.json) and models built from them with random weights.
 
 GPU time comes from CUDA-graph replay: each graph runs the op once on each of several input sets
 (together several times the L2 size, so no input is served from L2), every call writing its own
@@ -177,3 +178,66 @@ def torchao_fp8_rowwise(model: torch.nn.Module):
         for module, weight in originals.values():
             weight.data = weight.data.to(device)
             module.weight = weight
+
+
+# ------------------------------------------------------------------------------------------------
+# Real configs (configs/*.json) and full-size models with random weights
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def model_config(name: str) -> dict:
+    """configs/<name>.json: a checkpoint's real configs, as the hub holds them, with its model_id
+    and the source of the values ("transformer": {"class", "config"}, and per pipeline the other
+    components)."""
+    path = CONFIGS / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.json")))
+        raise ValueError(f"no config {name!r} in {CONFIGS}; known: {known}")
+    return json.loads(path.read_text())
+
+
+def random_model(cls, config: dict, dtype: torch.dtype, device, seed: int = 0):
+    """`cls(**config)` in eval mode with random weights made directly on `device`, in `dtype` (the
+    class's `_keep_in_fp32_modules` in float32, as `from_pretrained(torch_dtype=dtype)` loads
+    them), without ever holding a float32 copy of the whole model: parameters are created on the
+    meta device, materialized, and initialized by their module's own `reset_parameters` (Linear,
+    convolutions, norms, embeddings). Parameters of modules without one get 1 (1-D weights: norm
+    scales), 0 (biases) or N(0, 1/last dim) (tables such as scale_shift_table, diffusers'
+    initialization of them). Buffers are computed at construction as usual, then cast the same
+    way. Seeded: the same weights for the same seed, device and config."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls(**config)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    torch.manual_seed(seed)
+    pending = {}  # parameters no reset_parameters initializes: (module, name) -> tensor
+    for module_name, module in model.named_modules():
+        fp32 = not keep.isdisjoint(module_name.split("."))
+        target = torch.float32 if fp32 else dtype
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=target, device=device),
+                    requires_grad=param.requires_grad,
+                )
+                pending[module, name] = module._parameters[name]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                cast = target if buffer.is_floating_point() else buffer.dtype
+                module._buffers[name] = buffer.to(device=device, dtype=cast)
+    with torch.no_grad():
+        for module in model.modules():
+            if module._parameters and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+                for name in module._parameters:
+                    pending.pop((module, name), None)
+        for (_, name), param in pending.items():
+            if param.dim() == 1 and name == "weight":
+                param.fill_(1.0)
+            elif name == "bias":
+                param.zero_()
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+    return model.eval()
