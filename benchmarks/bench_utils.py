@@ -213,19 +213,22 @@ def random_model(cls, config: dict, dtype: torch.dtype, device, seed: int = 0):
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     torch.manual_seed(seed)
     pending = {}  # parameters no reset_parameters initializes: (module, name) -> tensor
+
+    def target(module_name: str, name: str) -> torch.dtype:  # diffusers' rule: any name part
+        kept = not keep.isdisjoint(f"{module_name}.{name}".split("."))
+        return torch.float32 if kept else dtype
+
     for module_name, module in model.named_modules():
-        fp32 = not keep.isdisjoint(module_name.split("."))
-        target = torch.float32 if fp32 else dtype
         for name, param in module._parameters.items():
             if param is not None:
                 module._parameters[name] = torch.nn.Parameter(
-                    torch.empty(param.shape, dtype=target, device=device),
+                    torch.empty(param.shape, dtype=target(module_name, name), device=device),
                     requires_grad=param.requires_grad,
                 )
                 pending[module, name] = module._parameters[name]
         for name, buffer in module._buffers.items():
             if buffer is not None:
-                cast = target if buffer.is_floating_point() else buffer.dtype
+                cast = target(module_name, name) if buffer.is_floating_point() else buffer.dtype
                 module._buffers[name] = buffer.to(device=device, dtype=cast)
     with torch.no_grad():
         for module in model.modules():

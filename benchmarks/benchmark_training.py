@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils  # noqa: E402
-from benchmark_transformer import LTX_GRIDS, configured  # noqa: E402
+from benchmark_transformer import configured  # noqa: E402
+from transformer_cases import LTX_GRIDS  # noqa: E402
 
 COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]

@@ -6,13 +6,14 @@ per block and whole-model compiled, and the anchor a user would pick instead, to
 dynamic rowwise quantization compiled per block or whole (`torchao-fp8+blocks`,
 `torchao-fp8+compile`; needs torchao).
 
-Models (random weights from the real default configs, bf16):
-  ltx        LTXVideoTransformer3DModel (LTX-Video 2B, 28 blocks), batch 2 (CFG), 128 text tokens;
-             --tokens 2688 (49 frames 512x768) and 8064 (161 frames 512x768).
-  ltx-13b    the same at LTX-Video 0.9.7/0.9.8 13B's config (48 blocks, 32x128 heads, D 4096);
-             --tokens 12672 is 257 frames 512x768.
+Models (--model; whole transformers at their real configs, configs/*.json, random weights,
+bf16, with one denoising step's inputs at a typical resolution: transformer_cases.py lists them):
+  ltx, ltx-13b (per-token modulation, LTXConditionPipeline), ltx2, ltx2.3, ltx2.5, wan-1.3b,
+  wan-14b, flux (FLUX.1-dev, 19 double + 38 single blocks), sd3.5 (Large), hunyuanvideo-1.5;
   flux-pair  one FluxTransformerBlock + one FluxSingleTransformerBlock (dim 3072, 24x128 heads),
              batch 1, 4096 image + 512 text tokens (1024x1024).
+--tokens picks among a model's shapes (ltx: 2688 = 49 frames 512x768, 8064 = 161 frames; the
+others have one, the default).
 
 --context-parallel ulysses|ring (ltx models; launch with torchrun --nproc_per_node N): diffusers'
 context parallelism over the N GPUs, in these columns: 1-GPU eager and kernels (each rank alone on
@@ -41,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils  # noqa: E402
+import transformer_cases  # noqa: E402
 
 import ltx_kernels  # noqa: E402
 
@@ -52,45 +54,14 @@ FP8_COLUMNS = (
     "torchao-fp8+blocks",
     "torchao-fp8+compile",
 )
-LTX_GRIDS = {2688: (7, 16, 24), 8064: (21, 16, 24), 7392: (21, 16, 22), 12672: (33, 16, 24)}
-# diffusers' scripts/convert_ltx_to_diffusers.py: 0.9.7/0.9.8 13B differ from the 2B defaults here.
-LTX_CONFIGS = {
-    "ltx": {},
-    "ltx-13b": dict(attention_head_dim=128, cross_attention_dim=4096, num_layers=48),
-}
 
 
-def ltx_case(tokens: int, model_name: str = "ltx"):
-    from diffusers import LTXVideoTransformer3DModel
-
-    frames, height, width = LTX_GRIDS[tokens]
-    torch.manual_seed(0)  # the same weights on every rank (context parallelism)
-    with torch.device("cuda"):
-        model = LTXVideoTransformer3DModel(**LTX_CONFIGS[model_name]).to(torch.bfloat16).eval()
-    g = torch.Generator("cuda").manual_seed(0)
-    batch, text = 2, 128
-    mask = torch.ones(batch, text, dtype=torch.bool, device="cuda")
-    mask[0, 40:] = False
-    inputs = dict(
-        hidden_states=torch.randn(
-            batch, tokens, 128, generator=g, device="cuda", dtype=torch.bfloat16
-        ),
-        encoder_hidden_states=torch.randn(
-            batch, text, 4096, generator=g, device="cuda", dtype=torch.bfloat16
-        ),
-        timestep=torch.full((batch,), 500.0, device="cuda"),
-        encoder_attention_mask=mask,
-        num_frames=frames,
-        height=height,
-        width=width,
-        rope_interpolation_scale=(8 / 25, 32, 32),
-        return_dict=False,
-    )
-
-    def call(m, mask=True):  # mask=False: without the text mask
-        return m(**(inputs if mask else {**inputs, "encoder_attention_mask": None}))[0]
-
-    return model, call
+def model_case(name: str, tokens: int | None):
+    """(model, call, tokens) of a whole model (transformer_cases) or of the FLUX block pair, at
+    `tokens` (the model's default shape when None)."""
+    if name == "flux-pair":
+        return (*flux_pair_case(tokens or 4096), tokens or 4096)
+    return transformer_cases.build(name, tokens)
 
 
 class FluxBlockPair(torch.nn.Module):
@@ -245,7 +216,7 @@ def context_parallel_columns(args, tokens, world):
     measured = {}
 
     def build():
-        model, call = ltx_case(tokens, args.model)
+        model, call, _ = model_case(args.model, tokens)
         if backend:
             model.set_attention_backend(backend)
         return model, call
@@ -284,7 +255,7 @@ def context_parallel_main(parser, args):
 
     if "WORLD_SIZE" not in os.environ:
         parser.error("--context-parallel runs under torchrun --nproc_per_node N (N GPUs)")
-    if args.model not in LTX_CONFIGS:
+    if args.model not in ("ltx", "ltx-13b"):
         parser.error("--context-parallel: --model ltx or ltx-13b")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -339,7 +310,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--model", choices=("ltx", "ltx-13b", "flux-pair"), default="ltx")
+    parser.add_argument("--model", choices=(*transformer_cases.CASES, "flux-pair"), default="ltx")
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument(
         "--columns",
@@ -360,7 +331,7 @@ def main():
     columns = bench_utils.parse_columns(parser, args.columns, COLUMNS + FP8_COLUMNS)
     global COMPILE_MODE
     COMPILE_MODE = args.compile_mode
-    tokens_list = args.tokens or ([2688, 8064] if args.model.startswith("ltx") else [4096])
+    tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [None])
     env = bench_utils.environment()
     print(
         f"# {args.model}: {env['device']}, torch {env['torch']}, bf16, "
@@ -368,9 +339,7 @@ def main():
     )
     results = []
     for tokens in tokens_list:
-        model, call = (
-            ltx_case(tokens, args.model) if args.model in LTX_CONFIGS else flux_pair_case(tokens)
-        )
+        model, call, tokens = model_case(args.model, tokens)
         rows = {}
         print(f"\n## {args.model}, {tokens} tokens", flush=True)
         print(

@@ -121,7 +121,9 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=2688, choices=sorted(bt.LTX_GRIDS))
+    parser.add_argument(
+        "--tokens", type=int, default=2688, choices=sorted(bt.transformer_cases.LTX_GRIDS)
+    )
     parser.add_argument("--columns", default="eager,kernels,compile,compile+kernels")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
@@ -133,7 +135,7 @@ def main():
     unknown = set(columns) - set(allowed)
     if unknown:
         parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(allowed)}")
-    model, call = bt.ltx_case(args.tokens)
+    model, call = bt.model_case("ltx", args.tokens)[:2]
     print(
         f"# LTX-Video 2B, batch 2 x {args.tokens} tokens, {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}"
