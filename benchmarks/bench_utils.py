@@ -154,9 +154,9 @@ def bar_chart(path: Path, title: str, shapes, columns, tbs, copy_tbs: float) -> 
 def torchao_fp8_rowwise(model: torch.nn.Module):
     """The FP8 path a user would pick instead of ours, on `model` while the block runs: torchao's
     float8 dynamic-activation float8-weight quantization with per-row scales
-    (`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`, every
-    nn.Linear it takes). torchao replaces the weights; the bf16 ones wait on the CPU and come
-    back on exit. Raises ImportError naming torchao when it is not installed."""
+    (`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on
+    every bf16 nn.Linear, the only ones PerRow takes). torchao replaces the weights; the bf16 ones
+    wait on the CPU and come back on exit. Raises ImportError naming torchao when it is not installed."""
     try:
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,
@@ -165,11 +165,17 @@ def torchao_fp8_rowwise(model: torch.nn.Module):
         )
     except ImportError as error:
         raise ImportError(f"the torchao anchor needs torchao (pip install torchao): {error}")
-    originals = {
-        name: (m, m.weight) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-    }
+
+    def bf16_linear(module, _name=None) -> bool:  # PerRow takes bf16 weights only
+        return isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16
+
+    originals = {name: (m, m.weight) for name, m in model.named_modules() if bf16_linear(m)}
     device = next(iter(originals.values()))[1].device
-    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    quantize_(
+        model,
+        Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+        filter_fn=bf16_linear,
+    )
     for _, weight in originals.values():
         weight.data = weight.data.cpu()
     try:

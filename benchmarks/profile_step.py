@@ -1,4 +1,5 @@
-"""Where one LTX-Video denoising step spends its GPU time, per column of benchmark_transformer.py:
+"""Where one denoising step (--model: any of benchmark_transformer.py's) spends its GPU time, per
+column of benchmark_transformer.py:
 torch.profiler over --steps calls after warm-up, kernel time summed per category (GEMM, attention,
 ltx_kernels ops, Inductor/Triton, other), the top kernels by total time, and how long the host
 takes to issue one step against its wall time; with --graph also the step replayed as one CUDA
@@ -6,6 +7,7 @@ graph (its GPU time without host gaps), with --cprofile the host functions that 
 issuing one step.
 
   python benchmarks/profile_step.py --tokens 2688 --columns kernels,compile+kernels
+  python benchmarks/profile_step.py --model hunyuanvideo-1.5 --steps 1 --columns kernels,blocks
 """
 
 import argparse
@@ -26,7 +28,7 @@ import benchmark_transformer as bt  # noqa: E402
 from benchmark_transformer import configured  # noqa: E402
 
 CATEGORIES = (  # first match wins; names are lower-cased CUDA kernel names
-    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("attention", ("flash", "fmha", "attention", "cudnn", "attn")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
     (
         "ltx_kernels",
@@ -122,8 +124,9 @@ def main():
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument(
-        "--tokens", type=int, default=2688, choices=sorted(bt.transformer_cases.LTX_GRIDS)
+        "--model", choices=(*bt.transformer_cases.CASES, "flux-pair"), default="ltx"
     )
+    parser.add_argument("--tokens", type=int, default=None, help="the model's default shape")
     parser.add_argument("--columns", default="eager,kernels,compile,compile+kernels")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
@@ -135,10 +138,9 @@ def main():
     unknown = set(columns) - set(allowed)
     if unknown:
         parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(allowed)}")
-    model, call = bt.model_case("ltx", args.tokens)[:2]
+    model, call, tokens = bt.model_case(args.model, args.tokens)
     print(
-        f"# LTX-Video 2B, batch 2 x {args.tokens} tokens, {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__}"
+        f"# {args.model}, {tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
     for column in columns:
         profile_column(column, model, call, args.steps, args.top, args.graph, args.cprofile)

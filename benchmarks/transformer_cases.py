@@ -186,7 +186,8 @@ def sd3_inputs(model, tokens, generator):
     )
 
 
-HUNYUAN15_GRIDS = {49290: (31, 30, 53)}  # 121 frames 480x848: VAE 4x temporal, 16x spatial
+# 121 (61) frames 480x848: VAE 4x temporal, 16x spatial.
+HUNYUAN15_GRIDS = {49290: (31, 30, 53), 25440: (16, 30, 53)}
 
 
 def hunyuan15_inputs(model, tokens, generator):
@@ -222,7 +223,7 @@ CASES = {
     "flux": Case("flux.1-dev", (4096,), flux_inputs, "FLUX"),
     "sd3.5": Case("sd3.5-large", (4096,), sd3_inputs, "SD3"),
     "hunyuanvideo-1.5": Case(
-        "hunyuanvideo-1.5-480p-t2v", (49290,), hunyuan15_inputs, "HunyuanVideo-1.5"
+        "hunyuanvideo-1.5-480p-t2v", (49290, 25440), hunyuan15_inputs, "HunyuanVideo-1.5"
     ),
 }
 
