@@ -68,7 +68,7 @@ def test_tiny_matches_eager_and_restores(release, variant, dtype):
     assert_same_outputs(injected, eager, dtype)
     patched, skipped = report_for(release, 2)
     assert dict(report.patched) == patched and skipped_counts(report) == skipped
-    assert count_ltx_ops(lambda: call(model)) == expected_ops(FUSIONS, release)
+    assert count_ltx_ops(lambda: call(model)) == expected_ops(FUSIONS, release, variant=variant)
     assert_remove_restores(model, call, eager)
     processors = {type(m.processor).__name__ for m in model.modules() if hasattr(m, "processor")}
     stock = "LTX2PerturbedAttnProcessor" if RELEASES[release]["perturbed_attn"] else None

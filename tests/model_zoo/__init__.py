@@ -65,7 +65,7 @@ def _ltx2(release: str, variant: str | None = None) -> TinyModel:
     return TinyModel(
         functools.partial(ltx2.tiny_model, release=release),
         functools.partial(ltx2.inputs, release=release, variant=variant),
-        lambda disabled: ltx2.expected_ops(_every_op_but(disabled), release),
+        lambda disabled: ltx2.expected_ops(_every_op_but(disabled), release, variant=variant),
         "LTX2KernelsPerturbedAttnProcessor"
         if ltx2.RELEASES[release]["perturbed_attn"]
         else "LTX2KernelsAttnProcessor",
@@ -92,7 +92,7 @@ MODELS = {
     "ltx_per_token": TinyModel(
         ltx.tiny_model,
         functools.partial(ltx.tiny_inputs, per_token=True),
-        ltx.expected_counts,
+        functools.partial(ltx.expected_counts, per_token=True),
         "LTXKernelsAttnProcessor",
         bit_identical_without=("qk_rmsnorm_rope",),
     ),

@@ -64,9 +64,12 @@ def tiny_inputs(dtype, device="cpu", batch=2, per_token=False):
     )
 
 
-def expected_counts(disabled=None):
-    """The ltx_kernels ops one forward runs, with op `disabled` left out."""
+def expected_counts(disabled=None, per_token=False):
+    """The ltx_kernels ops one forward runs, with op `disabled` left out; per_token: with
+    per-token modulation, whose table sum runs on gated_residual in each block."""
     counts = block_op_counts(OPS_PER_BLOCK, FALLBACKS, disabled, TINY["num_layers"])
+    if per_token and disabled != "gated_residual":
+        counts["gated_residual"] = counts.get("gated_residual", 0) + TINY["num_layers"]
     if disabled != "layernorm_modulate":
         counts["layernorm_modulate"] = 1  # the output norm
     return counts

@@ -174,11 +174,19 @@ def inputs(
     return kwargs
 
 
-def expected_ops(ops, release="2.0", layers=TINY["num_layers"], audio_video=True, stg_layers=0):
+def expected_ops(
+    ops,
+    release="2.0",
+    layers=TINY["num_layers"],
+    audio_video=True,
+    stg_layers=0,
+    variant=None,
+):
     """ltx_kernels op calls per forward of a model with `layers` blocks and `ops` enabled: each step
     runs its op, or the ops of its fallback (the unfused step's pieces). audio_video=False:
     isolate_modalities (no audio-video cross-attention); stg_layers: blocks whose self-attention
-    STG skips for every sample (all_perturbed)."""
+    STG skips for every sample (all_perturbed); variant: that of inputs() ("i2v": per-token video
+    modulation tables, summed by gated_residual)."""
     ops = set(ops)
     counts = dict.fromkeys(FUSIONS, 0)
 
@@ -196,6 +204,9 @@ def expected_ops(ops, release="2.0", layers=TINY["num_layers"], audio_video=True
         return fallback
 
     streams = 2 * layers  # video and audio: one of each step per stream and block
+    if variant == "i2v":  # the a2v tables too where their timestep is the video's (2.0's default)
+        per_token_ca = audio_video and not RELEASES[release]["cross_attn_mod"]
+        count("gated_residual", layers * (3 if per_token_ca else 1))
     attended = 2 * (layers - stg_layers)
     count("rmsnorm_modulate", streams)  # norm1
     # self-attention: torch.nn.RMSNorm, then our RoPE of q and k without the fused op

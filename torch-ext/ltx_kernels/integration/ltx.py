@@ -112,12 +112,9 @@ def block_forward(
     """`LTXVideoTransformerBlock.forward` on the fused ops (same arguments, same rounding points).
     With FP8 Linears, norm1 and norm2 hand attn1 and the FF their output as FP8 rows."""
     ops = self._ltx_kernels_ops
-    batch_size = hidden_states.size(0)
-    num_ada_params = self.scale_shift_table.shape[0]
-    ada_values = self.scale_shift_table[None, None].to(temb.device) + temb.reshape(
-        batch_size, temb.size(1), num_ada_params, -1
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = steps.modulation(
+        ops, self.scale_shift_table, temb, hidden_states.size(0)
     )
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
 
     attn1 = self.attn1
     fp8_attn1 = isinstance(attn1.processor, LTXKernelsAttnProcessor) and steps.fp8_consumers(

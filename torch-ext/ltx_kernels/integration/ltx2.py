@@ -372,8 +372,8 @@ def block_forward(
     same rounding points. Returns (hidden_states, audio_hidden_states)."""
     ops = self._ltx_kernels_ops
     batch_size = hidden_states.size(0)
-    video = self.get_mod_params(self.scale_shift_table, temb, batch_size)
-    audio = self.get_mod_params(self.audio_scale_shift_table, temb_audio, batch_size)
+    video = steps.modulation(ops, self.scale_shift_table, temb, batch_size)
+    audio = steps.modulation(ops, self.audio_scale_shift_table, temb_audio, batch_size)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = video[:6]
     a_shift_msa, a_scale_msa, a_gate_msa, a_shift_mlp, a_scale_mlp, a_gate_mlp = audio[:6]
     # 2.3+: the modulation of the text cross-attention's queries (shift, scale) and its gate.
@@ -444,19 +444,20 @@ def block_forward(
     # 3. Audio-to-video (Q video, K/V audio) and video-to-audio (Q audio, K/V video)
     # cross-attention: one norm per stream, modulated for each attention.
     if use_a2v_cross_attention or use_v2a_cross_attention:
-        video_ca = self.get_mod_params(
-            self.video_a2v_cross_attn_scale_shift_table[:4, :], temb_ca_scale_shift, batch_size
+        video_ca = steps.modulation(
+            ops, self.video_a2v_cross_attn_scale_shift_table[:4, :], temb_ca_scale_shift, batch_size
         )
-        a2v_gate = self.get_mod_params(
-            self.video_a2v_cross_attn_scale_shift_table[4:, :], temb_ca_gate, batch_size
+        a2v_gate = steps.modulation(
+            ops, self.video_a2v_cross_attn_scale_shift_table[4:, :], temb_ca_gate, batch_size
         )[0].squeeze(2)
-        audio_ca = self.get_mod_params(
+        audio_ca = steps.modulation(
+            ops,
             self.audio_a2v_cross_attn_scale_shift_table[:4, :],
             temb_ca_audio_scale_shift,
             batch_size,
         )
-        v2a_gate = self.get_mod_params(
-            self.audio_a2v_cross_attn_scale_shift_table[4:, :], temb_ca_audio_gate, batch_size
+        v2a_gate = steps.modulation(
+            ops, self.audio_a2v_cross_attn_scale_shift_table[4:, :], temb_ca_audio_gate, batch_size
         )[0].squeeze(2)
         # (scale, shift) of the a2v and of the v2a attention, of the ones in use
         used = [i for i, use in ((0, use_a2v_cross_attention), (2, use_v2a_cross_attention)) if use]
