@@ -111,6 +111,31 @@ def count_ltx_ops(call) -> dict:
     return counter.counts
 
 
+class GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products dispatched while active: aten mm/addmm/bmm (F.linear, the
+    CPU's FP8 GEMM) and ltx_kernels.linear_gelu (a GEMM with a GELU epilogue)."""
+
+    GEMMS = frozenset(
+        [*(("aten", name) for name in ("mm", "addmm", "bmm", "_addmm_activation"))]
+        + [("ltx_kernels", "linear_gelu")]
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += (func.namespace, func._schema.name.split("::")[-1]) in self.GEMMS
+        return func(*args, **(kwargs or {}))
+
+
+def gemms(call) -> int:
+    """The number of GEMMs call() runs (GemmCounter)."""
+    with torch.no_grad(), GemmCounter() as counter:
+        call()
+    return counter.count
+
+
 def group_offload(model, offload_type: str = "leaf_level") -> None:
     """diffusers group offloading with the CPU as onload device: the hooks of a real offload."""
     from diffusers.hooks import apply_group_offloading

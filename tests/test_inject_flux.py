@@ -12,15 +12,17 @@ from inject_helpers import (
     assert_remove_restores,
     caller,
     count_ltx_ops,
+    clone,
     eager_and_injected,
+    gemms,
     inject_then_group_offload,
     output_of,
     randomize_norms,
     rel_l2,
 )
 from ltx_kernels.integration import FUSIONS
-from ltx_kernels.integration.flux import DOUBLE_ATTN, SINGLE_ATTN
-from model_zoo.flux import expected_ops, image_ids, tiny_inputs, tiny_model
+from ltx_kernels.integration.flux import DOUBLE_ATTN, QKV_MLP, SINGLE_ATTN
+from model_zoo.flux import expected_ops, image_ids, tiny_block, tiny_inputs, tiny_model
 
 from diffusers import FluxTransformer2DModel  # noqa: E402  (inject_helpers skips without it)
 from diffusers.models.transformers.transformer_flux import (
@@ -29,6 +31,9 @@ from diffusers.models.transformers.transformer_flux import (
     FluxSingleTransformerBlock,
     FluxTransformerBlock,
 )
+
+
+SINGLE_QKV_MLP = "fused projections (attn.to_q/attn.to_k/attn.to_v/proj_mlp)"
 
 
 def report_for(double: int, single: int) -> dict:
@@ -40,8 +45,9 @@ def report_for(double: int, single: int) -> dict:
         "AdaLayerNormContinuous": 1,
         DOUBLE_ATTN: double,
         SINGLE_ATTN: single,
-        "fused projections (to_q/to_k/to_v)": double + single,
+        "fused projections (to_q/to_k/to_v)": double,
         "fused projections (add_q_proj/add_k_proj/add_v_proj)": double,
+        SINGLE_QKV_MLP: single,
     }
 
 
@@ -128,6 +134,103 @@ def test_full_size_flux_report_on_meta():
 
 
 # ------------------------------------------------------------------------------------------------
+# The single block's q/k/v and proj_mlp as one GEMM (fused_qkv_mlp)
+# ------------------------------------------------------------------------------------------------
+BF16 = torch.bfloat16
+QKV_MLP_WEIGHT = "_ltx_kernels_fused_qkv_mlp_weight"
+
+
+def test_single_block_qkv_mlp_is_one_gemm_and_restores():
+    block, call = tiny_block("single", BF16)
+    unfused = clone(block)
+    params = dict(block.named_parameters())
+    state = {k: v.clone() for k, v in block.state_dict().items()}
+    eager, injected, report = eager_and_injected(block, call)
+    # bit-identical on the CPU: the fused rows are the same dot products, and the GELU runs on
+    # the rounded GEMM output as diffusers' act_mlp(proj_mlp(x)) does
+    assert torch.equal(injected, eager)
+    assert report.patched[SINGLE_QKV_MLP] == 1
+    assert "fused projections (to_q/to_k/to_v)" not in report.patched  # replaced by the larger
+    fused = getattr(block, QKV_MLP_WEIGHT)
+    assert fused.shape == (3 * 32 + 128, 32)
+    assert "_ltx_kernels_fused_qkv_weight" not in block.attn._buffers
+    starts = [0, 32, 64, 96]  # the members' parameters are row blocks of the fused weight
+    for name, start in zip(QKV_MLP, starts):
+        member = block.get_submodule(name)
+        assert member.weight.data_ptr() == fused[start].data_ptr()
+        assert member.bias.data_ptr() == block._ltx_kernels_fused_qkv_mlp_bias[start].data_ptr()
+    assert dict(block.named_parameters()) == params  # the same objects
+    after = block.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    counts = count_ltx_ops(lambda: call(block))
+    assert counts["gelu"] == 1 and "linear_gelu" not in counts
+    ltx_kernels.inject_optimized_kernels(
+        unfused, verbose=False, ops=set(FUSIONS) - {"fused_qkv_mlp"}
+    )
+    # norm.linear, q/k/v + proj_mlp, proj_out; without the fusion: q/k/v, then proj_mlp + GELU
+    assert gemms(lambda: call(block)) == 3 and gemms(lambda: call(unfused)) == 4
+    with torch.no_grad():
+        assert torch.equal(call(unfused), eager)
+    ltx_kernels.remove_optimized_kernels(block)
+    assert QKV_MLP_WEIGHT not in block._buffers
+    for name in QKV_MLP:  # each its own storage again
+        weight = block.get_submodule(name).weight
+        assert weight.untyped_storage().nbytes() == weight.nbytes
+    assert dict(block.named_parameters()) == params
+    after = block.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    with torch.no_grad():
+        assert torch.equal(call(block), eager)
+
+
+@pytest.mark.parametrize("hooked", ["attn.to_q", "proj_mlp", "attn"])
+def test_single_block_qkv_mlp_falls_back_to_the_modules_under_a_hook(hooked):
+    block, call = tiny_block("single", BF16)
+    eager, _, _ = eager_and_injected(block, call)
+    seen = []
+    hook = block.get_submodule(hooked).register_forward_hook(lambda m, args, out: seen.append(m))
+    # norm.linear, q, k, v, proj_mlp (+ GELU), proj_out: the hooked module sees its call
+    assert gemms(lambda: call(block)) == 6
+    assert len(seen) == 1
+    with torch.no_grad():
+        assert torch.equal(call(block), eager)
+    hook.remove()
+    assert gemms(lambda: call(block)) == 3
+
+
+@pytest.mark.parametrize("target", ["proj_mlp", "to_q"])
+def test_single_block_qkv_mlp_with_lora_adapters(target):
+    """peft LoRA on proj_mlp or the q projections: loaded before injection, the q/k/v/MLP group is
+    not formed (reported) and the q/k/v group takes its place where its members are plain; added
+    after injection, the group runs its modules one by one. Outputs: the stock model's."""
+    from peft import LoraConfig
+
+    model = tiny_model(BF16)
+    call = caller(tiny_inputs(BF16))
+    after = clone(model)
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=[target])
+    model.add_adapter(config)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a non-zero adapter
+    eager, injected, report = eager_and_injected(model, call)
+    assert torch.equal(output_of(injected), output_of(eager))
+    assert SINGLE_QKV_MLP not in report.patched
+    skipped = [name for name, _ in report.skipped["fused projections"]]
+    assert "single_transformer_blocks.0" in skipped
+    qkv_groups = report.patched["fused projections (to_q/to_k/to_v)"]
+    assert qkv_groups == (2 if target == "proj_mlp" else 0)  # the double's and the single's
+
+    ltx_kernels.inject_optimized_kernels(after, verbose=False)
+    assert hasattr(after.single_transformer_blocks[0], QKV_MLP_WEIGHT)
+    after.add_adapter(config)
+    after.load_state_dict(model.state_dict())  # the same adapter weights
+    with torch.no_grad():
+        assert torch.equal(output_of(call(after)), output_of(eager))
+
+
+# ------------------------------------------------------------------------------------------------
 # Full size on the GPU
 # ------------------------------------------------------------------------------------------------
 def check_block_pair(device, dim, heads, head_dim, axes_dim, side, text):
@@ -160,8 +263,9 @@ def check_block_pair(device, dim, heads, head_dim, axes_dim, side, text):
         "AdaLayerNormZeroSingle": 1,
         DOUBLE_ATTN: 1,
         SINGLE_ATTN: 1,
-        "fused projections (to_q/to_k/to_v)": 2,
+        "fused projections (to_q/to_k/to_v)": 1,
         "fused projections (add_q_proj/add_k_proj/add_v_proj)": 1,
+        SINGLE_QKV_MLP: 1,
     }
     expected = expected_ops(FUSIONS, 1, 1)
     expected["layernorm_modulate"] -= 1  # no output norm here

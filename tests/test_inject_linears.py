@@ -13,6 +13,7 @@ from inject_helpers import (
     clone,
     count_ltx_ops,
     eager_and_injected,
+    gemms,
     output_of,
     rel_l2,
 )
@@ -73,26 +74,6 @@ def test_fused_qkv_shares_the_parameters_storage(dtype):
             getattr(attn, n).weight.untyped_storage().nbytes() == getattr(attn, n).weight.nbytes
             for n in QKV
         )  # each its own storage again
-
-
-class GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the matrix products (aten mm/addmm/bmm) dispatched while active."""
-
-    GEMMS = ("mm", "addmm", "bmm", "_addmm_activation")
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.namespace == "aten" and func._schema.name.split("::")[-1] in self.GEMMS
-        return func(*args, **(kwargs or {}))
-
-
-def gemms(call) -> int:
-    with torch.no_grad(), GemmCounter() as counter:
-        call()
-    return counter.count
 
 
 def test_fused_qkv_runs_one_gemm_instead_of_three():
@@ -297,18 +278,99 @@ def test_fp8_op_counts():
     }
 
 
+@pytest.mark.parametrize("family", ["ltx", "flux"])
 @pytest.mark.parametrize("disabled", FUSIONS)
-def test_fp8_each_fusion_disabled_alone_gives_the_same_output(disabled):
+def test_fp8_each_fusion_disabled_alone_gives_the_same_output(disabled, family):
     """An FP8-output op quantizes exactly the value its bf16 twin returns, and that value is what
     the diffusers code computes (bf16 bit-identity): disabling any one fusion moves the
     quantization into the FP8 Linear and changes no bit."""
-    model = tiny_model(BF16)
-    call = caller(tiny_inputs(BF16))
+    make_model, make_inputs, _ = FP8_MODELS[family]
+    model = make_model()
+    call = caller(make_inputs())
     reference_model = clone(model)
     fp8_injected(reference_model)
     fp8_injected(model, ops=set(FUSIONS) - {disabled})
     with torch.no_grad():
         assert torch.equal(output_of(call(model)), output_of(call(reference_model)))
+
+
+def test_fp8_flux_quantizes_each_activation_once():
+    """Per FLUX block in FP8: the AdaLN norms emit FP8 rows (double: norm1 for the image q/k/v,
+    one GEMM; single: its norm for q/k/v and proj_mlp, one GEMM), norm2 and the FF's GELU as
+    before; quantize_fp8 runs on the attention output (double: to_out; single: cat(attention,
+    GELU(mlp)) into proj_out, one scale over the whole row) and in the FF's GELU. Before: 3
+    quantize_fp8 passes in each block, 4 GEMMs in the single block."""
+    double, call = flux_zoo.tiny_block("double", BF16)
+    fp8_injected(double)
+    assert count_ltx_ops(lambda: call(double)) == {
+        "layernorm_modulate_fp8": 1,  # norm1 (image)
+        "layernorm_modulate": 1,  # norm1_context (the text stream stays bf16)
+        "add_layernorm_modulate_fp8": 1,  # norm2 (image)
+        "add_layernorm_modulate": 1,  # norm2_context
+        "quantize_fp8": 2,  # the attention output (to_out), GELU -> ff.net.2
+        "qk_rmsnorm_rope": 2,
+        "gated_residual": 2,
+        "linear_gelu": 1,  # ff_context
+    }
+    # the AdaLN linears 2, q/k/v 2 (image: FP8), to_out and to_add_out, the FFs 2 + 2
+    assert gemms(lambda: call(double)) == 10
+    single, call = flux_zoo.tiny_block("single", BF16)
+    fp8_injected(single)
+    assert count_ltx_ops(lambda: call(single)) == {
+        "layernorm_modulate_fp8": 1,
+        "quantize_fp8": 1,  # cat(attention, GELU(mlp)) -> proj_out
+        "gelu": 1,
+        "qk_rmsnorm_rope": 1,
+        "gated_residual": 1,
+    }
+    assert gemms(lambda: call(single)) == 3  # norm.linear, q/k/v + proj_mlp (FP8), proj_out
+
+
+def test_fp8_flux_is_bit_identical_to_quantizing_in_each_linear():
+    """The path before the norms emitted FP8 rows: hooks on the AdaLN norms make the blocks call
+    them as modules (bf16 out: the hooks see tensors), and without fused_qkv_mlp the single
+    block's q/k/v and proj_mlp quantize the same rows each. The same bits, with more passes."""
+    model = flux_zoo.tiny_model(BF16)
+    call = caller(flux_zoo.tiny_inputs(BF16))
+    previous = clone(model)
+    fp8_injected(model)
+    fp8_injected(previous, ops=set(FUSIONS) - {"fused_qkv_mlp"})
+    seen = []
+    for norm in (previous.transformer_blocks[0].norm1, previous.single_transformer_blocks[0].norm):
+        norm.register_forward_hook(lambda m, args, out: seen.append(type(out[0])))
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), output_of(call(previous)))
+    assert seen == [torch.Tensor] * 2
+    assert count_ltx_ops(lambda: call(model))["quantize_fp8"] == 2 + 1
+    assert count_ltx_ops(lambda: call(previous))["quantize_fp8"] == 3 + 3
+
+
+@pytest.mark.parametrize(
+    "hooked",
+    [
+        "transformer_blocks.0.attn",
+        "transformer_blocks.0.attn.to_k",
+        "single_transformer_blocks.0.attn",
+        "single_transformer_blocks.0.attn.to_q",
+        "single_transformer_blocks.0.proj_mlp",
+    ],
+)
+def test_fp8_flux_hooks_see_tensors_and_the_output_is_unchanged(hooked):
+    """A hook on an attention or an FP8 Linear that takes a norm's output: the norm then returns
+    its bf16 output and each FP8 Linear quantizes it itself: the same bits."""
+    model = flux_zoo.tiny_model(BF16)
+    call = caller(flux_zoo.tiny_inputs(BF16))
+    fp8_injected(model)
+    with torch.no_grad():
+        expected = output_of(call(model))
+    seen = []
+    model.get_submodule(hooked).register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(type(args[0] if args else kwargs["hidden_states"])),
+        with_kwargs=True,
+    )
+    with torch.no_grad():
+        assert torch.equal(output_of(call(model)), expected)
+    assert seen == [torch.Tensor]
 
 
 def test_fp8_bf16_blocks_keeps_the_first_and_last_blocks():
@@ -424,17 +486,25 @@ def test_fp8_with_lora_adapters_loaded_first():
     assert rel_l2(out, bf16) <= FP8_VS_BF16
 
 
-def test_fp8_compiles_fullgraph_without_recompiling():
+@pytest.mark.parametrize(
+    "family, backend, timestep",
+    [
+        ("ltx", "inductor", lambda: torch.randint(0, 1000, (2,))),
+        ("flux", "aot_eager", lambda: torch.rand(2, dtype=BF16)),  # (Inductor: LTX's 20 s)
+    ],
+)
+def test_fp8_compiles_fullgraph_without_recompiling(family, backend, timestep):
     torch._dynamo.reset()
-    model = tiny_model(BF16)
-    inputs = tiny_inputs(BF16)
+    make_model, make_inputs, _ = FP8_MODELS[family]
+    model = make_model()
+    inputs = make_inputs()
     fp8_injected(model)
     with torch.no_grad():
         eager = output_of(model(**inputs))
-    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):
-            compiled(**{**inputs, "timestep": torch.randint(0, 1000, (2,))})
+            compiled(**{**inputs, "timestep": timestep()})
         out = output_of(compiled(**inputs))
     assert rel_l2(out, eager) <= 1e-2
 

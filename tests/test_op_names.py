@@ -68,5 +68,5 @@ def test_fused_backward_ops_map_ops_to_backward_ops():
 
 
 def test_fusions_are_the_ops_and_fused_projections():
-    assert FUSIONS == (*OPS, "fused_projections")
+    assert FUSIONS == (*OPS, "fused_projections", "fused_qkv_mlp")
     assert set(OPS) <= set(ltx_kernels.__all__)

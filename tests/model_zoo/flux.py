@@ -45,11 +45,15 @@ def expected_ops(ops, double: int, single: int) -> dict:
         counts["qk_rmsnorm_rope"] += attentions
     elif "rope" in ops:
         counts["rope"] += 2 * attentions
-    mlps = 2 * double + single
+    # FF up-projections + GELU-tanh, and the single blocks' MLP: after the fused q/k/v/MLP GEMM
+    # (fused_qkv_mlp) its GELU is the gelu op, else as the FFs'
+    fused_mlps = single * ("fused_qkv_mlp" in ops)
+    mlps = 2 * double + single - fused_mlps
     if "linear_gelu" in ops:
         counts["linear_gelu"] += mlps
     elif "gelu" in ops:
         counts["gelu"] += mlps
+    counts["gelu"] += fused_mlps * ("gelu" in ops)
     return {op: n for op, n in counts.items() if n}
 
 
@@ -62,6 +66,27 @@ def image_ids(height, width, device="cpu"):
         torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij"
     )
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+def tiny_block(kind: str, dtype):
+    """(block, call): a bare FluxTransformerBlock ("double") or FluxSingleTransformerBlock
+    ("single") of the tiny model's sizes, norms randomized, in eval mode, and call(block), its
+    output (text and image rows concatenated) on random inputs with FLUX RoPE tables."""
+    from diffusers.models.transformers.transformer_flux import (
+        FluxPosEmbed,
+        FluxSingleTransformerBlock,
+        FluxTransformerBlock,
+    )
+
+    dim, heads, head_dim = 32, TINY["num_attention_heads"], TINY["attention_head_dim"]
+    cls = FluxTransformerBlock if kind == "double" else FluxSingleTransformerBlock
+    block = randomize_norms(cls(dim, heads, head_dim).to(dtype)).eval()
+    ids = torch.cat([torch.zeros(TEXT, 3), image_ids(HEIGHT, WIDTH)])
+    rope = FluxPosEmbed(theta=10000, axes_dim=TINY["axes_dims_rope"])(ids)
+    hidden = torch.randn(2, HEIGHT * WIDTH, dim, dtype=dtype)
+    text = torch.randn(2, TEXT, dim, dtype=dtype)
+    temb = torch.randn(2, dim, dtype=dtype)
+    return block, lambda b: torch.cat(b(hidden, text, temb, rope), dim=1)
 
 
 def tiny_inputs(dtype, batch=2):

@@ -16,8 +16,8 @@ How a module is patched, and why that way:
   hook (leaf-level offloading or layerwise casting added after injection); otherwise it calls the
   module as diffusers does. So a step never bypasses a hook.
 
-Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS and
-"fused_projections") minus the comma-separated names in the environment variable
+Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS, "fused_projections"
+and "fused_qkv_mlp") minus the comma-separated names in the environment variable
 LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that step only, so kernels
 can be taken out one at a time when hunting a numerical difference.
 
@@ -39,8 +39,10 @@ from .._op_names import FUSED_BACKWARD_OPS, OPS
 from . import linears
 
 #: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
-#: name, and "fused_projections" (q/k/v projections of one input as one GEMM, linears.py).
-FUSIONS = (*OPS, "fused_projections")
+#: name, "fused_projections" (q/k/v projections of one input as one GEMM, linears.py) and
+#: "fused_qkv_mlp" (FLUX's single block: q/k/v and the MLP up-projection as one GEMM; without it,
+#: its q/k/v are fused_projections' group).
+FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp")
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused
 #: backward (_op_names.FUSED_BACKWARD_OPS). linear_gelu's backward (cuBLAS GEMMs and a GELU
@@ -165,7 +167,7 @@ class Injector:
         self.report = report
         self.fp8 = fp8
         self._fp8_blocks: list = []  # (block name, [(Linear name, Linear)]), in model order
-        self._projection_groups: list = []  # (owner name, owner, key, member names)
+        self._projection_groups: list = []  # (owner name, owner, key, member names, fusion)
 
     def fp8_linears(self, name: str, block: torch.nn.Module, paths) -> None:
         """Names the Linears of `block` (paths below it) that run in FP8 with fp8=True."""
@@ -173,9 +175,13 @@ class Injector:
             linears = [(f"{name}.{path}", block.get_submodule(path)) for path in paths]
             self._fp8_blocks.append((name, linears))
 
-    def fuse_projections(self, name: str, owner: torch.nn.Module, key: str, names) -> None:
-        """Names projections of one input (owner's modules `names`) that run as one GEMM."""
-        self._projection_groups.append((name, owner, key, tuple(names)))
+    def fuse_projections(
+        self, name: str, owner: torch.nn.Module, key: str, names, fusion: str = "fused_projections"
+    ) -> None:
+        """Names projections of one input (owner's modules `names`) that run as one GEMM when
+        `fusion` (a name in FUSIONS) is enabled. A module joins the first group named that fuses
+        it: name a larger group before the smaller one it replaces."""
+        self._projection_groups.append((name, owner, key, tuple(names), fusion))
 
     def finish_model(self, fp8_bf16_blocks: int) -> None:
         """Applies what the patchers named for one model: the FP8 Linears (all but those of the
@@ -194,10 +200,13 @@ class Injector:
                     linears.to_fp8(linear)
                     self.report.patched[kind] += 1
         groups, self._projection_groups = self._projection_groups, []
-        if "fused_projections" not in self.ops:
-            return
-        for name, owner, key, names in groups:
+        grouped = set()  # ids of the modules fused so far
+        for name, owner, key, names, fusion in groups:
+            members = {id(owner.get_submodule(n)) for n in names}
+            if fusion not in self.ops or members & grouped:
+                continue  # (members in a group named before: that group replaces this one)
             if linears.fuse(owner, key, names):
+                grouped |= members
                 self.report.patched[f"fused projections ({'/'.join(names)})"] += 1
             else:
                 self.skip(

@@ -8,15 +8,19 @@ Double block (`FluxTransformerBlock`), for the image and the text stream each:
   FF up-projection + GELU-tanh        -> linear_gelu
   x + gate * ff                       -> gated_residual
 Single block (`FluxSingleTransformerBlock`):
-  proj_mlp + GELU-tanh                -> linear_gelu
+  q/k/v and proj_mlp                  -> one GEMM, N = 3 D + 4 D (fused_qkv_mlp)
+  GELU-tanh of its MLP part           -> gelu (without fused_qkv_mlp: linear_gelu)
   attention: q/k RMSNorm + RoPE       -> qk_rmsnorm_rope
   x + gate * proj_out(cat(attn, mlp)) -> gated_residual
-Each stream's q/k/v projections run as one GEMM (fused_projections).
+The double block's q/k/v projections run as one GEMM per stream (fused_projections).
 
 FP8 (fp8=True): the image stream's Linears (q/k/v, out, FF; the single block's q/k/v, proj_mlp
-and proj_out); the text stream and the AdaLN linears stay bf16. norm2 hands the image FF its
-output as FP8 rows, the FF's GELU hands them to the down projection; the other FP8 Linears
-quantize their input in one pass of their own (the AdaLN norms are diffusers' modules).
+and proj_out); the text stream and the AdaLN linears stay bf16. The AdaLN norms hand their FP8
+consumers their output as FP8 rows (adaln.call_norm): norm1 to the image q/k/v, the single
+block's norm to its q/k/v + proj_mlp GEMM (one quantization, one GEMM); norm2 hands them to the
+image FF, whose GELU hands them to the down projection. The attention output (to_out) and the
+single block's cat(attention, GELU(mlp)) (proj_out: one scale per row over both parts) are
+quantized by their Linear in one pass (quantize_fp8).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, steps
+from . import FusedAttnProcessor, adaln, has_hooks, linears, steps
 
 
 # ------------------------------------------------------------------------------------------------
@@ -65,7 +69,6 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
         if attn.fused_projections:  # diffusers' own fusion (attn.fuse_projections())
@@ -79,6 +82,43 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
                 encoder_query, encoder_key, encoder_value = steps.fused_projections(
                     self.ops, attn, encoder_hidden_states, "added_qkv", steps.ADDED_QKV
                 )
+        hidden_states = self.attend(
+            attn,
+            query,
+            key,
+            value,
+            attention_mask,
+            image_rotary_emb,
+            (encoder_query, encoder_key, encoder_value),
+        )
+        if encoder_hidden_states is None:
+            return hidden_states
+        text_len = encoder_hidden_states.shape[1]
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [text_len, hidden_states.shape[1] - text_len], dim=1
+        )
+        hidden_states = attn.to_out[0](hidden_states.contiguous())
+        hidden_states = attn.to_out[1](hidden_states)
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+        return hidden_states, encoder_hidden_states
+
+    def attend(
+        self,
+        attn,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        image_rotary_emb=None,
+        encoder_qkv=(None, None, None),
+    ):
+        """The attention of projected q/k/v [B, S, H*Dh] (text stream's encoder_qkv for a joint
+        one), before any output projection: [B, S_txt + S, H*Dh]. A single block whose fused
+        q/k/v/MLP GEMM projected them calls it directly (what __call__ does past its
+        projections)."""
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        encoder_query, encoder_key, encoder_value = encoder_qkv
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
         joint = attn.added_kv_proj_dim is not None
         text_len = encoder_query.shape[1] if joint else 0
@@ -133,18 +173,7 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
             backend=self._attention_backend,
             parallel_config=self._parallel_config,
         )
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-
-        if encoder_hidden_states is None:
-            return hidden_states
-        text_len = encoder_hidden_states.shape[1]
-        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-            [text_len, hidden_states.shape[1] - text_len], dim=1
-        )
-        hidden_states = attn.to_out[0](hidden_states.contiguous())
-        hidden_states = attn.to_out[1](hidden_states)
-        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
-        return hidden_states, encoder_hidden_states
+        return hidden_states.flatten(2, 3).to(query.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,6 +181,31 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
 # ------------------------------------------------------------------------------------------------
 def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+def _runs_our_processor(attn) -> bool:
+    """attn runs FluxKernelsAttnProcessor on its own q/k/v modules (not diffusers' fused ones)."""
+    return isinstance(attn.processor, FluxKernelsAttnProcessor) and not attn.fused_projections
+
+
+def _fp8_qkv(attn, *linears) -> bool:
+    """Whether attn's input may come as Fp8Rows: our processor projects it with attn's q/k/v,
+    which with `linears` (the other consumers of the input) are hook-free FP8 Linears."""
+    qkv = (getattr(attn, name) for name in steps.QKV)
+    return _runs_our_processor(attn) and steps.fp8_consumers(*qkv, *linears, through=attn)
+
+
+def _attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb, kwargs):
+    """self.attn(...) as the blocks call it; our processor directly (steps.attention) when no
+    joint_attention_kwargs are passed (FluxAttention's forward only filters them)."""
+    if kwargs:
+        return attn(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **kwargs,
+        )
+    return steps.attention(attn, hidden_states, encoder_hidden_states, None, image_rotary_emb)
 
 
 def double_block_forward(
@@ -162,20 +216,21 @@ def double_block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ):
-    """`FluxTransformerBlock.forward` on the fused ops (same arguments, same rounding points)."""
+    """`FluxTransformerBlock.forward` on the fused ops (same arguments, same rounding points).
+    With FP8 image q/k/v, norm1 hands them its output as FP8 rows."""
     ops = self._ltx_kernels_ops
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
-        hidden_states, emb=temb
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln.call_norm(
+        self.norm1, hidden_states, emb=temb, fp8=_fp8_qkv(self.attn)
     )
     norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
         self.norm1_context(encoder_hidden_states, emb=temb)
     )
-    joint_attention_kwargs = joint_attention_kwargs or {}
-    attention_outputs = self.attn(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=norm_encoder_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
+    attention_outputs = _attention(
+        self.attn,
+        norm_hidden_states,
+        norm_encoder_hidden_states,
+        image_rotary_emb,
+        joint_attention_kwargs,
     )
     attn_output, context_attn_output = attention_outputs[:2]  # a third: IP-adapter output
 
@@ -206,6 +261,10 @@ def double_block_forward(
     return _clip_fp16(encoder_hidden_states), hidden_states
 
 
+#: The single block's projections of its normed input, one GEMM ("fused_qkv_mlp").
+QKV_MLP = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+
+
 def single_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -214,20 +273,35 @@ def single_block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ):
-    """`FluxSingleTransformerBlock.forward` on the fused ops (same arguments and rounding)."""
+    """`FluxSingleTransformerBlock.forward` on the fused ops (same arguments and rounding). q/k/v
+    and proj_mlp run as one GEMM (fused_qkv_mlp) when the attention can take projected q/k/v
+    (our processor, no hook, no joint_attention_kwargs); with FP8 Linears the norm hands them its
+    output as FP8 rows (one quantization for all four)."""
     ops = self._ltx_kernels_ops
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
 
     residual = hidden_states
-    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-    mlp_hidden_states = steps.linear_act(ops, self.proj_mlp, self.act_mlp, norm_hidden_states)
-    joint_attention_kwargs = joint_attention_kwargs or {}
-    attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
+    attn = self.attn
+    norm_hidden_states, gate = adaln.call_norm(
+        self.norm, hidden_states, emb=temb, fp8=_fp8_qkv(attn, self.proj_mlp)
     )
+    direct = not joint_attention_kwargs and _runs_our_processor(attn) and not has_hooks(attn)
+    projected = (
+        linears.fused_outputs(self, "qkv_mlp", norm_hidden_states)
+        if direct and "fused_qkv_mlp" in ops
+        else None
+    )
+    if projected is not None:
+        query, key, value, mlp_hidden_states = projected
+        # GELU of the rounded GEMM output, as diffusers (linear_gelu's epilogue skips that rounding)
+        mlp_hidden_states = steps.activation(ops, self.act_mlp, mlp_hidden_states)
+        attn_output = attn.processor.attend(attn, query, key, value, None, image_rotary_emb)
+    else:
+        mlp_hidden_states = steps.linear_act(ops, self.proj_mlp, self.act_mlp, norm_hidden_states)
+        attn_output = _attention(
+            attn, norm_hidden_states, None, image_rotary_emb, joint_attention_kwargs
+        )
 
     hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
     hidden_states = steps.residual(ops, residual, self.proj_out(hidden_states), gate[:, None])
@@ -254,20 +328,22 @@ DOUBLE_FP8_LINEARS = (
 SINGLE_FP8_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
 
 
-def _patch_attention(name: str, attn, kind: str, injector) -> None:
-    if injector.has_stock_processor(
+def _patch_attention(name: str, attn, kind: str, injector) -> bool:
+    """Gives attn our processor unless it runs a custom one; True when it did."""
+    if not injector.has_stock_processor(
         name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code"
     ):
-        injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
-        injector.fuse_projections(name, attn, "qkv", steps.QKV)
-        if attn.added_kv_proj_dim is not None:
-            injector.fuse_projections(name, attn, "added_qkv", steps.ADDED_QKV)
+        return False
+    injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
+    return True
 
 
 def patch_double_block(name: str, block, injector) -> None:
     injector.swap_forward(name, block, double_block_forward, "FluxTransformerBlock")
     injector.fp8_linears(name, block, DOUBLE_FP8_LINEARS)
-    _patch_attention(f"{name}.attn", block.attn, DOUBLE_ATTN, injector)
+    if _patch_attention(f"{name}.attn", block.attn, DOUBLE_ATTN, injector):
+        injector.fuse_projections(f"{name}.attn", block.attn, "qkv", steps.QKV)
+        injector.fuse_projections(f"{name}.attn", block.attn, "added_qkv", steps.ADDED_QKV)
     for ff_name in ("ff", "ff_context"):
         reason = steps.feed_forward_fusable(getattr(block, ff_name))
         if reason:
@@ -277,7 +353,10 @@ def patch_double_block(name: str, block, injector) -> None:
 def patch_single_block(name: str, block, injector) -> None:
     injector.swap_forward(name, block, single_block_forward, "FluxSingleTransformerBlock")
     injector.fp8_linears(name, block, SINGLE_FP8_LINEARS)
-    _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector)
+    if _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector):
+        # q/k/v with proj_mlp, named first: where it fuses, it replaces the q/k/v group
+        injector.fuse_projections(name, block, "qkv_mlp", QKV_MLP, "fused_qkv_mlp")
+        injector.fuse_projections(f"{name}.attn", block.attn, "qkv", steps.QKV)
     reason = steps.linear_act_fusable(block.act_mlp)
     if reason:
         injector.skip("FluxSingleTransformerBlock MLP", f"{name}.act_mlp", reason)

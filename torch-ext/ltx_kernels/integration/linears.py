@@ -1,8 +1,9 @@
 """The Linear layers of patched blocks: projections of one input fused into one GEMM, and the
 opt-in FP8 GEMMs of `inject_optimized_kernels(..., fp8=True)`.
 
-Fused projections ("fused_projections" in FUSIONS). The projections a block applies to one input
-(q, k and v of a self-attention) run as one GEMM over their concatenated weights. At injection the
+Fused projections ("fused_projections" in FUSIONS; "fused_qkv_mlp" for FLUX's single block). The
+projections a block applies to one input (q, k and v of a self-attention; a single-stream block's
+q, k, v and MLP up-projection) run as one GEMM over their concatenated weights. At injection the
 weights (and biases) are copied into one [sum of N, K] tensor, registered on the owning module as
 a non-persistent buffer, and each module's parameter is re-pointed at its row block
 (`param.data = view`): no second copy; the modules, their parameters (objects, values,
@@ -10,7 +11,8 @@ requires_grad) and the state dict stay as they were, and in-place writes (load_s
 the fused tensor. Something that re-allocates a parameter (`model.to(...)`, `param.data = ...`)
 breaks the link: eager calls check it (data pointers, a few host ns) and re-fuse; compiled graphs
 read the fused buffer, which `.to()` moves alongside. A group whose modules are replaced (a peft
-adapter), hooked, or whose parameters need gradients (training) runs the modules one by one.
+adapter), hooked, or whose parameters need gradients (training) runs the modules one by one. A
+module is in at most one group: the first one named that fuses it (Injector.finish_model).
 
 FP8 (opt-in, inference). A block Linear chosen for FP8 becomes an `Fp8Linear` (a subclass of
 nn.Linear): its weight is quantized once per output channel to float8_e4m3fn (buffers `weight_fp8`
@@ -299,13 +301,13 @@ def fused_group(owner: torch.nn.Module, key: str) -> tuple | None:
     return group, members
 
 
-def projections(owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fuse_ok: bool):
-    """The outputs of owner's modules `names` on x (a tensor or Fp8Rows): one GEMM over group
-    `key`'s fused weights when fuse_ok and the group is usable now (fused_group), else each
-    module in turn."""
-    found = fused_group(owner, key) if fuse_ok else None
+def fused_outputs(owner: torch.nn.Module, key: str, x) -> tuple | None:
+    """The outputs of owner's group `key` on x (a tensor or Fp8Rows) as one GEMM over its fused
+    weights, split per member (views of one [..., sum of N] tensor); None when the group cannot
+    run now (fused_group)."""
+    found = fused_group(owner, key)
     if found is None:
-        return tuple(owner.get_submodule(n)(x) for n in names)
+        return None
     group, members = found
     fused = lambda attr: getattr(owner, f"{_FUSED_PREFIX}{key}_{attr}", None)  # noqa: E731
     if group.attrs[0] == "weight_fp8":
@@ -320,3 +322,11 @@ def projections(owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fus
     else:
         out = F.linear(x, fused("weight"), fused("bias"))
     return out.split(group.sizes, dim=-1)
+
+
+def projections(owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fuse_ok: bool):
+    """The outputs of owner's modules `names` on x (a tensor or Fp8Rows): one GEMM over group
+    `key`'s fused weights when fuse_ok and the group is usable now (fused_outputs), else each
+    module in turn."""
+    out = fused_outputs(owner, key, x) if fuse_ok else None
+    return out if out is not None else tuple(owner.get_submodule(n)(x) for n in names)

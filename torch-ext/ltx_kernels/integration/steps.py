@@ -455,6 +455,7 @@ def linear_act(ops, proj, act, x):
             "linear_gelu" in ops
             and act.approximate == "tanh"
             and _plain(proj)
+            and not has_hooks(proj)  # (a registered hook must see proj's call)
             and _bf16_linear(proj)
             and _same_dtype(x, proj.weight, proj.bias)
         ):
@@ -462,6 +463,16 @@ def linear_act(ops, proj, act, x):
         if "gelu" in ops:
             return gelu(proj(x), act.approximate)
     return act(proj(x))
+
+
+def activation(ops, act, h):
+    """act(h) for a bare activation module after its projection ran elsewhere (FLUX's single-block
+    MLP after the fused q/k/v/MLP GEMM): GELU as our gelu op, which rounds as diffusers' GELU of
+    the rounded projection output does."""
+    ops = ops_for_step(ops, h)
+    if "gelu" in ops and isinstance(act, torch.nn.GELU) and not has_hooks(act):
+        return gelu(h, act.approximate)
+    return act(h)
 
 
 def linear_act_fusable(act) -> str | None:
