@@ -48,11 +48,12 @@ def randomize_norms(module, tables: bool = False, bias_mean: float = 1.0):
     return module
 
 
-def eager_and_injected(model: torch.nn.Module, call, ops=None):
-    """(eager output, injected output, report) of call(model); the model is injected in place."""
+def eager_and_injected(model: torch.nn.Module, call, ops=None, **options):
+    """(eager output, injected output, report) of call(model); the model is injected in place
+    (with inject_optimized_kernels' `options`, e.g. fp8=True)."""
     with torch.no_grad():
         eager = call(model)
-        report = ltx_kernels.inject_optimized_kernels(model, ops=ops, verbose=False)
+        report = ltx_kernels.inject_optimized_kernels(model, ops=ops, verbose=False, **options)
         injected = call(model)
     return eager, injected, report
 

@@ -21,9 +21,10 @@ TINY = dict(
 HEIGHT, WIDTH, TEXT = 4, 4, 5
 
 
-def expected_ops(ops, double: int, single: int) -> dict:
+def expected_ops(ops, double: int, single: int, fp8: bool = False) -> dict:
     """ltx_kernels op calls per forward of a FLUX model with `ops` enabled: each step runs its op,
-    or the op of its fallback (the unfused step's pieces)."""
+    or the op of its fallback (the unfused step's pieces); fp8: injected with fp8=True (the single
+    block's q/k/v + MLP GEMM, fused_qkv_mlp, forms only then)."""
     ops = set(ops)
     counts = dict.fromkeys(FUSIONS, 0)
 
@@ -46,8 +47,8 @@ def expected_ops(ops, double: int, single: int) -> dict:
     elif "rope" in ops:
         counts["rope"] += 2 * attentions
     # FF up-projections + GELU-tanh, and the single blocks' MLP: after the fused q/k/v/MLP GEMM
-    # (fused_qkv_mlp) its GELU is the gelu op, else as the FFs'
-    fused_mlps = single * ("fused_qkv_mlp" in ops)
+    # (fused_qkv_mlp, FP8) its GELU is the gelu op, else as the FFs'
+    fused_mlps = single * ("fused_qkv_mlp" in ops and fp8)
     mlps = 2 * double + single - fused_mlps
     if "linear_gelu" in ops:
         counts["linear_gelu"] += mlps

@@ -176,11 +176,20 @@ class Injector:
             self._fp8_blocks.append((name, linears))
 
     def fuse_projections(
-        self, name: str, owner: torch.nn.Module, key: str, names, fusion: str = "fused_projections"
+        self,
+        name: str,
+        owner: torch.nn.Module,
+        key: str,
+        names,
+        fusion: str = "fused_projections",
+        fp8_only: bool = False,
     ) -> None:
         """Names projections of one input (owner's modules `names`) that run as one GEMM when
-        `fusion` (a name in FUSIONS) is enabled. A module joins the first group named that fuses
-        it: name a larger group before the smaller one it replaces."""
+        `fusion` (a name in FUSIONS) is enabled (fp8_only: and the injection is fp8=True). A
+        module joins the first group named that fuses it: name a larger group before the smaller
+        one it replaces."""
+        if fp8_only and not self.fp8:
+            return
         self._projection_groups.append((name, owner, key, tuple(names), fusion))
 
     def finish_model(self, fp8_bf16_blocks: int) -> None:
