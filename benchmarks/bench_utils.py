@@ -209,8 +209,8 @@ def random_model(cls, config: dict, dtype: torch.dtype, device, seed: int = 0):
     them), without ever holding a float32 copy of the whole model: parameters are created on the
     meta device, materialized, and initialized by their module's own `reset_parameters` (Linear,
     convolutions, norms, embeddings). Parameters of modules without one get 1 (1-D weights: norm
-    scales), 0 (biases) or N(0, 1/last dim) (tables such as scale_shift_table, diffusers'
-    initialization of them). Buffers are computed at construction as usual, then cast the same
+    scales; scalars such as the VAEs' timestep_scale_multiplier), 0 (biases) or N(0, 1/last dim)
+    (tables such as scale_shift_table, diffusers' initialization of them). Buffers are computed at construction as usual, then cast the same
     way. Seeded: the same weights for the same seed, device and config."""
     from accelerate import init_empty_weights
 
@@ -243,7 +243,7 @@ def random_model(cls, config: dict, dtype: torch.dtype, device, seed: int = 0):
                 for name in module._parameters:
                     pending.pop((module, name), None)
         for (_, name), param in pending.items():
-            if param.dim() == 1 and name == "weight":
+            if param.dim() == 0 or (param.dim() == 1 and name == "weight"):
                 param.fill_(1.0)
             elif name == "bias":
                 param.zero_()

@@ -1,18 +1,29 @@
-"""LTX-Video text-to-video with ltx_kernels: generate a video, or benchmark the whole pipeline.
+"""Text-to-video with ltx_kernels on diffusers' LTX pipelines: generate a video, or benchmark the
+whole pipeline.
 
   python scripts/generate_video.py                         # kernels on, 161 frames 512x768, 50 steps
   python scripts/generate_video.py --no-optimized-kernels --compile
   python scripts/generate_video.py --use-optimized-kernels --compile     # both together
   python scripts/generate_video.py --compare --num-frames 49 --steps 30  # the four rows in one process
   python scripts/generate_video.py --fp8 --compile                        # opt-in FP8 GEMMs
+  python scripts/generate_video.py --weights random --model-id Lightricks/LTX-2 --compare
   torchrun --nproc_per_node 2 scripts/generate_video.py --context-parallel ulysses --compare
 
-Weights (--weights): `hub` loads --model-id with diffusers (from the local cache, else downloaded);
-`random` builds the same pipeline offline from the real LTX-Video configs (the 2B transformer, the
-VAE and the scheduler of Lightricks/LTX-Video 0.9.0/0.9.1, diffusers' defaults) with random weights
-and random prompt embeddings in place of the 4.7B-parameter T5 text encoder: the timings are those
-of the real architecture, the video is noise. `auto` (default) loads the hub pipeline when it can
-and otherwise falls back to `random`, saying why.
+Models (--model-id, a hub id or the name of its configs/*.json): Lightricks/LTX-Video (0.9.0/0.9.1)
+and Lightricks/LTX-Video-0.9.5 (2B) through LTXPipeline; Lightricks/LTX-Video-0.9.7-dev and
+-0.9.8-13B-distilled (13B) through LTXConditionPipeline, as image-to-video from a random first
+frame, so that the transformer gets the per-token timesteps [B, S] those checkpoints run with;
+Lightricks/LTX-2, -2.3 and -2.5 (19B, video and audio) through LTX2Pipeline. A checkpoint's
+recommended call (0.9.7-dev, 0.9.8 distilled, LTX-2.x: steps or a distilled schedule, guidance,
+decode noise; "call" in its configs/*.json) applies unless --steps / --guidance-scale are given.
+
+Weights (--weights): `hub` loads --model-id with diffusers (from the local cache, else downloaded;
+any diffusers LTX checkpoint); `random` builds the pipeline offline from the checkpoint's real
+configs (configs/*.json: the transformer, VAE and scheduler, and for LTX-2 the audio VAE, vocoder
+and text connectors) with random weights, and random text embeddings of the real text encoder's
+width in place of T5-XXL (4.7B) or Gemma (12B): the timings are those of the real architecture,
+the video is noise. `auto` (default) loads the hub pipeline when it can and otherwise falls back to
+`random`, saying why.
 
 Timing: wall clock of whole pipeline calls (prompt handling, denoising loop, VAE decode; the frames
 come back as a tensor on the GPU, and writing the file is not timed), synchronized, median of
@@ -20,33 +31,37 @@ come back as a tensor on the GPU, and writing the file is not timed), synchroniz
 is its compile time, reported apart. it/s is the rate of the denoising loop alone (from the end of
 its first step to the end of its last); decode is the time from the end of the loop to the frames.
 Every configuration starts from the same seed, so their final latents are compared with the
-baseline's (relative L2), and their decoded frames too (PSNR in dB, frames in [0, 1]); the rows that
-keep bf16 numerics (kernels, compile) give the noise floor the FP8 rows are read against.
+baseline's (relative L2), and their decoded frames too (PSNR in dB, frames in [0, 1]), and LTX-2's
+audio (relative L2); the rows that keep bf16 numerics (kernels, compile) give the noise floor the
+FP8 rows are read against.
 
 Caches (--cache first-block|pyramid-attention-broadcast): diffusers' cache on the transformer,
 added after the kernels (inject first, then cache, as the README says), configured below
 (CACHE_CONFIGS); with --compare it adds the rows "Baseline + cache" (stock diffusers with the same
 cache, the peer to compare with) and "Optimized kernels + cache". The latent drift and PSNR of a
-cached row include what the cache skips.
+cached row include what the cache skips. LTX-Video only (Family.no_cache says why not LTX-2).
 
 FP8 (--fp8, or the --compare configurations kernels+fp8 and kernels+fp8+compile): the kernels with
-inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (README "FP8"). torchao-fp8+compile is
+inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (README "FP8"; a model without an FP8
+path, LTX-2 for now, stays bf16 and the row's note says so). torchao-fp8+compile is
 the path a user would pick instead: torchao's float8 dynamic rowwise quantization of every Linear
 of the transformer (torchao from PyPI), compiled; torchao replaces the weights, the bf16 ones wait
 on the CPU and come back after the row.
 
-Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU): the
-transformer runs under diffusers' context parallelism (enable_parallelism), the kernels injected on
-top. The text mask every LTXPipeline call passes fails (Ulysses) or silently goes wrong (ring) in
-stock diffusers 0.42; ltx_kernels' attention processors handle it, so the baseline rows run the
-diffusers code through them (inject_optimized_kernels(ops=())) and stay comparable. --compare adds
-a first row: the kernels on one GPU (every rank alone). Compiling is per block there. Ring
-attention runs on cuDNN (the backend that returns the log-sum-exp ring attention needs and takes
-the mask). Rank 0 prints and writes the outputs.
+Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU;
+LTXPipeline checkpoints): the transformer runs under diffusers' context parallelism
+(enable_parallelism), the kernels injected on top. The text mask every LTXPipeline call passes
+fails (Ulysses) or silently goes wrong (ring) in stock diffusers 0.42; ltx_kernels' attention
+processors handle it, so the baseline rows run the diffusers code through them
+(inject_optimized_kernels(ops=())) and stay comparable. --compare adds a first row: the kernels on
+one GPU (every rank alone). Compiling is per block there. Ring attention runs on cuDNN (the backend
+that returns the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writes
+the outputs.
 
 Outputs: the video (--output; mp4 through diffusers' export_to_video, which needs imageio +
-imageio-ffmpeg or OpenCV, else an animated GIF beside it), a JSON of the results (--json) and,
-with --compare, a PNG chart (--chart, needs matplotlib).
+imageio-ffmpeg or OpenCV, else an animated GIF beside it), LTX-2's audio (a .wav beside the video,
+muxed into the mp4 with imageio-ffmpeg's ffmpeg), a JSON of the results (--json) and, with
+--compare, a PNG chart (--chart, needs matplotlib).
 """
 
 from __future__ import annotations
@@ -67,6 +82,9 @@ from pathlib import Path
 import torch
 
 import ltx_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_utils  # noqa: E402  (configs/*.json, random_model, the torchao anchor)
 
 CONFIGS = ("baseline", "kernels", "compile", "kernels+compile")
 FP8_CONFIGS = ("kernels+fp8", "kernels+fp8+compile", "torchao-fp8+compile")
@@ -112,7 +130,138 @@ DEFAULT_PROMPT = (
     "footage."
 )
 DEFAULT_NEGATIVE_PROMPT = "worst quality, inconsistent motion, blurry, jittery, distorted"
-TEXT_TOKENS = 128  # LTXPipeline's max_sequence_length
+
+
+@dataclass(frozen=True)
+class Family:
+    """What this script does differently per diffusers pipeline class."""
+
+    components: tuple[str, ...]  # configs/*.json sections built as models (the pipeline's keywords)
+    text_tokens: int  # the pipeline's default max_sequence_length (random embeddings' length)
+    frame_rate: float  # the pipeline's default frame_rate
+    left_padded_text: bool  # Gemma pads prompts on the left, T5 on the right
+    first_frame: bool  # condition on a first frame: per-token timesteps [B, S] in the transformer
+    no_context_parallel: str | None  # why --context-parallel does not apply, if it does not
+    no_cache: str | None  # why --cache does not apply, if it does not
+    tiny: dict  # --tiny: section -> config overrides (a value, or a function of the real one)
+
+
+_narrow = lambda widths: [width // 16 for width in widths]  # keeps the ratios the upsamplers need
+_one_each = lambda counts: [1] * len(counts)  # as many blocks, one layer each
+LTX_TINY = {
+    "transformer": dict(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        cross_attention_dim=32,
+        num_layers=2,
+        caption_channels=32,
+    ),
+    "vae": dict(
+        latent_channels=8,
+        block_out_channels=_narrow,
+        decoder_block_out_channels=_narrow,
+        layers_per_block=_one_each,
+        decoder_layers_per_block=_one_each,
+    ),
+}
+LTX2_TINY = {
+    # video 2 heads of 8, audio 2 heads of 8; text 16 wide (3 "layers" of 16 from the encoder);
+    # audio latents 2 channels x 16 mel bins = the audio VAE's base_channels (its latents_mean)
+    "transformer": dict(
+        in_channels=8,
+        out_channels=8,
+        audio_in_channels=32,
+        audio_out_channels=32,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=8,
+        audio_cross_attention_dim=16,
+        num_layers=2,
+        caption_channels=16,
+    ),
+    "vae": LTX_TINY["vae"],
+    "audio_vae": dict(base_channels=32, latent_channels=2, num_res_blocks=1),
+    "vocoder": dict(  # one resnet per stage: the full output sample rate is what costs
+        hidden_channels=64,
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1]],
+        bwe_hidden_channels=32,
+        bwe_resnet_kernel_sizes=[3],
+        bwe_resnet_dilations=[[1]],
+    ),
+    "connectors": dict(
+        caption_channels=16,
+        text_proj_in_factor=3,
+        video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=8,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=8,
+        audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=8,
+        video_hidden_dim=16,
+        audio_hidden_dim=16,
+    ),
+}
+FAMILIES = {
+    "LTXPipeline": Family(
+        components=("transformer", "vae"),
+        text_tokens=128,
+        frame_rate=25,
+        left_padded_text=False,
+        first_frame=False,
+        no_context_parallel=None,
+        no_cache=None,
+        tiny=LTX_TINY,
+    ),
+    "LTXConditionPipeline": Family(
+        components=("transformer", "vae"),
+        text_tokens=256,
+        frame_rate=25,
+        left_padded_text=False,
+        first_frame=True,
+        no_context_parallel="diffusers' context-parallel plan does not split its per-token "
+        "timesteps [B, S]",
+        no_cache=None,
+        tiny=LTX_TINY,
+    ),
+    "LTX2Pipeline": Family(
+        components=("transformer", "vae", "audio_vae", "vocoder", "connectors"),
+        text_tokens=1024,
+        frame_rate=24.0,
+        left_padded_text=True,
+        first_frame=False,
+        no_context_parallel="not wired here (diffusers' plan splits the video stream only; "
+        "untested with the kernels)",
+        no_cache="diffusers 0.42's FirstBlockCache has no LTX-2 block registered, and "
+        "PyramidAttentionBroadcast replays the guidance pass's attention in the STG and modality "
+        "passes, whose batch differs, and fails",
+        tiny=LTX2_TINY,
+    ),
+}
+
+
+def family_of(pipe) -> Family:
+    return FAMILIES[type(pipe).__name__]
+
+
+def checkpoints() -> dict[str, str]:
+    """--model-id values with a real config (configs/*.json with a "pipeline" section) -> the
+    config's name: its hub id (model_id), its diffusers-format repo where that differs
+    (pipeline.hub_repo) and the name itself."""
+    ids = {}
+    for path in sorted(bench_utils.CONFIGS.glob("*.json")):
+        spec = json.loads(path.read_text())
+        if "pipeline" in spec:
+            for key in (spec["model_id"], spec["pipeline"].get("hub_repo"), path.stem):
+                if key:
+                    ids[key] = path.stem
+    return ids
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -184,7 +333,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-frames", type=int, default=161, help="8k+1 frames")
     parser.add_argument("--height", type=int, default=512, help="multiple of 32")
     parser.add_argument("--width", type=int, default=768, help="multiple of 32")
-    parser.add_argument("--steps", type=int, default=50, help="denoising steps (at least 2)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="denoising steps, at least 2 (default: the checkpoint's recommended steps or "
+        "timesteps, else 50)",
+    )
     parser.add_argument(
         "--warmup-iterations",
         type=int,
@@ -194,8 +349,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--runs", type=int, default=3, help="timed pipeline calls per configuration"
     )
-    parser.add_argument("--guidance-scale", type=float, default=3.0)
-    parser.add_argument("--frame-rate", type=int, default=25)
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=None,
+        help="classifier-free guidance (default: the checkpoint's recommended one, else 3.0)",
+    )
+    parser.add_argument(
+        "--frame-rate",
+        type=float,
+        default=None,
+        help="frames per second (default: the pipeline's, 25 for LTX-Video, 24 for LTX-2)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -206,7 +371,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="auto: the hub pipeline if it can be loaded, else random weights",
     )
-    parser.add_argument("--model-id", default="Lightricks/LTX-Video")
+    parser.add_argument(
+        "--model-id",
+        default="Lightricks/LTX-Video",
+        help="the checkpoint: a hub id or the name of its configs/*.json (random weights: "
+        f"{', '.join(sorted(k for k, v in checkpoints().items() if '/' in k))}); --weights hub "
+        "also loads any other diffusers LTX checkpoint",
+    )
     parser.add_argument(
         "--cpu-offload",
         action="store_true",
@@ -281,6 +452,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             if args.kernels
             else ("compile" if args.compile else "baseline")
         ]
+    resolve_checkpoint(args, parser.error)
     if args.steps < 2:
         parser.error("--steps: at least 2 (LTX's scheduler gives NaN timesteps for one step)")
     if args.num_frames < 1 or (args.num_frames - 1) % 8:
@@ -338,74 +510,108 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def resolve_checkpoint(args, error) -> None:
+    """Sets args.checkpoint (its configs/*.json name; None for an id only the hub knows),
+    args.pipeline (the pipeline class name; None: the hub's model_index.json says) and args.call
+    (the checkpoint's recommended call arguments), and fills --steps, --guidance-scale and
+    --frame-rate left unset. A given --steps replaces a recommended timestep or sigma schedule."""
+    ids = checkpoints()
+    args.checkpoint = ids.get(args.model_id)
+    if args.checkpoint is None and (args.weights != "hub" or args.tiny):
+        known = ", ".join(sorted(k for k in ids if "/" in k))
+        error(
+            f"--model-id: no real config for {args.model_id!r} to build random weights from; "
+            f"known: {known} (or their configs/*.json names); --weights hub loads any other "
+            "diffusers LTX checkpoint"
+        )
+    pipeline = bench_utils.model_config(args.checkpoint)["pipeline"] if args.checkpoint else {}
+    args.pipeline = pipeline.get("class")
+    call = dict(pipeline.get("call", {}))
+    schedule = [key for key in ("timesteps", "sigmas") if key in call]
+    steps = call.pop("num_inference_steps", 50)
+    if args.steps is None:
+        args.steps = len(call[schedule[0]]) if schedule else steps
+    else:
+        for key in schedule:
+            del call[key]
+    guidance = call.pop("guidance_scale", 3.0)
+    args.guidance_scale = guidance if args.guidance_scale is None else args.guidance_scale
+    args.call = call
+    if args.pipeline:
+        check_family(args, FAMILIES[args.pipeline], error)
+
+
+def check_family(args, family: Family, error) -> None:
+    """The options the pipeline family cannot run, as errors naming the option; fills
+    --frame-rate with the pipeline's default."""
+    if args.frame_rate is None:
+        args.frame_rate = family.frame_rate
+    name = f"{args.pipeline} ({args.model_id})"
+    if args.context_parallel and family.no_context_parallel:
+        error(f"--context-parallel: not with {name}: {family.no_context_parallel}")
+    if args.cache and family.no_cache:
+        error(f"--cache: not with {name}: {family.no_cache}")
+
+
 # ------------------------------------------------------------------------------------------------
 # The pipeline: loaded from the hub, or built with random weights from the real configs.
 
 
-def tiny_configs() -> tuple[dict, dict]:
-    """Transformer and VAE configs of a tiny LTX-Video with the real block structure."""
-    transformer = dict(
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        cross_attention_dim=32,
-        num_layers=2,
-        caption_channels=32,
-    )
-    vae = dict(
-        latent_channels=8,
-        block_out_channels=(8, 8, 8, 8),
-        decoder_block_out_channels=(8, 8, 8, 8),
-        layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1, 1),
-    )
-    return transformer, vae
+def diffusers_class(name: str):
+    """A diffusers class by name (LTX-2's vocoders and text connectors live in its pipeline
+    package)."""
+    import diffusers
+    from diffusers.pipelines import ltx2
+
+    return getattr(diffusers, name, None) or getattr(ltx2, name)
 
 
-def build_random_pipeline(dtype: torch.dtype, device: torch.device | str, tiny: bool = False):
-    """LTXPipeline with random weights: the LTX-Video 0.9.0/0.9.1 transformer, VAE and scheduler
-    configs (diffusers' defaults), no text encoder or tokenizer (prompt embeddings are passed in)."""
-    from diffusers import (
-        AutoencoderKLLTXVideo,
-        FlowMatchEulerDiscreteScheduler,
-        LTXPipeline,
-        LTXVideoTransformer3DModel,
-    )
+def tiny_config(config: dict, overrides: dict) -> dict:
+    """`config` with the overrides of the keys it has (a function gets the real value)."""
+    tiny = dict(config)
+    for key, value in overrides.items():
+        if key in config:
+            tiny[key] = value(config[key]) if callable(value) else value
+    return tiny
 
-    from diffusers.utils import logging
 
-    transformer_config, vae_config = tiny_configs() if tiny else ({}, {})
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # silence "modules that should be kept in float32: []" on .to(dtype)
-    try:
-        with torch.device(device):
-            transformer = LTXVideoTransformer3DModel(**transformer_config).to(dtype).eval()
-            vae = AutoencoderKLLTXVideo(**vae_config).to(dtype).eval()
-    finally:
-        logging.set_verbosity(verbosity)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True,
-        base_shift=0.95,
-        max_shift=2.05,
-        base_image_seq_len=1024,
-        max_image_seq_len=4096,
-        shift_terminal=0.1,
-    )
-    return LTXPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
+def build_random_pipeline(
+    checkpoint: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tiny: bool = False,
+    seed: int = 0,
+):
+    """The checkpoint's pipeline with random weights from its real configs
+    (configs/<checkpoint>.json: each model its family builds, by bench_utils.random_model on
+    `device` in `dtype`, and the scheduler), without text encoder or tokenizer (text embeddings
+    are passed in). tiny: the same components, narrow and shallow (Family.tiny), for smoke tests."""
+    spec = bench_utils.model_config(checkpoint)
+    family = FAMILIES[spec["pipeline"]["class"]]
+    models = {}
+    for index, section in enumerate(family.components):
+        config = spec[section]["config"]
+        if tiny:
+            config = tiny_config(config, family.tiny.get(section, {}))
+        cls = diffusers_class(spec[section]["class"])
+        models[section] = bench_utils.random_model(cls, config, dtype, device, seed=seed + index)
+    scheduler = diffusers_class(spec["scheduler"]["class"])(**spec["scheduler"]["config"])
+    return diffusers_class(spec["pipeline"]["class"])(
+        scheduler=scheduler, text_encoder=None, tokenizer=None, **models
     )
 
 
 def load_pipeline(args, device: torch.device, dtype: torch.dtype):
     """(pipeline, weights description). --weights auto falls back to random weights with one line.
     Random weights come from --seed: the same on every rank of a --context-parallel launch."""
-    torch.manual_seed(args.seed)
+    target = "cpu" if args.cpu_offload else device
     if args.weights == "random" or args.tiny:
-        pipe = build_random_pipeline(dtype, "cpu" if args.cpu_offload else device, tiny=args.tiny)
+        pipe = build_random_pipeline(args.checkpoint, dtype, target, tiny=args.tiny, seed=args.seed)
         return pipe, "random" + (" (tiny model)" if args.tiny else "")
-    from diffusers import LTXPipeline
+    import diffusers
 
+    spec = bench_utils.model_config(args.checkpoint)["pipeline"] if args.checkpoint else {}
+    repo = spec.get("hub_repo", args.model_id)
     try:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() not in (
             "",
@@ -415,20 +621,35 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
             "off",
         )
         pipe = _load_hub_pipeline(
-            LTXPipeline, args.model_id, dtype, try_download=args.weights == "hub" or not offline
+            getattr(diffusers, spec.get("class", "DiffusionPipeline")),
+            repo,
+            dtype,
+            try_download=args.weights == "hub" or not offline,
         )
     except Exception as error:  # noqa: BLE001  (any failure to load means: fall back)
         if args.weights == "hub":
             raise
         print(
-            f"weights: {args.model_id} could not be loaded ({one_line(error, 160)}); "
+            f"weights: {repo} could not be loaded ({one_line(error, 160)}); "
             "falling back to random weights (--weights random): timings are real, the video is noise"
         )
-        pipe = build_random_pipeline(dtype, "cpu" if args.cpu_offload else device)
+        pipe = build_random_pipeline(args.checkpoint, dtype, target, seed=args.seed)
         return pipe, "random (hub unavailable)"
+    if args.pipeline is None:  # an id only the hub knows: its model_index.json named the class
+        if type(pipe).__name__ not in FAMILIES:
+            raise SystemExit(
+                f"--model-id {args.model_id}: loads a {type(pipe).__name__}; generate_video runs "
+                f"{', '.join(FAMILIES)}"
+            )
+        args.pipeline = type(pipe).__name__
+
+        def error(message):
+            raise SystemExit(message)
+
+        check_family(args, family_of(pipe), error)
     if not args.cpu_offload:
         pipe.to(device)
-    return pipe, f"hub:{args.model_id}"
+    return pipe, f"hub:{repo}"
 
 
 def _load_hub_pipeline(pipeline_class, model_id: str, dtype: torch.dtype, try_download: bool):
@@ -449,11 +670,33 @@ def _load_hub_pipeline(pipeline_class, model_id: str, dtype: torch.dtype, try_do
     return load()
 
 
+def text_width(pipe) -> int:
+    """The width of the text embeddings the pipeline takes: T5-XXL's output (the transformer's
+    caption_channels), or for LTX-2 Gemma's hidden states of every layer stacked (the text
+    connectors' caption_channels x text_proj_in_factor)."""
+    connectors = getattr(pipe, "connectors", None)
+    if connectors is not None:
+        return connectors.config.caption_channels * connectors.config.text_proj_in_factor
+    return pipe.transformer.config.caption_channels
+
+
+def first_frame(args):
+    """The seeded random image LTXConditionPipeline starts the video from (an RGB frame of the
+    output's size)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(args.seed).integers(0, 256, (args.height, args.width, 3))
+    return Image.fromarray(pixels.astype("uint8"))
+
+
 def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dict:
-    """Keyword arguments of every pipeline call except the generator. A pipeline without a text
-    encoder gets seeded random prompt embeddings [batch, 128, caption_channels] and masks (a
-    prompt mask as long as the prompt's words, roughly its T5 length), one row per video, as
-    the encoder would give for one prompt and --batch-size videos."""
+    """Keyword arguments of every pipeline call except the generator: the flags, the checkpoint's
+    recommended call (args.call), LTXConditionPipeline's first frame. A pipeline without a text
+    encoder gets seeded random text embeddings [batch, tokens, text_width(pipe)] and masks (as
+    long as the prompt's words, roughly its token count; padded on the text encoder's side), one
+    row per video, as the encoder would give for one prompt and --batch-size videos."""
+    family = family_of(pipe)
     inputs = dict(
         height=args.height,
         width=args.width,
@@ -461,9 +704,12 @@ def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dic
         frame_rate=args.frame_rate,
         num_inference_steps=args.steps,
         guidance_scale=args.guidance_scale,
-        max_sequence_length=TEXT_TOKENS,
+        max_sequence_length=family.text_tokens,
         output_type="pt",
+        **args.call,
     )
+    if family.first_frame:
+        inputs["image"] = first_frame(args)
     if pipe.text_encoder is not None:
         return dict(
             inputs,
@@ -472,17 +718,21 @@ def pipeline_inputs(pipe, args, device: torch.device, dtype: torch.dtype) -> dic
             num_videos_per_prompt=args.batch_size,
         )
     generator = torch.Generator("cpu").manual_seed(args.seed)
-    width = pipe.transformer.config.caption_channels
+    tokens, width = family.text_tokens, text_width(pipe)
 
     def embeds_and_mask(text: str):
-        embeds = torch.randn(1, TEXT_TOKENS, width, generator=generator).to(device, dtype)
-        mask = torch.zeros(1, TEXT_TOKENS, dtype=torch.long, device=device)
-        mask[:, : min(TEXT_TOKENS, len(text.split()) * 4 // 3 + 1)] = 1
-        # LTXPipeline does not repeat given embeddings per video: the batch comes from them.
+        embeds = torch.randn(1, tokens, width, generator=generator).to(device, dtype)
+        mask = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        length = min(tokens, len(text.split()) * 4 // 3 + 1)
+        if family.left_padded_text:
+            mask[:, tokens - length :] = 1
+        else:
+            mask[:, :length] = 1
+        # The pipelines do not repeat given embeddings per video: the batch comes from them.
         return embeds.expand(args.batch_size, -1, -1), mask.expand(args.batch_size, -1)
 
     inputs["prompt_embeds"], inputs["prompt_attention_mask"] = embeds_and_mask(args.prompt)
-    # LTXPipeline needs negative embeddings whenever guidance is on (it would call the encoder).
+    # Negative embeddings are needed whenever guidance is on (the pipeline would call the encoder).
     inputs["negative_prompt_embeds"], inputs["negative_prompt_attention_mask"] = embeds_and_mask(
         args.negative_prompt
     )
@@ -516,9 +766,17 @@ def apply_config(pipe, config: str, args) -> str:
             notes.append("diffusers code; ltx_kernels processors for the text mask")
         else:
             notes.append(f"{report.total_patched} modules on ltx_kernels ops")
-        if fp8:
+        if fp8:  # the patchers that have an FP8 path swap Linears for Fp8Linear
+            from ltx_kernels.integration.linears import Fp8Linear
+
+            linears = sum(isinstance(m, Fp8Linear) for m in pipe.transformer.modules())
             kept = args.fp8_bf16_blocks
-            notes.append("FP8 GEMMs" + (f" (first/last {kept} blocks bf16)" if kept else ""))
+            notes.append(
+                f"FP8 GEMMs in {linears} Linears"
+                + (f" (first/last {kept} blocks bf16)" if kept else "")
+                if linears
+                else "FP8 asked, no FP8 path for this model: bf16"
+            )
         if report.skipped:
             notes.append(f"{sum(len(entries) for entries in report.skipped.values())} skipped")
     if "cache" in parts:  # after the kernels: the cache's hooks wrap the fused blocks
@@ -527,10 +785,7 @@ def apply_config(pipe, config: str, args) -> str:
         _UNDO.callback(transformer.disable_cache)
         notes.append(f"diffusers cache: {args.cache}")
     if "torchao-fp8" in parts:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-        from bench_utils import torchao_fp8_rowwise
-
-        _UNDO.enter_context(torchao_fp8_rowwise(pipe.transformer))
+        _UNDO.enter_context(bench_utils.torchao_fp8_rowwise(pipe.transformer))
         notes.append("torchao Float8DynamicActivationFloat8WeightConfig(PerRow), every Linear")
     if parallel:
         world = torch.distributed.get_world_size()
@@ -580,6 +835,7 @@ class Call:
     decode_s: float
     latents: torch.Tensor  # final packed latents [B, S, C], fp32, on the CPU
     frames: torch.Tensor  # decoded video [B, F, 3, H, W] in [0, 1], on the CPU
+    audio: torch.Tensor | None = None  # LTX-2's waveforms [B, channels, samples], fp32, on the CPU
 
 
 def call_pipeline(pipe, inputs: dict, args, device: torch.device) -> Call:
@@ -597,16 +853,18 @@ def call_pipeline(pipe, inputs: dict, args, device: torch.device) -> Call:
     synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        frames = pipe(**inputs, generator=generator, callback_on_step_end=on_step_end).frames
+        output = pipe(**inputs, generator=generator, callback_on_step_end=on_step_end)
     synchronize(device)
     end = time.perf_counter()
     last = marks[args.steps - 1]
+    audio = getattr(output, "audio", None)
     return Call(
         total_s=end - start,
         loop_s=last - marks[0],
         decode_s=end - last,
         latents=marks["latents"].float().cpu(),
-        frames=frames.cpu(),
+        frames=output.frames.cpu(),
+        audio=None if audio is None else audio.float().cpu(),
     )
 
 
@@ -626,6 +884,7 @@ class Row:
     vs_compile: float | None = None
     rel_l2: float | None = None
     psnr_db: float | None = None  # decoded frames vs the baseline's
+    audio_rel_l2: float | None = None  # LTX-2's waveforms vs the baseline's
 
 
 def measure(pipe, config: str, inputs: dict, args, device: torch.device) -> tuple[Row, Call]:
@@ -692,6 +951,8 @@ def finish_rows(rows: list[Row], calls: dict) -> None:
             row.speedup = by_config["baseline"].total_s / row.total_s
             row.rel_l2 = relative_l2(calls[row.config].latents, baseline.latents)
             row.psnr_db = psnr_db(calls[row.config].frames, baseline.frames)
+            if baseline.audio is not None:
+                row.audio_rel_l2 = relative_l2(calls[row.config].audio, baseline.audio)
         if "compile" in by_config:
             row.vs_compile = by_config["compile"].total_s / row.total_s
 
@@ -726,11 +987,17 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def format_table(rows: list[Row]) -> str:
     """The seed's table (time, it/s, speedup, notes) with the comparison's extra columns. Decode:
-    from the end of the loop to the frames; first call: a compiled row's compile warm-up."""
+    from the end of the loop to the frames (LTX-2: and the audio); first call: a compiled row's
+    compile warm-up. LTX-2 adds the audio's drift from the baseline's."""
+    audio = any(row.audio_rel_l2 is not None for row in rows)
     lines = [
         "| Configuration | Time (s) | it/s | Speedup | vs compile | Decode (s) | Peak GiB "
-        "| Latent rel L2 | Frames PSNR (dB) | First call (s) | Notes |",
-        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+        "| Latent rel L2 | Frames PSNR (dB) |"
+        + (" Audio rel L2 |" if audio else "")
+        + " First call (s) | Notes |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|" if audio else "")
+        + "---:|:---|",
     ]
     for row in rows:
         first_call = row.warmup_s[0] if "compile" in row.config and row.warmup_s else None
@@ -738,14 +1005,17 @@ def format_table(rows: list[Row]) -> str:
             f"| {CONFIG_TITLES[row.config]} | {row.total_s:.2f} | {row.it_per_s:.2f} | "
             f"{_fmt(row.speedup, '.2f', 'x')} | {_fmt(row.vs_compile, '.2f', 'x')} | "
             f"{row.decode_s:.3f} | {_fmt(row.peak_gib, '.1f')} | {_fmt(row.rel_l2, '.1e')} | "
-            f"{_fmt(row.psnr_db, '.1f')} | {_fmt(first_call, '.1f')} | {row.notes} |"
+            f"{_fmt(row.psnr_db, '.1f')} | "
+            + (f"{_fmt(row.audio_rel_l2, '.1e')} | " if audio else "")
+            + f"{_fmt(first_call, '.1f')} | {row.notes} |"
         )
     return "\n".join(lines)
 
 
 def describe(args, env: dict, weights: str) -> str:
     return (
-        f"Device: {env['device']} | torch {env['torch']} | diffusers {env['diffusers']} | "
+        f"Model: {args.model_id} ({args.pipeline}) | Device: {env['device']} | torch "
+        f"{env['torch']} | diffusers {env['diffusers']} | "
         f"precision: {args.dtype} | resolution: {args.width}x{args.height} | frames: "
         f"{args.num_frames} | steps: {args.steps} | guidance: {args.guidance_scale} | batch: "
         f"{args.batch_size} | weights: {weights}"
@@ -759,7 +1029,13 @@ def describe(args, env: dict, weights: str) -> str:
 
 
 def write_json(
-    path: Path, args, env: dict, weights: str, rows: list[Row], video: str | None
+    path: Path,
+    args,
+    env: dict,
+    weights: str,
+    rows: list[Row],
+    video: str | None,
+    audio: str | None = None,
 ) -> None:
     settings = {
         key: (str(value) if isinstance(value, Path) else value)
@@ -772,6 +1048,7 @@ def write_json(
         settings=settings,
         prompt=args.prompt,
         video=video,
+        audio=audio,
         results=[row.__dict__ for row in rows],
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -835,6 +1112,40 @@ def save_video(frames, path: Path, fps: int) -> str:
         return export_to_gif(images, str(gif), fps=fps)
 
 
+def save_audio(audio: torch.Tensor, sample_rate: int, video: Path) -> tuple[str, str]:
+    """The first waveform of the batch ([channels, samples] in [-1, 1]) as a 16-bit .wav beside the
+    video, muxed into the video when it is an mp4 (AAC, by the ffmpeg imageio-ffmpeg ships, the one
+    export_to_video uses). Returns (the file that holds the audio, why not the video, or "")."""
+    import subprocess
+    import wave
+
+    wav = video.with_suffix(".wav")
+    pcm = (audio[0].clamp(-1, 1) * 32767).round().to(torch.int16)
+    with wave.open(str(wav), "wb") as file:
+        file.setnchannels(pcm.shape[0])
+        file.setsampwidth(2)
+        file.setframerate(sample_rate)
+        file.writeframes(pcm.T.contiguous().numpy().tobytes())  # interleaved samples
+    if video.suffix != ".mp4":
+        return str(wav), f"a {video.suffix} holds no audio"
+    try:
+        import imageio_ffmpeg
+
+        ffmpeg = imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception as error:  # noqa: BLE001  (the .wav is written)
+        why = f"no ffmpeg ({one_line(error, 100)}; pip install imageio-ffmpeg)"
+        return str(wav), f"not muxed into {video}: {why}"
+    muxed = video.with_name(video.stem + ".muxing.mp4")
+    command = [ffmpeg, "-y", "-loglevel", "error", "-i", str(video), "-i", str(wav)]
+    result = subprocess.run(
+        [*command, "-c:v", "copy", "-c:a", "aac", str(muxed)], capture_output=True, text=True
+    )
+    if result.returncode:
+        return str(wav), f"not muxed into {video}: ffmpeg: {result.stderr.strip()[:200]}"
+    muxed.replace(video)
+    return str(video), ""
+
+
 # ------------------------------------------------------------------------------------------------
 # Several GPUs.
 
@@ -868,7 +1179,7 @@ def enable_context_parallel(pipe, args) -> None:
         * (args.height // vae.spatial_compression_ratio)
         * (args.width // vae.spatial_compression_ratio)
     )
-    splits = {"video tokens": tokens, "text tokens": TEXT_TOKENS}
+    splits = {"video tokens": tokens, "text tokens": family_of(pipe).text_tokens}
     if args.context_parallel == "ulysses":
         splits["attention heads"] = config.num_attention_heads
     for what, count in splits.items():
@@ -915,7 +1226,8 @@ def _generate(args, device: torch.device, rank: int) -> list[Row]:
     pipe, weights = load_pipeline(args, device, dtype)
     if weights.startswith("random"):
         print(
-            "weights: random, from the real LTX-Video configs (timings are real, the video is noise)"
+            f"weights: random, from the real configs of {args.model_id} (configs/"
+            f"{args.checkpoint}.json; timings are real, the video is noise)"
             if not args.tiny
             else "weights: random, tiny model (smoke test; timings mean nothing)"
         )
@@ -959,20 +1271,25 @@ def _generate(args, device: torch.device, rank: int) -> list[Row]:
         world = torch.distributed.get_world_size()
         scaling = by_config["kernels-1gpu"].total_s / by_config["kernels"].total_s
         print(f"\nkernels on {world} GPUs vs 1 GPU: {scaling:.2f}x")
-    video = None
+    video = audio = None
     if rank:
         return rows
     if not args.no_video:
         try:
             video = save_video(last.frames, args.output, args.frame_rate)
             print(f"\nvideo ({CONFIG_TITLES[rows[-1].config]}): {video}")
+            if last.audio is not None:
+                rate = pipe.vocoder.config.output_sampling_rate
+                audio, why_not = save_audio(last.audio, rate, Path(video))
+                print(f"audio ({rate} Hz): {audio}" + (f" ({why_not})" if why_not else ""))
         except Exception as error:  # noqa: BLE001  (the measurements are still written)
             print(f"\nvideo: could not write {args.output} ({one_line(error, 200)})")
-    write_json(args.json, args, env, weights, rows, video)
+    write_json(args.json, args, env, weights, rows, video, audio)
     print(f"results: {args.json}")
     title = (
-        f"LTX-Video, {args.num_frames} frames {args.width}x{args.height}, {args.steps} steps, "
-        f"{args.dtype}, {weights} weights\n{env['device']}, torch {env['torch']}, {env['date']}"
+        f"{args.model_id}, {args.num_frames} frames {args.width}x{args.height}, {args.steps} "
+        f"steps, {args.dtype}, {weights} weights\n{env['device']}, torch {env['torch']}, "
+        f"{env['date']}"
     )
     if args.compare and write_chart(args.chart, rows, title):
         print(f"chart: {args.chart}")
