@@ -1,5 +1,6 @@
 """diffusers' caches on injected models: a model injected first and then given a cache
-(FirstBlockCache, MagCache, PyramidAttentionBroadcast, FasterCache, TaylorSeer) gives the outputs the stock model with the same cache gives, on every
+(FirstBlockCache, MagCache, PyramidAttentionBroadcast, FasterCache without and with CFG,
+TaylorSeer) gives the outputs the stock model with the same cache gives, on every
 call of a denoising-like sequence (the cache skipping blocks on the later ones), for every mapped
 model family diffusers offers the caches for (SD3's model has no CacheMixin); diffusers finds the
 patched blocks in its block registry."""
@@ -47,6 +48,21 @@ def _apply(cache: str, model) -> None:
                 current_timestep_callback=lambda: 500,
             )
         )
+    elif cache == "faster_cfg":  # with classifier-free guidance: the batch is (uncond, cond)
+        model.enable_cache(
+            diffusers.FasterCacheConfig(
+                spatial_attention_block_skip_range=2,
+                spatial_attention_timestep_skip_range=(-1, 681),
+                current_timestep_callback=lambda: _TIMESTEP[0],
+                attention_weight_callback=lambda _: 0.5,
+                low_frequency_weight_callback=lambda _: 1.1,
+                high_frequency_weight_callback=lambda _: 1.1,
+                unconditional_batch_skip_range=2,  # calls 1 and 3 run the cond half only
+                unconditional_batch_timestep_skip_range=(-1, 1000),
+                tensor_format="BCFHW",
+                is_guidance_distilled=False,
+            )
+        )
     elif cache == "faster":  # attention reuse only (guidance-distilled: no batch split)
         model.enable_cache(
             diffusers.FasterCacheConfig(
@@ -73,7 +89,12 @@ def _apply(cache: str, model) -> None:
 
 # The caches that skip blocks or attention in these tiny models with the configs above (TaylorSeer
 # skips on FLUX only: its default module patterns do not match LTX's or Wan's blocks).
-ENGAGED = {"first_block", "mag", "pyramid_attention_broadcast", "faster"}
+ENGAGED = {"first_block", "mag", "pyramid_attention_broadcast", "faster", "faster_cfg"}
+# FasterCache with CFG splits the model's output into frequencies: a video [B, C, F, H, W] output
+# ("BCFHW"), which Wan's and HunyuanVideo's are (LTX's and FLUX's are packed tokens). Stock
+# HunyuanVideo fails under it in diffusers 0.42.1 (its pooled text and guidance inputs are not
+# halved with the batch), injected or not.
+FASTER_CFG = {"wan", "hunyuan_video15"}
 
 
 def _calls(model, call, steps=4):
@@ -101,10 +122,13 @@ def _blocks_registered(model) -> bool:
 
 
 @pytest.mark.parametrize(
-    "cache", ["first_block", "mag", "pyramid_attention_broadcast", "faster", "taylorseer"]
+    "cache",
+    ["first_block", "mag", "pyramid_attention_broadcast", "faster", "faster_cfg", "taylorseer"],
 )
 @pytest.mark.parametrize("model_name", CACHED)
 def test_cache_after_injection_matches_stock(model_name, cache):
+    if cache == "faster_cfg" and model_name not in FASTER_CFG:
+        pytest.skip("FasterCache's CFG branch needs a [B, C, F, H, W] model output")
     if (cache == "mag" and not hasattr(hooks, "apply_mag_cache")) or (
         cache == "taylorseer" and not hasattr(diffusers, "TaylorSeerCacheConfig")
     ):
