@@ -400,6 +400,21 @@ def test_fp8_skips_what_it_cannot_take_and_says_why():
     assert reasons == {"weight is torch.float32; FP8 GEMMs write bf16 (bf16 models only)"}
 
 
+def test_fp8_report_says_how_many_linears_run_in_fp8():
+    """fp8=True on LTX-Video names its FP8 Linears; on a model without an FP8 path (LTX-2) the
+    report says none runs in FP8, instead of claiming FP8 GEMMs."""
+    from model_zoo import MODELS
+
+    model = tiny_model(torch.bfloat16)
+    report = ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8=True)
+    count = report.patched["Linear (FP8 GEMM)"]
+    assert count > 0 and f"FP8 GEMMs in {count} Linears" in str(report).splitlines()[0]
+    ltx2 = MODELS["ltx2"].build(torch.bfloat16)
+    report = ltx_kernels.inject_optimized_kernels(ltx2, verbose=False, fp8=True)
+    assert "Linear (FP8 GEMM)" not in report.patched
+    assert "fp8=True: none of its Linears runs in FP8" in str(report).splitlines()[0]
+
+
 def test_fp8_hooks_see_tensors_and_the_output_is_unchanged():
     """A hook on attn1 or on an FP8 Linear added after injection: the norm then returns its bf16
     output (the hook sees a tensor) and each FP8 Linear quantizes it itself: the same bits."""

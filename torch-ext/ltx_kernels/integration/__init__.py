@@ -65,6 +65,10 @@ _ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
 _PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
 
 
+#: The report's kind for the Linears that run in FP8 (fp8=True).
+FP8_LINEAR = "Linear (FP8 GEMM)"
+
+
 @dataclasses.dataclass
 class InjectionReport:
     """What inject_optimized_kernels did: per kind of module, how many were patched; every module
@@ -80,9 +84,14 @@ class InjectionReport:
         return sum(self.patched.values())
 
     def __str__(self) -> str:
+        fp8_linears = self.patched.get(FP8_LINEAR, 0)
+        fp8 = ""
+        if self.fp8:  # fp8=True on a model without an FP8 path (LTX-2, SD3, HunyuanVideo) says so
+            fp8 = f"; FP8 GEMMs in {fp8_linears} Linears" if fp8_linears else "; fp8=True: none"
+            fp8 += "" if fp8_linears else " of its Linears runs in FP8 (bf16)"
         lines = [
             f"ltx_kernels: {self.total_patched} modules patched; ops: {', '.join(self.ops) or 'none'}"
-            + ("; FP8 GEMMs" if self.fp8 else "")
+            + fp8
         ]
         disabled = [name for name in FUSIONS if name not in self.ops]
         if disabled:
@@ -196,7 +205,7 @@ class Injector:
         """Applies what the patchers named for one model: the FP8 Linears (all but those of the
         first and last fp8_bf16_blocks blocks), then the fused projections."""
         blocks, self._fp8_blocks = self._fp8_blocks, []
-        kind = "Linear (FP8 GEMM)"
+        kind = FP8_LINEAR
         for index, (block_name, block_linears) in enumerate(blocks):
             kept = index < fp8_bf16_blocks or index >= len(blocks) - fp8_bf16_blocks
             for name, linear in block_linears:
