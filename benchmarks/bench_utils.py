@@ -156,7 +156,8 @@ def torchao_fp8_rowwise(model: torch.nn.Module):
     float8 dynamic-activation float8-weight quantization with per-row scales
     (`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on
     every bf16 nn.Linear, the only ones PerRow takes). torchao replaces the weights; the bf16 ones
-    wait on the CPU and come back on exit. Raises ImportError naming torchao when it is not installed."""
+    wait on the CPU and come back on exit. Raises ImportError naming torchao when it is not
+    installed."""
     try:
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,
@@ -210,8 +211,9 @@ def random_model(cls, config: dict, dtype: torch.dtype, device, seed: int = 0):
     meta device, materialized, and initialized by their module's own `reset_parameters` (Linear,
     convolutions, norms, embeddings). Parameters of modules without one get 1 (1-D weights: norm
     scales; scalars such as the VAEs' timestep_scale_multiplier), 0 (biases) or N(0, 1/last dim)
-    (tables such as scale_shift_table, diffusers' initialization of them). Buffers are computed at construction as usual, then cast the same
-    way. Seeded: the same weights for the same seed, device and config."""
+    (tables such as scale_shift_table, diffusers' initialization of them). Buffers are computed at
+    construction as usual, then cast the same way. Seeded: the same weights for the same seed,
+    device and config."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):

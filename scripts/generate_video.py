@@ -256,7 +256,7 @@ def checkpoints() -> dict[str, str]:
     (pipeline.hub_repo) and the name itself."""
     ids = {}
     for path in sorted(bench_utils.CONFIGS.glob("*.json")):
-        spec = json.loads(path.read_text())
+        spec = bench_utils.model_config(path.stem)
         if "pipeline" in spec:
             for key in (spec["model_id"], spec["pipeline"].get("hub_repo"), path.stem):
                 if key:

@@ -48,29 +48,25 @@ def _apply(cache: str, model) -> None:
                 current_timestep_callback=lambda: 500,
             )
         )
-    elif cache == "faster_cfg":  # with classifier-free guidance: the batch is (uncond, cond)
-        model.enable_cache(
-            diffusers.FasterCacheConfig(
-                spatial_attention_block_skip_range=2,
-                spatial_attention_timestep_skip_range=(-1, 681),
-                current_timestep_callback=lambda: _TIMESTEP[0],
-                attention_weight_callback=lambda _: 0.5,
-                low_frequency_weight_callback=lambda _: 1.1,
-                high_frequency_weight_callback=lambda _: 1.1,
-                unconditional_batch_skip_range=2,  # calls 1 and 3 run the cond half only
-                unconditional_batch_timestep_skip_range=(-1, 1000),
-                tensor_format="BCFHW",
-                is_guidance_distilled=False,
-            )
+    elif cache in ("faster", "faster_cfg"):
+        # attention reuse; "faster" for a guidance-distilled model (no batch split), "faster_cfg"
+        # with classifier-free guidance: the batch is (uncond, cond) and calls 1 and 3 run the
+        # cond half only
+        cfg = dict(
+            low_frequency_weight_callback=lambda _: 1.1,
+            high_frequency_weight_callback=lambda _: 1.1,
+            unconditional_batch_skip_range=2,
+            unconditional_batch_timestep_skip_range=(-1, 1000),
+            tensor_format="BCFHW",
         )
-    elif cache == "faster":  # attention reuse only (guidance-distilled: no batch split)
         model.enable_cache(
             diffusers.FasterCacheConfig(
                 spatial_attention_block_skip_range=2,
                 spatial_attention_timestep_skip_range=(-1, 681),
                 current_timestep_callback=lambda: _TIMESTEP[0],
                 attention_weight_callback=lambda _: 0.5,
-                is_guidance_distilled=True,
+                is_guidance_distilled=cache == "faster",
+                **(cfg if cache == "faster_cfg" else {}),
             )
         )
     else:

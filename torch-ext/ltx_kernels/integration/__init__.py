@@ -40,8 +40,8 @@ from . import linears
 
 #: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
 #: name, "fused_projections" (q/k/v projections of one input as one GEMM, linears.py) and
-#: "fused_qkv_mlp" (FLUX's single block: q/k/v and the MLP up-projection as one GEMM; without it,
-#: its q/k/v are fused_projections' group).
+#: "fused_qkv_mlp" (FLUX's single block with fp8=True: q/k/v and the MLP up-projection as one FP8
+#: GEMM; without it, and in bf16, its q/k/v are fused_projections' group).
 FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp")
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused
@@ -84,11 +84,14 @@ class InjectionReport:
         return sum(self.patched.values())
 
     def __str__(self) -> str:
-        fp8_linears = self.patched.get(FP8_LINEAR, 0)
         fp8 = ""
         if self.fp8:  # fp8=True on a model without an FP8 path (LTX-2, SD3, HunyuanVideo) says so
-            fp8 = f"; FP8 GEMMs in {fp8_linears} Linears" if fp8_linears else "; fp8=True: none"
-            fp8 += "" if fp8_linears else " of its Linears runs in FP8 (bf16)"
+            count = self.patched.get(FP8_LINEAR, 0)
+            fp8 = (
+                f"; FP8 GEMMs in {count} Linears"
+                if count
+                else "; fp8=True: none of its Linears runs in FP8 (bf16)"
+            )
         lines = [
             f"ltx_kernels: {self.total_patched} modules patched; ops: {', '.join(self.ops) or 'none'}"
             + fp8
@@ -205,7 +208,6 @@ class Injector:
         """Applies what the patchers named for one model: the FP8 Linears (all but those of the
         first and last fp8_bf16_blocks blocks), then the fused projections."""
         blocks, self._fp8_blocks = self._fp8_blocks, []
-        kind = FP8_LINEAR
         for index, (block_name, block_linears) in enumerate(blocks):
             kept = index < fp8_bf16_blocks or index >= len(blocks) - fp8_bf16_blocks
             for name, linear in block_linears:
@@ -213,10 +215,10 @@ class Injector:
                     "kept bf16 (fp8_bf16_blocks)" if kept else linears.fp8_linear_reason(linear)
                 )
                 if reason:
-                    self.skip(kind, name, reason)
+                    self.skip(FP8_LINEAR, name, reason)
                 else:
                     linears.to_fp8(linear)
-                    self.report.patched[kind] += 1
+                    self.report.patched[FP8_LINEAR] += 1
         groups, self._projection_groups = self._projection_groups, []
         grouped = set()  # ids of the modules fused so far
         for name, owner, key, names, fusion in groups:

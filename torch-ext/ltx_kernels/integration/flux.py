@@ -274,10 +274,10 @@ def single_block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ):
-    """`FluxSingleTransformerBlock.forward` on the fused ops (same arguments and rounding). q/k/v
-    and proj_mlp run as one GEMM (fused_qkv_mlp) when the attention can take projected q/k/v
-    (our processor, no hook, no joint_attention_kwargs); with FP8 Linears the norm hands them its
-    output as FP8 rows (one quantization for all four)."""
+    """`FluxSingleTransformerBlock.forward` on the fused ops (same arguments and rounding). With
+    FP8 Linears, q/k/v and proj_mlp run as one GEMM (fused_qkv_mlp, formed with fp8=True only) when
+    the attention can take projected q/k/v (our processor, no hook, no joint_attention_kwargs),
+    and the norm hands them its output as FP8 rows (one quantization for all four)."""
     ops = self._ltx_kernels_ops
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
