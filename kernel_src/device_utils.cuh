@@ -358,6 +358,29 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return block_reduce(v, scratch);
 }
 
+// Sums of N values over the whole block at once (one pair of barriers); every thread gets the
+// totals in v. `scratch` holds >= 32 * N floats and may be reused right after the call returns to
+// all threads.
+template <int N>
+__device__ __forceinline__ void block_sums(float (&v)[N], float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int num_warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_reduce(v[j], 32);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) scratch[j * 32 + warp] = v[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float total = scratch[j * 32];
+    for (int w = 1; w < num_warps; ++w) total += scratch[j * 32 + w];
+    v[j] = total;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row-cached kernels (rmsnorm, norm_modulate, qk_norm_rope): each row is owned by a team of tpr
 // consecutive threads of a block, and thread `lane` of the team caches the row's packs lane,
@@ -577,26 +600,35 @@ __device__ __forceinline__ void store_fp8(uint8_t* dst, const Pack<T, N>& pack, 
 // Rows.
 // ---------------------------------------------------------------------------------------------
 // Element offset of a row's first element (see ltx_rows_t). Evenly spaced rows (one level) need
-// no division; otherwise the row index is split with 32-bit divisions when it fits (64-bit
-// division is a long emulated sequence on the GPU, on every row's critical path).
+// no division; otherwise the row index is split with multiply-shift divisions (FastDivider) when
+// it fits in 31 bits (64-bit division is a long emulated sequence on the GPU, on every row's
+// critical path).
 struct RowIndex {
   int64_t size1, size2;
   int64_t stride0, stride1, stride2;
-  bool flat;         // size[0] == size[1] == 1: offset = row * stride2
-  bool index_32bit;  // every row index fits in 32 bits
+  FastDivider div1, div2;  // by size1 and size2 (index_31bit only)
+  bool flat;               // size[0] == size[1] == 1: offset = row * stride2
+  bool index_31bit;        // every row index fits in 31 bits
 
   static RowIndex of(const ltx_rows_t& r) {
     const int64_t rows = r.size[0] * r.size[1] * r.size[2];
-    return RowIndex{r.size[1],         r.size[2],   r.stride[0],
-                    r.stride[1],       r.stride[2], r.size[0] == 1 && r.size[1] == 1,
-                    rows <= UINT32_MAX};
+    const bool small = rows <= INT32_MAX;
+    return RowIndex{r.size[1],
+                    r.size[2],
+                    r.stride[0],
+                    r.stride[1],
+                    r.stride[2],
+                    FastDivider::of(small ? static_cast<uint32_t>(std::max<int64_t>(r.size[1], 1)) : 1),
+                    FastDivider::of(small ? static_cast<uint32_t>(std::max<int64_t>(r.size[2], 1)) : 1),
+                    r.size[0] == 1 && r.size[1] == 1,
+                    small};
   }
   __device__ __forceinline__ int64_t offset(int64_t row) const {
     if (flat) return row * stride2;
-    if (index_32bit) {
-      const uint32_t r = static_cast<uint32_t>(row), s2 = static_cast<uint32_t>(size2),
-                     s1 = static_cast<uint32_t>(size1);
-      const uint32_t q = r / s2, i2 = r - q * s2, i0 = q / s1, i1 = q - i0 * s1;
+    if (index_31bit) {
+      const int r = static_cast<int>(row);
+      const int q = div2.div(r), i2 = r - q * static_cast<int>(size2);
+      const int i0 = div1.div(q), i1 = q - i0 * static_cast<int>(size1);
       return i0 * stride0 + i1 * stride1 + i2 * stride2;
     }
     const int64_t i2 = row % size2;

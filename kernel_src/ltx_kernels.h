@@ -158,6 +158,8 @@ int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begi
  * bias: all rows), each group in chunks of at most chunk_rows rows; row c of a [chunks, hidden]
  * sum matrix holds the sum over chunk c (c / chunks_per_group is its group), in fp32 (float64 when
  * T is). The caller adds the chunks of each group up (ltx_norm_backward_chunks gives their count).
+ * Without any sum matrix, group_rows and chunk_rows only have to be valid: the CUDA launcher then
+ * schedules the rows in chunks of its own.
  * Operands: as in ltx_norm_modulate_args_t; gate and scale share one dtype; dout and dh_out: T.
  * Every pointer of an output not wanted is NULL. The C twin also takes T = LTX_FLOAT64 (computed
  * in double); the CUDA launcher takes rows of up to LTX_NORM_BACKWARD_MAX_HIDDEN elements.

@@ -5,10 +5,11 @@
 namespace ltx {
 namespace {
 
-constexpr int kRowSlice = 16;  // elements of a row per thread: kSlots packs of kVec
-constexpr int kMaxThreadsPerRow = LTX_NORM_BACKWARD_MAX_HIDDEN / kRowSlice;  // 512
-constexpr int kBlockThreads = 256;             // block size when several chunks share a block
-constexpr size_t kMaxSharedBytes = 96 * 1024;  // the sum accumulators of a block's teams
+constexpr int kMaxThreads = 512;  // a block is one row's team: up to kMaxThreads threads,
+constexpr int kTargetThreads = 256;  // and up to kTargetThreads where kSlots <= 4 allows it
+// (One pack per thread: registers capped at 64, so that 4 blocks of 256 threads share an SM; that
+// measured 10-15% faster at LTX widths than 2 blocks of 127 registers. More packs: no cap, as the
+// capped wide rows spilled, 1.7x slower at Wan's 5120.)
 constexpr int kNumSums = 5;
 enum SumIndex { kScaleSum, kShiftSum, kGateSum, kWeightSum, kBiasSum };
 
@@ -22,227 +23,315 @@ struct NormBackwardArgs {
   RowPtr<Tm> dscale, dgate;  // per-row gradients
   ltx_vector_t weight, bias;
   float* sums[kNumSums];   // [chunks, hidden] partial sums (SumIndex order); null: not computed
-  int sum_slot[kNumSums];  // row of each sum in its team's shared-memory accumulators
+  int sum_slot[kNumSums];  // row of each sum in the block's shared-memory accumulators
   int num_sums;
   bool layer_norm;
-  int64_t chunks, chunks_per_group, group_rows;
+  int64_t chunks_per_group, group_rows;
   int chunk_rows;
   int hidden;
   float inv_hidden, eps;
 };
 
-// Chunk-per-team backward: a power-of-two team of tpr threads walks the rows of one chunk
-// (ltx_kernels.h), thread `lane` holding packs s * tpr + lane (kSlots of kVec elements) of each row
-// in registers. Per row: load h, dout and scale; reduce the statistics of h and mean(dn w yhat)
-// (LayerNorm: and mean(dn w)) over the team (row_sum); then per element compute dh and store dx,
-// dy and the per-row dscale/dgate, and add the shared operands' terms to the team's fp32
-// accumulators in shared memory ([num_sums][hidden] per team; each thread only touches its own
-// elements, so no barrier). The chunk's sums are written once at its end. kNorm false is
-// gated_residual's backward: dh = dh_out, no statistics.
-template <typename Tx, typename Tm, int kVec, bool kNorm>
-__global__ void __launch_bounds__(kMaxThreadsPerRow)
-    norm_backward_kernel(const NormBackwardArgs<Tx, Tm> a, const int log2_tpr) {
-  constexpr int kSlots = kRowSlice / kVec;
-  extern __shared__ __align__(16) float accumulators[];  // [teams][num_sums][hidden]
-  __shared__ float partials[kMaxThreadsPerRow / 32];
-  RowTeam team;
-  team.tpr = 1 << log2_tpr;
-  team.lane = threadIdx.x & (team.tpr - 1);
-  const int team_in_block = threadIdx.x >> log2_tpr;
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> log2_tpr) + team_in_block;
-  const bool chunk_active = chunk < a.chunks;
+// The streaming operands of one row as this thread holds them: its packs s * blockDim.x +
+// threadIdx.x. (gate and scale, mostly one row shared by a group, are read where used.)
+template <typename Tx, int kVec, int kSlots>
+struct RowOperands {
+  Pack<Tx, kVec> h[kSlots], dout[kSlots], y[kSlots], dh_out[kSlots];
+};
+
+template <typename Tx, typename Tm, int kVec, int kSlots, bool kNorm>
+__device__ __forceinline__ void load_row(RowOperands<Tx, kVec, kSlots>& o,
+                                         const NormBackwardArgs<Tx, Tm>& a, int64_t r,
+                                         int n_packs) {
+  const Tx* h = kNorm ? a.h.row(r) : nullptr;
+  const Tx* dout = kNorm ? a.dout.row(r) : nullptr;
+  const Tx* y = a.y.row_or_null(r);
+  const Tx* dh_out = a.dh_out.row_or_null(r);
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int p = s * blockDim.x + threadIdx.x;
+    if (p >= n_packs) continue;
+    const int col = p * kVec;
+    if constexpr (kNorm) {
+      o.h[s].load(h + col);
+      o.dout[s].load(dout + col);
+    }
+    if (y) o.y[s].load(y + col);
+    if (dh_out) o.dh_out[s].load(dh_out + col);
+  }
+}
+
+// dn * weight at a pack of elements col.. of a row: dn = dout (1 + scale) (dout without scale),
+// weight staged as fp32 in shared memory (null: 1).
+template <typename Tx, typename Tm, int kVec>
+__device__ __forceinline__ void dn_times_weight(float (&out)[kVec], const Pack<Tx, kVec>& dout,
+                                                const Tm* scale_row, const float* weight,
+                                                int col) {
+  if (scale_row) {
+    Pack<Tm, kVec> scale;
+    scale.load(scale_row + col);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = dout.get(i) * (1.f + scale.get(i));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = dout.get(i);
+  }
+  if (weight) {
+    Pack<float, kVec> w;
+    w.load_plain(weight + col);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] *= w.get(i);
+  }
+}
+
+// Chunk-per-block backward: the block is one row's team and walks the rows of chunk blockIdx.x
+// (ltx_kernels.h), thread t holding packs s * blockDim.x + t (kSlots packs of kVec elements) of
+// each row in registers, the next row's streaming operands loaded while the current one is
+// computed. Per row: the statistics of h and mean(dn w yhat) (LayerNorm: and mean(dn w)) as block
+// sums, then per element dh, the stores of dx, dy and the per-row dscale/dgate, and the shared
+// operands' terms added to the block's fp32 accumulators in shared memory ([num_sums][hidden] after
+// the weight, staged as fp32 [hidden]; each thread only touches its own elements, so no barrier).
+// Each optional term is one uniform branch around its own unrolled loop. The chunk's sums are
+// written once at its end. kNorm false is gated_residual's backward: dh = dh_out, no statistics.
+template <typename Tx, typename Tm, int kVec, int kSlots, bool kNorm>
+__global__ void __launch_bounds__(kMaxThreads, kSlots == 1 ? 2 : 1)
+    norm_backward_kernel(const NormBackwardArgs<Tx, Tm> a) {
+  extern __shared__ __align__(16) float shared[];  // weight [hidden], then [num_sums][hidden]
+  __shared__ float scratch[2 * 32];                 // block_sums
+  const int64_t chunk = blockIdx.x;
   const int64_t group = chunk / a.chunks_per_group;
   const int64_t first_row =
       group * a.group_rows + (chunk - group * a.chunks_per_group) * a.chunk_rows;
   const int64_t end_row = min(first_row + a.chunk_rows, (group + 1) * a.group_rows);
   const int n_packs = a.hidden / kVec;
-  float* const acc = accumulators + static_cast<size_t>(team_in_block) * a.num_sums * a.hidden;
-  auto accumulator = [&](SumIndex k) {
-    return a.sums[k] ? acc + a.sum_slot[k] * a.hidden : nullptr;
-  };
-  float* const scale_acc = accumulator(kScaleSum);
-  float* const shift_acc = accumulator(kShiftSum);
-  float* const gate_acc = accumulator(kGateSum);
-  float* const weight_acc = accumulator(kWeightSum);
-  float* const bias_acc = accumulator(kBiasSum);
+  // Shared memory: the weight and the bias, staged as fp32 (null when absent), then the sums.
+  float* const weight = a.weight.data ? shared : nullptr;
+  float* const bias = a.bias.data ? shared + (weight ? a.hidden : 0) : nullptr;
+  float* const sums = shared + ((weight ? a.hidden : 0) + (bias ? a.hidden : 0));
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  team.active = chunk_active;
-  team.row = first_row;
-  float weights[kSlots][kVec];  // this thread's weight elements (1 without a weight)
-  team.for_each_pack<kSlots>(n_packs, [&](int s, int p) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i)
-      weights[s][i] =
-          a.weight.data ? load_as_float(a.weight.data, a.weight.dtype, p * kVec + i) : 1.f;
+  for (int s = 0; s < kSlots; ++s) {
+    const int p = s * blockDim.x + threadIdx.x;
+    if (p >= n_packs) continue;
+    // (Loaded here only: nvcc may hoist a guarded read-only load out of the row loop unguarded.)
+    if (weight) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        weight[p * kVec + i] = load_as_float(a.weight.data, a.weight.dtype, p * kVec + i);
+    }
+    if (bias) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        bias[p * kVec + i] = load_as_float(a.bias.data, a.bias.dtype, p * kVec + i);
+    }
     for (int k = 0; k < a.num_sums; ++k) {
       Pack<float, kVec> zero;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) zero.set(i, 0.f);
-      zero.store(acc + k * a.hidden + p * kVec);
+      zero.store(sums + k * a.hidden + p * kVec);
     }
-  });
+  }
+  // Added to in place: the running sum of one term at this thread's elements.
+  auto add_to_sum = [&](SumIndex k, int col, const float (&term)[kVec]) {
+    float* const acc = sums + a.sum_slot[k] * a.hidden + col;
+    Pack<float, kVec> v;
+    v.load_plain(acc);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v.set(i, v.get(i) + term[i]);
+    v.store(acc);
+  };
 
-  for (int i_row = 0; i_row < a.chunk_rows; ++i_row) {
-    team.row = first_row + i_row;
-    team.active = chunk_active && team.row < end_row;
-    const int64_t r = team.active ? team.row : 0;
-    const Tm* scale_row = a.scale.row_or_null(r);
-    Pack<Tx, kVec> hs[kSlots], gs[kSlots];
-    Pack<Tm, kVec> scales[kSlots];
+  RowOperands<Tx, kVec, kSlots> row, next;
+  load_row<Tx, Tm, kVec, kSlots, kNorm>(row, a, first_row, n_packs);
+  for (int64_t r = first_row; r < end_row; ++r) {
+    if (r + 1 < end_row) load_row<Tx, Tm, kVec, kSlots, kNorm>(next, a, r + 1, n_packs);
+    const Tm* scale_row = kNorm ? a.scale.row_or_null(r) : nullptr;
     float mean = 0.f, rstd = 0.f, dot = 0.f, total = 0.f;
     if constexpr (kNorm) {
-      // Every thread of the block takes part in the reductions (row_sum synchronizes the block
-      // when a row spans several warps), active or not.
-      load_packs(hs, a.h.row(r), team, n_packs);
-      load_packs(gs, a.dout.row(r), team, n_packs);
-      if (scale_row) load_packs(scales, scale_row, team, n_packs);
+      // The row's statistics as block sums: every thread takes part, with packs or without.
       float sum = 0.f;  // of h (LayerNorm's mean) or of h^2 (RMSNorm)
-      team.for_each_pack<kSlots>(n_packs, [&](int s, int) {
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (s * blockDim.x + threadIdx.x >= n_packs) continue;
         if (a.layer_norm) {
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) sum += hs[s].get(i);
+          for (int i = 0; i < kVec; ++i) sum += row.h[s].get(i);
         } else {
-          add_squares(sum, hs[s]);
+          add_squares(sum, row.h[s]);
         }
-      });
-      sum = row_sum<true>(sum, team, partials);
+      }
+      sum = block_sum(sum, scratch);
       if (a.layer_norm) {
         mean = sum * a.inv_hidden;
         float deviations = 0.f;
-        team.for_each_pack<kSlots>(n_packs, [&](int s, int) {
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) {
+          if (s * blockDim.x + threadIdx.x >= n_packs) continue;
 #pragma unroll
           for (int i = 0; i < kVec; ++i) {
-            const float d = hs[s].get(i) - mean;
+            const float d = row.h[s].get(i) - mean;
             deviations += d * d;
           }
-        });
-        sum = row_sum<true>(deviations, team, partials);
+        }
+        sum = block_sum(deviations, scratch);
       }
       rstd = rsqrtf(sum * a.inv_hidden + a.eps);
-      team.for_each_pack<kSlots>(n_packs, [&](int s, int) {
+      float sums2[2] = {0.f, 0.f};  // of dn w yhat and of dn w
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int p = s * blockDim.x + threadIdx.x;
+        if (p >= n_packs) continue;
+        float dnw[kVec];
+        dn_times_weight(dnw, row.dout[s], scale_row, weight, p * kVec);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
-          const float factor = scale_row ? 1.f + scales[s].get(i) : 1.f;
-          const float dyw = gs[s].get(i) * factor * weights[s][i];
-          dot += dyw * ((hs[s].get(i) - mean) * rstd);
-          total += dyw;
+          sums2[0] += dnw[i] * ((row.h[s].get(i) - mean) * rstd);
+          sums2[1] += dnw[i];
         }
-      });
-      dot = row_sum<true>(dot, team, partials) * a.inv_hidden;
-      total = a.layer_norm ? row_sum<true>(total, team, partials) * a.inv_hidden : 0.f;
+      }
+      if (a.layer_norm) {
+        block_sums(sums2, scratch);
+      } else {
+        sums2[0] = block_sum(sums2[0], scratch);
+      }
+      dot = sums2[0] * a.inv_hidden;
+      total = a.layer_norm ? sums2[1] * a.inv_hidden : 0.f;
     }
-    if (!team.active) continue;
 
-    const Tx* y_row = a.y.row_or_null(r);
     const Tm* gate_row = a.gate.row_or_null(r);
-    const Tx* dh_row = a.dh_out.row_or_null(r);
     Tx* dx_row = a.dx.row_or_null(r);
     Tx* dy_row = a.dy.row_or_null(r);
     Tm* dscale_row = a.dscale.row_or_null(r);
     Tm* dgate_row = a.dgate.row_or_null(r);
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
-      const int p = team.pack(s);
+      const int p = s * blockDim.x + threadIdx.x;
       if (p >= n_packs) continue;
       const int col = p * kVec;
-      Pack<Tx, kVec> ys, dhs;
-      Pack<Tm, kVec> gates;
-      if (y_row) ys.load(y_row + col);
-      if (gate_row) gates.load(gate_row + col);
-      if (dh_row) dhs.load(dh_row + col);
       float dh[kVec];
+      if (a.dh_out.data) {
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) dh[i] = dh_row ? dhs.get(i) : 0.f;
+        for (int i = 0; i < kVec; ++i) dh[i] = row.dh_out[s].get(i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) dh[i] = 0.f;
+      }
       if constexpr (kNorm) {
-        Pack<float, kVec> scale_sum, shift_sum, weight_sum, bias_sum;
-        if (scale_acc) scale_sum.load_plain(scale_acc + col);
-        if (shift_acc) shift_sum.load_plain(shift_acc + col);
-        if (weight_acc) weight_sum.load_plain(weight_acc + col);
-        if (bias_acc) bias_sum.load_plain(bias_acc + col);
-        Pack<Tm, kVec> dscale;
+        float dnw[kVec], yhat[kVec], term[kVec];
+        dn_times_weight(dnw, row.dout[s], scale_row, weight, col);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
-          const float g = gs[s].get(i), yhat = (hs[s].get(i) - mean) * rstd;
-          const float dn = g * (scale_row ? 1.f + scales[s].get(i) : 1.f);
-          dh[i] += rstd * (dn * weights[s][i] - total - yhat * dot);
-          if (scale_acc || dscale_row) {
-            float n = yhat * weights[s][i];
-            if (a.bias.data) n += load_as_float(a.bias.data, a.bias.dtype, col + i);
-            if (scale_acc) scale_sum.set(i, scale_sum.get(i) + g * n);
-            dscale.set(i, g * n);
-          }
-          if (shift_acc) shift_sum.set(i, shift_sum.get(i) + g);
-          if (weight_acc) weight_sum.set(i, weight_sum.get(i) + dn * yhat);
-          if (bias_acc) bias_sum.set(i, bias_sum.get(i) + dn);
+          yhat[i] = (row.h[s].get(i) - mean) * rstd;
+          dh[i] += rstd * (dnw[i] - total - yhat[i] * dot);
         }
-        if (scale_acc) scale_sum.store(scale_acc + col);
-        if (shift_acc) shift_sum.store(shift_acc + col);
-        if (weight_acc) weight_sum.store(weight_acc + col);
-        if (bias_acc) bias_sum.store(bias_acc + col);
-        if (dscale_row) dscale.store_global(dscale_row + col);
-      }
-      Pack<Tx, kVec> dxs, dys;
-      Pack<Tm, kVec> dgates;
-      Pack<float, kVec> gate_sum;
-      if (gate_acc) gate_sum.load_plain(gate_acc + col);
+        if (a.sums[kScaleSum] || dscale_row) {  // dscale = g n, n = yhat w (+ bias)
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        dxs.set(i, dh[i]);
-        dys.set(i, gate_row ? dh[i] * gates.get(i) : dh[i]);
-        if (y_row) {
-          const float dgate = dh[i] * ys.get(i);
-          dgates.set(i, dgate);
-          if (gate_acc) gate_sum.set(i, gate_sum.get(i) + dgate);
+          for (int i = 0; i < kVec; ++i) term[i] = yhat[i];
+          if (weight) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) term[i] *= weight[col + i];
+          }
+          if (bias) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) term[i] += bias[col + i];
+          }
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) term[i] *= row.dout[s].get(i);
+          if (a.sums[kScaleSum]) add_to_sum(kScaleSum, col, term);
+          if (dscale_row) {
+            Pack<Tm, kVec> out;
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) out.set(i, term[i]);
+            out.store_global(dscale_row + col);
+          }
+        }
+        if (a.sums[kShiftSum]) {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) term[i] = row.dout[s].get(i);
+          add_to_sum(kShiftSum, col, term);
+        }
+        if (a.sums[kWeightSum] || a.sums[kBiasSum]) {  // dn (without the weight)
+          float dn[kVec];
+          dn_times_weight(dn, row.dout[s], scale_row, nullptr, col);
+          if (a.sums[kWeightSum]) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) term[i] = dn[i] * yhat[i];
+            add_to_sum(kWeightSum, col, term);
+          }
+          if (a.sums[kBiasSum]) add_to_sum(kBiasSum, col, dn);
         }
       }
-      if (gate_acc) gate_sum.store(gate_acc + col);
-      if (dx_row) dxs.store_global(dx_row + col);
-      if (dy_row) dys.store_global(dy_row + col);
-      if (dgate_row) dgates.store_global(dgate_row + col);
+      if (dx_row) {
+        Pack<Tx, kVec> out;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) out.set(i, dh[i]);
+        out.store_global(dx_row + col);
+      }
+      if (dy_row) {
+        Pack<Tx, kVec> out;
+        if (gate_row) {
+          Pack<Tm, kVec> gates;
+          gates.load(gate_row + col);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) out.set(i, dh[i] * gates.get(i));
+        } else {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) out.set(i, dh[i]);
+        }
+        out.store_global(dy_row + col);
+      }
+      if (a.y.data) {  // dgate = dh y
+        float dgate[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) dgate[i] = dh[i] * row.y[s].get(i);
+        if (a.sums[kGateSum]) add_to_sum(kGateSum, col, dgate);
+        if (dgate_row) {
+          Pack<Tm, kVec> out;
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) out.set(i, dgate[i]);
+          out.store_global(dgate_row + col);
+        }
+      }
     }
+    row = next;
   }
 
   // The chunk's sums: each thread copies its own accumulator elements.
-  if (!chunk_active) return;
-  team.active = true;  // (the last row of a short chunk left it false)
   for (int k = 0; k < kNumSums; ++k) {
     if (!a.sums[k]) continue;
-    const float* src = acc + a.sum_slot[k] * a.hidden;
+    const float* src = sums + a.sum_slot[k] * a.hidden;
     float* dst = a.sums[k] + chunk * a.hidden;
-    team.for_each_pack<kSlots>(n_packs, [&](int, int p) {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int p = s * blockDim.x + threadIdx.x;
+      if (p >= n_packs) continue;
       Pack<float, kVec> v;
       v.load_plain(src + p * kVec);
       v.store_global(dst + p * kVec);
-    });
+    }
   }
 }
 
-template <typename Tx, typename Tm, int kVec, bool kNorm>
-int launch_backward(NormBackwardArgs<Tx, Tm> a, cudaStream_t stream) {
-  constexpr int kSlots = kRowSlice / kVec;
-  const int log2_tpr = log2_threads_per_row(a.hidden / kVec, kSlots, kMaxThreadsPerRow);
-  const int tpr = 1 << log2_tpr;
-  if (int64_t{tpr} * kSlots * kVec < a.hidden) return LTX_ERR_INVALID_ARGUMENT;  // too long
-  const size_t team_bytes = static_cast<size_t>(a.num_sums) * a.hidden * sizeof(float);
-  // Several chunks per block; fewer when there are few chunks, so that every SM gets work.
-  int teams = std::max(1, kBlockThreads / tpr);
-  while (teams > 1 &&
-         (ceil_div(a.chunks, teams) < 2 * sm_count() || teams * team_bytes > kMaxSharedBytes))
-    teams /= 2;
-  const size_t shared_bytes = teams * team_bytes;
-  const auto kernel = norm_backward_kernel<Tx, Tm, kVec, kNorm>;
-  // Above 48 KB of shared memory per block (the static row_sum partials included) needs opting in.
-  if (shared_bytes + sizeof(float) * (kMaxThreadsPerRow / 32) > 48 * 1024) {
+template <typename Tx, typename Tm, int kVec, int kSlots, bool kNorm>
+int launch_backward(const NormBackwardArgs<Tx, Tm>& a, int64_t chunks, cudaStream_t stream) {
+  // The block: one row's packs at kSlots per thread, in whole warps.
+  const int64_t threads = ceil_div(ceil_div(a.hidden / kVec, kSlots), 32) * 32;
+  if (threads > kMaxThreads) return LTX_ERR_INVALID_ARGUMENT;  // too long
+  const size_t shared_bytes =
+      static_cast<size_t>((a.weight.data != nullptr) + (a.bias.data != nullptr) + a.num_sums) *
+      a.hidden * sizeof(float);
+  const auto kernel = norm_backward_kernel<Tx, Tm, kVec, kSlots, kNorm>;
+  // Above 48 KB of shared memory per block (the static scratch included) needs opting in.
+  if (shared_bytes + 2 * 32 * sizeof(float) > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  const int64_t blocks = ceil_div(a.chunks, teams);
-  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
-  return launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(teams * tpr), shared_bytes,
-                stream, a, log2_tpr);
+  if (chunks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  return launch(kernel, dim3(static_cast<unsigned>(chunks)), dim3(static_cast<unsigned>(threads)),
+                shared_bytes, stream, a);
 }
 
 template <typename Tx, typename Tm>
@@ -267,10 +356,14 @@ int norm_backward_typed(const ltx_norm_backward_args_t& args, int64_t rows, cuda
     a.sum_slot[k] = sums[k] ? a.num_sums++ : -1;
   }
   a.layer_norm = args.norm == LTX_NORM_LAYER;
-  a.group_rows = args.group_rows;
-  a.chunk_rows = static_cast<int>(std::min<int64_t>(args.chunk_rows, args.group_rows));
-  a.chunks_per_group = ceil_div(args.group_rows, a.chunk_rows);
-  a.chunks = ltx_norm_backward_chunks(rows, args.group_rows, args.chunk_rows);
+  // Without sums the chunks only schedule rows: chunks of the length a summing launch would take.
+  const int64_t group_rows = a.num_sums ? args.group_rows : rows;
+  const int64_t chunk_rows =
+      a.num_sums ? args.chunk_rows : ltx_norm_backward_chunk_rows(rows, group_rows);
+  a.group_rows = group_rows;
+  a.chunk_rows = static_cast<int>(std::min<int64_t>(chunk_rows, group_rows));
+  a.chunks_per_group = ceil_div(group_rows, a.chunk_rows);
+  const int64_t chunks = ltx_norm_backward_chunks(rows, group_rows, a.chunk_rows);
   a.hidden = static_cast<int>(args.hidden);
   a.inv_hidden = 1.f / static_cast<float>(args.hidden);
   a.eps = args.eps;
@@ -285,9 +378,16 @@ int norm_backward_typed(const ltx_norm_backward_args_t& args, int64_t rows, cuda
   for (const ltx_rows_t* r : {&args.gate, &args.scale, &args.dscale, &args.dgate})
     vectorizable = vectorizable && aligned(*r, sizeof(Tm));
   for (void* sum : sums) vectorizable = vectorizable && reinterpret_cast<uintptr_t>(sum) % 16 == 0;
-  return with_flags({vectorizable, args.dout.data != nullptr}, [&](auto vector_path, auto norm) {
-    constexpr int kVecUsed = decltype(vector_path)::value ? kVec : 1;
-    return launch_backward<Tx, Tm, kVecUsed, decltype(norm)::value>(a, stream);
+  // Packs per thread: the fewest of 1, 2, 4 that hold a row in kTargetThreads threads (else in
+  // kMaxThreads; 16 elements on the scalar path).
+  const int64_t n_packs = vectorizable ? a.hidden / kVec : a.hidden;
+  const int64_t threads = n_packs <= 4 * kTargetThreads ? kTargetThreads : kMaxThreads;
+  return with_flags({args.dout.data != nullptr}, [&](auto norm) {
+    constexpr bool kNorm = decltype(norm)::value;
+    if (!vectorizable) return launch_backward<Tx, Tm, 1, 16, kNorm>(a, chunks, stream);
+    if (n_packs <= threads) return launch_backward<Tx, Tm, kVec, 1, kNorm>(a, chunks, stream);
+    if (n_packs <= 2 * threads) return launch_backward<Tx, Tm, kVec, 2, kNorm>(a, chunks, stream);
+    return launch_backward<Tx, Tm, kVec, 4, kNorm>(a, chunks, stream);
   });
 }
 
