@@ -188,6 +188,21 @@ def test_single_block_qkv_mlp_is_fp8_only():
     assert count_ltx_ops(lambda: call(block))["linear_gelu"] == 1
 
 
+def test_single_block_activation_hook_sees_its_call():
+    """A forward hook registered on the single block's act_mlp (bf16: proj_mlp + GELU is one
+    linear_gelu) sees its call: the step runs proj_mlp and act_mlp as themselves."""
+    block, call = tiny_block("single", BF16)
+    eager, injected, _ = eager_and_injected(block, call)
+    seen = []
+    hook = block.act_mlp.register_forward_hook(lambda m, args, out: seen.append(m))
+    assert count_ltx_ops(lambda: call(block)).get("linear_gelu", 0) == 0
+    assert len(seen) == 1
+    with torch.no_grad():
+        assert torch.equal(call(block), eager)
+    hook.remove()
+    assert count_ltx_ops(lambda: call(block))["linear_gelu"] == 1
+
+
 @pytest.mark.parametrize("hooked", ["attn.to_q", "proj_mlp", "attn"])
 def test_single_block_qkv_mlp_falls_back_to_the_modules_under_a_hook(hooked):
     block, call = tiny_block("single", BF16)

@@ -450,7 +450,8 @@ def linear_act(ops, proj, act, x):
     """act(proj(x)) for a Linear followed by a bare nn.GELU (FLUX's and HunyuanVideo's single-block
     MLP): GELU-tanh as one GEMM with a GELU epilogue, other GELUs as our gelu op."""
     ops = ops_for_step(ops, x, proj)
-    if linear_act_fusable(act) is None and _plain(act):
+    # (a hook registered on act must see its call: then act runs as itself)
+    if linear_act_fusable(act) is None and _plain(act) and not has_hooks(act):
         if (
             "linear_gelu" in ops
             and act.approximate == "tanh"
