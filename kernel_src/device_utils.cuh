@@ -613,15 +613,16 @@ struct RowIndex {
   static RowIndex of(const ltx_rows_t& r) {
     const int64_t rows = r.size[0] * r.size[1] * r.size[2];
     const bool small = rows <= INT32_MAX;
-    return RowIndex{r.size[1],
-                    r.size[2],
-                    r.stride[0],
-                    r.stride[1],
-                    r.stride[2],
-                    FastDivider::of(small ? static_cast<uint32_t>(std::max<int64_t>(r.size[1], 1)) : 1),
-                    FastDivider::of(small ? static_cast<uint32_t>(std::max<int64_t>(r.size[2], 1)) : 1),
-                    r.size[0] == 1 && r.size[1] == 1,
-                    small};
+    return RowIndex{
+        r.size[1],
+        r.size[2],
+        r.stride[0],
+        r.stride[1],
+        r.stride[2],
+        FastDivider::of(small ? static_cast<uint32_t>(std::max<int64_t>(r.size[1], 1)) : 1),
+        FastDivider::of(small ? static_cast<uint32_t>(std::max<int64_t>(r.size[2], 1)) : 1),
+        r.size[0] == 1 && r.size[1] == 1,
+        small};
   }
   __device__ __forceinline__ int64_t offset(int64_t row) const {
     if (flat) return row * stride2;

@@ -5,8 +5,10 @@
 namespace ltx {
 namespace {
 
-constexpr int kMaxThreads = 512;  // a block is one row's team: up to kMaxThreads threads,
-constexpr int kTargetThreads = 256;  // and up to kTargetThreads where kSlots <= 4 allows it
+// A block is one row's team: up to kTargetThreads threads where 4 packs a thread allow it, else up
+// to kMaxThreads.
+constexpr int kMaxThreads = 512;
+constexpr int kTargetThreads = 256;
 // (One pack per thread: registers capped at 64, so that 4 blocks of 256 threads share an SM; that
 // measured 10-15% faster at LTX widths than 2 blocks of 127 registers. More packs: no cap, as the
 // capped wide rows spilled, 1.7x slower at Wan's 5120.)
@@ -65,8 +67,7 @@ __device__ __forceinline__ void load_row(RowOperands<Tx, kVec, kSlots>& o,
 // weight staged as fp32 in shared memory (null: 1).
 template <typename Tx, typename Tm, int kVec>
 __device__ __forceinline__ void dn_times_weight(float (&out)[kVec], const Pack<Tx, kVec>& dout,
-                                                const Tm* scale_row, const float* weight,
-                                                int col) {
+                                                const Tm* scale_row, const float* weight, int col) {
   if (scale_row) {
     Pack<Tm, kVec> scale;
     scale.load(scale_row + col);
@@ -96,8 +97,8 @@ __device__ __forceinline__ void dn_times_weight(float (&out)[kVec], const Pack<T
 template <typename Tx, typename Tm, int kVec, int kSlots, bool kNorm>
 __global__ void __launch_bounds__(kMaxThreads, kSlots == 1 ? 2 : 1)
     norm_backward_kernel(const NormBackwardArgs<Tx, Tm> a) {
-  extern __shared__ __align__(16) float shared[];  // weight [hidden], then [num_sums][hidden]
-  __shared__ float scratch[2 * 32];                 // block_sums
+  extern __shared__ __align__(16) float shared[];  // weight, bias ([hidden] each), sums
+  __shared__ float scratch[2 * 32];                // block_sums
   const int64_t chunk = blockIdx.x;
   const int64_t group = chunk / a.chunks_per_group;
   const int64_t first_row =
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kMaxThreads, kSlots == 1 ? 2 : 1)
     }
   }
   // Added to in place: the running sum of one term at this thread's elements.
-  auto add_to_sum = [&](SumIndex k, int col, const float (&term)[kVec]) {
+  auto add_to_sum = [&](SumIndex k, int col, const float(&term)[kVec]) {
     float* const acc = sums + a.sum_slot[k] * a.hidden + col;
     Pack<float, kVec> v;
     v.load_plain(acc);
