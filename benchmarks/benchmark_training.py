@@ -16,10 +16,11 @@ run and repeat the run), speedup vs eager
 and vs compile_repeated_blocks alone, peak GPU memory over the timed steps, and the relative L2
 distance of the adapters' gradients (first step, all adapters concatenated) from eager's.
 
-  python benchmarks/benchmark_training.py [--steps 10] [--tokens 2688] [--out results/]
+  python benchmarks/benchmark_training.py [--steps 10] [--rounds 1] [--tokens 2688] [--out results/]
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -147,6 +148,9 @@ def main():
     )
     parser.add_argument("--tokens", type=int, default=2688, choices=sorted(LTX_GRIDS))
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the columns in turn this many times (median)"
+    )
     parser.add_argument("--columns", default=",".join(COLUMNS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -162,20 +166,29 @@ def main():
     initial = [p.detach().clone() for p in adapter_parameters(model)]
     inputs, target = batch_inputs(args.tokens)
     rows = {}
-    for checkpointing in (False, True):
-        for column in columns:
-            measured = run_column(column, model, initial, inputs, target, args.steps, checkpointing)
-            if measured is None:
-                continue
-            first_s, ms, peak, grads = measured
-            rows[(column, checkpointing)] = dict(
-                ms=ms, first_step_s=first_s, peak_gib=peak, grads=grads
-            )
-            print(
-                f"  {column}, checkpointing {'on' if checkpointing else 'off'}: {ms:.1f} ms/step,"
-                f" peak {peak:.2f} GiB, first step {first_s:.1f} s",
-                flush=True,
-            )
+    # Rounds: the columns run in turn, `rounds` times; each column's figure is the median of its
+    # rounds (the eager step is host-bound, and host speed drifts over a run).
+    for round_index in range(args.rounds):
+        for checkpointing in (False, True):
+            for column in columns:
+                measured = run_column(
+                    column, model, initial, inputs, target, args.steps, checkpointing
+                )
+                if measured is None:
+                    continue
+                first_s, ms, peak, grads = measured
+                row = rows.setdefault(
+                    (column, checkpointing),
+                    dict(rounds_ms=[], first_step_s=first_s, peak_gib=peak, grads=grads),
+                )
+                row["rounds_ms"].append(ms)
+                row["ms"] = statistics.median(row["rounds_ms"])
+                print(
+                    f"  round {round_index + 1}: {column}, checkpointing "
+                    f"{'on' if checkpointing else 'off'}: {ms:.1f} ms/step, peak {peak:.2f} GiB,"
+                    f" first step {first_s:.1f} s",
+                    flush=True,
+                )
     for (column, checkpointing), row in rows.items():
         eager, blocks = rows.get(("eager", checkpointing)), rows.get(("blocks", checkpointing))
         row["vs_eager"] = eager["ms"] / row["ms"] if eager else float("nan")
@@ -186,13 +199,14 @@ def main():
             else float("nan")
         )
     print(
-        "\n| column | checkpointing | ms/step | vs eager | vs blocks | peak GiB | "
-        "grad rel L2 vs eager | first step s |"
+        "\n| column | checkpointing | ms/step | rounds: min-max | vs eager | vs blocks | peak GiB |"
+        " grad rel L2 vs eager | first step s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (column, checkpointing), row in rows.items():
+        spread = f"{min(row['rounds_ms']):.1f}-{max(row['rounds_ms']):.1f}"
         print(
-            f"| {column} | {'on' if checkpointing else 'off'} | {row['ms']:.1f} | "
+            f"| {column} | {'on' if checkpointing else 'off'} | {row['ms']:.1f} | {spread} | "
             f"{row['vs_eager']:.2f}x | {row['vs_blocks']:.2f}x | {row['peak_gib']:.2f} | "
             f"{row['grad_rel_l2']:.2e} | {row['first_step_s']:.1f} |"
         )

@@ -3,7 +3,7 @@ gradient of a float64 evaluation of the op's formula (`ltx_kernels.reference`, d
 PyTorch in float64) on fresh random inputs, in every dtype, for every broadcast form of the
 modulation tensors, odd hidden sizes, row-strided views and empty tensors; only the gradients
 asked for are computed; opcheck (with its autograd and AOT tests), torch.compile(fullgraph=True) of
-forward + backward, double backward and CUDA-graph capture of forward + backward."""
+forward + backward, second derivatives that raise naming the op, and CUDA-graph capture of forward + backward."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ import ltx_kernels
 from fused_helpers import BROADCASTS, DTYPES, FRAMES, make_modulation
 from helpers import capture_graph, make_activation
 from ltx_kernels import reference
+from ltx_kernels._op_names import FUSED_BACKWARD_OPS
 
 # Relative L2 error of each gradient against the float64 evaluation. fp32: the backward computes
 # in fp32 (reductions over up to a few thousand terms); fp16/bf16: the gradient is rounded to the
@@ -248,29 +249,32 @@ def test_compiled_forward_backward(op, device):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_double_backward_is_differentiated(device):
-    """create_graph=True: the gradients stay connected to the inputs (second derivatives as the
-    float64 reference's), never silently cut off."""
-    x, scale, shift, weight = _requiring_grad(
-        cases("rmsnorm_modulate", torch.float32, device)[1][1]
+@pytest.mark.parametrize("op", sorted(FUSED_BACKWARD_OPS))
+def test_second_derivatives_raise_naming_the_backward_op(device, op):
+    """create_graph=True: the first derivatives come from the fused backward op and equal those
+    without create_graph; differentiating them again raises, naming that op (never a silently
+    missing second derivative). rope is linear in x: its gradient does not depend on x (no graph,
+    as ATen's linear ops give)."""
+    args = cases(op, torch.float32, device)[0][1]
+    # x and the next tensor (gated_residual: y and gate, on which dy depends; rope: x alone, the
+    # tables stay constant)
+    which = {"rope": {0}, "gated_residual": {0, 1, 2}}.get(op, {0, 1})
+    args = _requiring_grad(args, which=which)
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = _output_grads(op, args, {})
+    first = torch.autograd.grad(
+        _loss(getattr(ltx_kernels, op)(*args), grads), tensors, create_graph=True
     )
-    grads = _output_grads("rmsnorm_modulate", (x, scale, shift, weight), {})
-
-    def second(fn, tensors, dtype):
-        x, scale, shift, weight = tensors
-        out = fn(x, scale, shift, weight)
-        (gx,) = torch.autograd.grad(_loss(out, [g.to(dtype) for g in grads]), x, create_graph=True)
-        return torch.autograd.grad((gx * gx).sum(), (x, scale, weight))
-
-    ours = second(ltx_kernels.rmsnorm_modulate, (x, scale, shift, weight), torch.float32)
-    tensors64 = [t.detach().double().requires_grad_() for t in (x, scale, shift, weight)]
-    exact = second(
-        lambda *t: reference.rmsnorm_modulate(*t, compute_dtype=torch.float64, round_output=False),
-        tensors64,
-        torch.float64,
-    )
-    for got, want in zip(ours, exact):
-        assert _rel_l2(got, want) <= 1e-5
+    plain = torch.autograd.grad(_loss(getattr(ltx_kernels, op)(*args), grads), tensors)
+    for a, b in zip(first, plain):
+        assert torch.equal(a.detach(), b)
+    if op == "rope":
+        assert not first[0].requires_grad
+        return
+    with pytest.raises(
+        RuntimeError, match=f"ltx_kernels.{FUSED_BACKWARD_OPS[op]} is not differentiable"
+    ):
+        torch.autograd.grad(sum((g * g).sum() for g in first if g.requires_grad), tensors)
 
 
 @pytest.mark.gpu

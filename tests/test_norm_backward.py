@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from ltx_kernels import _autograd, reference
+from ltx_kernels import reference
 from ltx_kernels._op_names import FUSED_BACKWARD_OPS
 from ltx_kernels._op_namespace import ops
 
@@ -189,10 +189,14 @@ def test_upcast_fp32_operands(device, op):
 
 
 def _fused_function(op, kwargs):
-    """op's fused autograd (setup_context + backward, as registered) over a float64 forward (the
-    reference, computed in float64: the norm ops' forward C twin has no float64 path), so gradcheck
-    checks the fused backward op (the C twin's float64 path) against finite differences."""
-    setup_context, backward = _autograd._fused_norm_backward(op)
+    """op's forward as its float64 reference (the norm ops' forward C twin has no float64 path)
+    with norm_modulate_backward as its backward, called as autograd_ops.cpp calls it (h saved, every
+    gradient asked for), so gradcheck checks the backward op's C twin (its float64 path) against
+    finite differences."""
+    schema = getattr(ops, op).default._schema
+    names = [a.name for a in schema.arguments if not a.kwarg_only]
+    residual = "y" in names
+    gradients = ("x", "y", "gate", "scale", "shift", "weight", "bias")
 
     class Fused(torch.autograd.Function):
         @staticmethod
@@ -203,11 +207,36 @@ def _fused_function(op, kwargs):
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            setup_context(ctx, inputs, output, kwargs)
+            ctx.args = dict(zip(names, inputs))
+            ctx.h = (output[0] if residual else inputs[0]) if op != "gated_residual" else None
 
         @staticmethod
         def backward(ctx, *grads):
-            return backward(ctx, *grads)
+            a = ctx.args
+            grad_n = grads[-1] if op != "gated_residual" else None
+            grad_h = grads[0] if residual else None
+            mask = [a.get(n) is not None for n in gradients]
+            computed = dict(
+                zip(
+                    gradients,
+                    ops.norm_modulate_backward(
+                        grad_n,
+                        grad_h,
+                        ctx.h,
+                        *(a.get(n) for n in gradients[1:]),
+                        a.get("eps", 1e-6),
+                        "layernorm" in op,
+                        mask
+                        if grad_n is not None
+                        else [False, *mask[1:3], False, False, False, False],
+                    ),
+                )
+            )
+            if grad_n is None:
+                computed["x"] = grad_h
+            return tuple(
+                computed.get(n) if n in gradients and a.get(n) is not None else None for n in names
+            )
 
     return Fused.apply
 
@@ -280,32 +309,19 @@ def test_autograd_runs_the_fused_backward(device, op):
     assert "aten::rsqrt" not in seen.names, sorted(seen.names)
 
 
-def test_double_backward_of_an_add_op(device):
-    # create_graph=True through the add_ ops: the reference VJP at the saved h (connected to x, y
-    # and gate), against the float64 reference's second derivatives.
-    x, y = (torch.randn(2, 6, 16, device=device) for _ in range(2))
+def test_second_derivatives_raise_naming_the_op(device):
+    # create_graph=True through an add_ op: the first derivatives are the fused backward's; they
+    # cannot be differentiated again, and saying so names the backward op (never a silent zero).
+    x, y = (torch.randn(2, 6, 16, device=device, requires_grad=True) for _ in range(2))
     scale, shift, gate = make_modulation("B1D", 2, 6, 16, torch.float32, device, 3)
-    weight = torch.randn(16, device=device)
-
-    def second(fn, tensors, dtype):
-        x, y, scale, shift, gate, weight = tensors
-        h, n = fn(x, y, scale, shift, gate, weight)
-        loss = (n * torch.linspace(-1, 1, 16, device=device, dtype=dtype)).sum() + (h * h).sum()
-        gx, gy = torch.autograd.grad(loss, (x, y), create_graph=True)
-        return torch.autograd.grad((gx * gx).sum() + (gy * gy).sum(), (x, y, gate, scale))
-
-    tensors = [t.clone().requires_grad_() for t in (x, y, scale, shift, gate, weight)]
-    ours = second(ltx_kernels.add_rmsnorm_modulate, tensors, torch.float32)
-    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
-    exact = second(
-        lambda *t: reference.add_rmsnorm_modulate(
-            *t, compute_dtype=torch.float64, round_output=False
-        ),
-        tensors64,
-        torch.float64,
-    )
-    for got, want in zip(ours, exact):
-        assert _rel_l2(got, want) <= 1e-5
+    h, n = ltx_kernels.add_rmsnorm_modulate(x, y, scale, shift, gate)
+    gx, gy = torch.autograd.grad(n.sum() + (h * h).sum(), (x, y), create_graph=True)
+    want = torch.autograd.grad(n.sum() + (h * h).sum(), (x, y))
+    assert torch.equal(gx.detach(), want[0]) and torch.equal(gy.detach(), want[1])
+    with pytest.raises(
+        RuntimeError, match="ltx_kernels.norm_modulate_backward is not differentiable"
+    ):
+        torch.autograd.grad((gx * gx).sum(), x)
 
 
 @pytest.mark.parametrize("layer_norm", [False, True])

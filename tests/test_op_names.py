@@ -10,6 +10,7 @@ import torch
 import ltx_kernels
 from ltx_kernels import BACKWARD_OPS, FP8_OPS, OPS, _fake, reference
 from ltx_kernels.__main__ import smoke_inputs
+from ltx_kernels._op_names import REFERENCE_VJP_OP
 from ltx_kernels.integration import FUSIONS
 
 
@@ -30,7 +31,7 @@ def test_ops_are_the_registered_ops():
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("ltx_kernels::")
     }
-    every = OPS + FP8_OPS + BACKWARD_OPS
+    every = (*OPS, *FP8_OPS, *BACKWARD_OPS, REFERENCE_VJP_OP)
     assert len(set(every)) == len(every)
     assert set(every) == registered
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from ltx_kernels import _autograd, reference
+from ltx_kernels import reference
 from ltx_kernels._op_namespace import ops
 
 from fused_helpers import DTYPES, assert_rounds_within, varied_rows
@@ -174,10 +174,10 @@ def test_empty(device, op):
 # gradcheck on the C twin's float64 path, opcheck, errors, autograd wiring
 # ------------------------------------------------------------------------------------------------
 def _fused_function(op):
-    """op's forward as its float64 reference (the forward C twin has no float64 path) with the
-    fused backward of _autograd, so gradcheck checks the fused backward op against finite
+    """op's forward as its float64 reference (the forward C twin has no float64 path) with its
+    fused backward op (rope_backward or qk_rmsnorm_rope_backward), called as autograd_ops.cpp
+    calls it, as its backward: gradcheck checks the backward op's C twin (float64) against finite
     differences."""
-    setup_context, backward = _autograd._fused_rope_backward(op)
 
     class Fused(torch.autograd.Function):
         @staticmethod
@@ -186,11 +186,34 @@ def _fused_function(op):
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            setup_context(ctx, inputs, output)
+            ctx.inputs = inputs
 
         @staticmethod
         def backward(ctx, *grads):
-            return backward(ctx, *grads)
+            if op == "rope":
+                _, cos, sin, interleaved = ctx.inputs
+                return (
+                    ops.rope_backward(grads[0].contiguous(), cos, sin, interleaved),
+                    None,
+                    None,
+                    None,
+                )
+            q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved = ctx.inputs
+            computed = ops.qk_rmsnorm_rope_backward(
+                grads[0].contiguous(),
+                grads[1].contiguous(),
+                q,
+                k,
+                q_weight,
+                k_weight,
+                cos,
+                sin,
+                eps,
+                across_heads,
+                interleaved,
+                [True, True],
+            )
+            return (*computed, None, None, None, None, None)
 
     return Fused.apply
 

@@ -4,6 +4,8 @@ projections), with and without gradient checkpointing, and under torch.compile; 
 FLUX, Wan and SD3.5 models on the CPU. While autograd records, fused steps use only the ops with a
 fused backward (integration.FUSED_BACKWARD); forward passes without gradients use every op."""
 
+import re
+
 import pytest
 import torch
 
@@ -38,13 +40,14 @@ TRAINED = [
 # Attention projections (as LTX-Video-Trainer's LoRA) and the feed-forward up-projection, whose
 # fused step then falls back to the adapter-carrying module.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj"]
-# fp32: only the summation order of the fused forward differs from stock.
-GRAD_TOLERANCE = 1e-5
+# fp32: only the summation order of the fused forward differs from stock (up to 1.3e-5 on the
+# H100 machines' Xeon CPUs: LTX-2.3's gate-logit biases, whose gradient sums over every token).
+GRAD_TOLERANCE = 2e-5
 
 
 def _train_step(model, call) -> set:
     """Forward + backward of a fixed random projection of the output. Returns the ltx_kernels ops
-    autograd recorded in the graph (the ops it differentiates through)."""
+    autograd Functions recorded in the graph (the ops it differentiates through)."""
     out = output_of(call(model))
     torch.manual_seed(1234)  # the same projection whatever the output's dtype
     loss = (out.float() * torch.randn(out.shape, device=out.device)).sum()
@@ -53,18 +56,23 @@ def _train_step(model, call) -> set:
     return recorded
 
 
+# The autograd Functions of torch-ext/autograd_ops.cpp whose backward is a fused backward op
+# (LinearGeluFunction's recomputes its GEMM: training steps leave linear_gelu out).
+FUSED_FUNCTIONS = {"NormFunction", "RopeFunction", "QkFunction", "ActivationFunction"}
+
+
 def _recorded_ops(root) -> set:
-    """Names of the ltx_kernels ops in the autograd graph below `root` (torch.library names their
-    nodes GeneratedBackwardFor_<namespace>_<op>_<overload>)."""
-    prefix, found, seen, stack = "GeneratedBackwardFor_ltx_kernels_", set(), set(), [root]
+    """The ltx_kernels autograd Functions in the graph below `root` (their nodes are named
+    torch::autograd::CppNode<(anonymous namespace)::<Function>>)."""
+    found, seen, stack = set(), set(), [root]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        name = type(node).__name__
-        if name.startswith(prefix):
-            found.add(name[len(prefix) :].rsplit("_default", 1)[0])
+        match = re.search(r"CppNode<.*::(\w+Function)>", node.name())
+        if match:
+            found.add(match.group(1))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
@@ -113,7 +121,7 @@ def test_injected_model_trains_like_stock(model_name, lora, checkpointing):
     stock, injected, call = _stock_and_injected(model_name, lora, checkpointing)
     assert not _train_step(stock, call)
     recorded = _train_step(injected, call)
-    assert recorded <= FUSED_BACKWARD, f"autograd recorded ops without a fused backward: {recorded}"
+    assert recorded and recorded <= FUSED_FUNCTIONS, f"autograd recorded {recorded}"
     _assert_same_gradients(stock, injected, f"{model_name} lora={lora} ckpt={checkpointing}")
 
 

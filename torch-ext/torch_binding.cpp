@@ -6,12 +6,6 @@
 
 #include "ltx_registration.h"
 
-// kernel-builder gives the op namespace the (versioned) extension name; the setuptools build
-// names it `ltx_kernels`.
-#ifndef LTX_OPS_NAMESPACE
-#define LTX_OPS_NAMESPACE TORCH_EXTENSION_NAME
-#endif
-
 TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   const auto def = [&](const char* schema, const char* name, auto fn) {
     ops.def(schema);

@@ -36,7 +36,7 @@ try:
     from . import _autograd, _fake
 
     _fake.register(OPS + FP8_OPS + BACKWARD_OPS)
-    _autograd.register(OPS + FP8_OPS + BACKWARD_OPS)
+    _autograd.register()
 except (
     ImportError,
     RuntimeError,

@@ -5,7 +5,7 @@ name:
 - `ltx_kernels.OPS`, the op wrappers `ltx_kernels.<op>`, and `ltx_kernels.integration.FUSIONS`
   (the ops inject_optimized_kernels can use, each one can be disabled alone);
 - the references `ltx_kernels.reference.<op>`, the fake implementations `_fake.<op>`, the autograd
-  registrations (`_autograd`) and the environment report's smoke inputs (`__main__`);
+  and the environment report's smoke inputs (`__main__`);
 - the tests parametrized over ops.
 tests/test_op_names.py checks that the compiled library registers exactly these ops and that each
 piece has every op and no other. No imports, so that any module of the package can import it.
@@ -37,7 +37,7 @@ FP8_OPS = (
     "quantize_fp8",
 )
 
-# The functional backward ops the autograd of OPS calls (_autograd.py): registered by the library
+# The functional backward ops the autograd of OPS calls (autograd_ops.cpp): registered by the library
 # after the forward ops, each with a fake (_fake.py) so AOTAutograd and Inductor trace them; no
 # wrapper or reference of their own (their reference is the VJP of the forward op's reference).
 BACKWARD_OPS = (
@@ -48,8 +48,12 @@ BACKWARD_OPS = (
     "qk_rmsnorm_rope_backward",
 )
 
+# The op that the C++ autograd (torch-ext/autograd_ops.cpp) calls for the inputs the fused backward
+# kernels do not take: the VJP of the op's reference, defined in Python (_autograd.py).
+REFERENCE_VJP_OP = "reference_vjp"
+
 # The ops of OPS whose autograd calls a fused backward op (one of BACKWARD_OPS), and that op; the
-# others' backward is the VJP of their reference (_autograd.py).
+# other (linear_gelu) differentiates its GEMM with ATen (autograd_ops.cpp).
 FUSED_BACKWARD_OPS = {
     "rmsnorm": "norm_modulate_backward",
     "rmsnorm_modulate": "norm_modulate_backward",

@@ -1,0 +1,537 @@
+// Autograd of every op (the Autograd dispatch key), in C++: a call under autograd records one node
+// whose backward calls the fused backward op, so an op costs the training step one dispatcher call
+// forward and one backward (Python's custom-op autograd wrapper cost more host time than the ATen
+// ops an op replaces). Under no_grad a call goes straight to the op's CPU or CUDA impl.
+// - norm ops and gated_residual -> norm_modulate_backward: saves h (x, or the add_ ops' output),
+//   the modulation tensors, weight, bias, and y only when gate's gradient is wanted;
+// - rope -> rope_backward; qk_rmsnorm_rope -> qk_rmsnorm_rope_backward; gelu, geglu -> *_backward;
+// - linear_gelu: the pre-activation recomputed with the forward's GEMM, then ATen's gelu_backward
+//   and the three gradient GEMMs (cuBLAS), as PyTorch's own gelu(linear(x)).
+// Inputs the fused kernels do not take (CUDA rows above their limit, an rmsnorm weight of another
+// dtype than x, RoPE tables that require grad) take the VJP of the op's reference instead
+// (reference_vjp, defined by _autograd.py). Only the gradients autograd asks for are computed.
+// The backward ops and the FP8 ops record a node that raises when differentiated, naming the op:
+// so does a second derivative (create_graph=True) through a fused backward.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/library.h>
+
+#include <array>
+#include <string>
+
+#include "ltx_registration.h"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// This library's op `name`, through the dispatcher (so that fake tensors, functionalization and
+// torch.compile see every call).
+template <class Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  const std::string qualified = std::string(STRINGIFY(LTX_OPS_NAMESPACE)) + "::" + name;
+  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "").typed<Signature>();
+}
+
+// Calls op on the kernels below autograd (the op's CPU/CUDA impl, or its fake).
+template <class Signature, class... Args>
+auto call_below_autograd(const c10::TypedOperatorHandle<Signature>& op, Args&&... args) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(std::forward<Args>(args)...);
+}
+
+bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
+template <class... T>
+bool recording(const T&... tensors) {
+  return at::GradMode::is_enabled() && (requires_grad(tensors) || ...);
+}
+
+Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
+OptTensor optional(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// An output gradient as the kernels take it: a contiguous last dim (autograd may hand over
+// expanded zeros or scalars).
+Tensor rows(const Tensor& grad) {
+  return !grad.defined() || grad.stride(-1) == 1 ? grad : grad.contiguous();
+}
+
+// Bit i set when the i-th tensor argument of a Function's apply() is defined; autograd numbers
+// the defined ones only (needs_input_grad's index).
+template <class... T>
+int64_t defined_mask(const T&... tensors) {
+  int64_t mask = 0, bit = 1;
+  ((mask |= (value_or_undefined(OptTensor(tensors)).defined() ? bit : 0), bit <<= 1), ...);
+  return mask;
+}
+
+// needs_input_grad of the i-th tensor argument of apply().
+bool needs(AutogradContext* ctx, int i) {
+  const int64_t defined = ctx->saved_data["defined"].toInt();
+  if (!((defined >> i) & 1)) return false;
+  return ctx->needs_input_grad(__builtin_popcountll(defined & ((int64_t{1} << i) - 1)));
+}
+
+// The VJP of the op's reference (Python, _autograd.reference_vjp) at the saved inputs, for the
+// tensors of `inputs` (in the Function's order) whose gradients are asked for; the Function's
+// other (non-tensor) arguments get none.
+variable_list reference_vjp(AutogradContext* ctx, const char* op, const variable_list& inputs,
+                            const variable_list& grads, int64_t num_other_arguments, double eps,
+                            bool upcast, bool across_heads, bool interleaved) {
+  static const auto vjp =
+      find_op<std::vector<Tensor>(c10::string_view, const c10::List<OptTensor>&,
+                                  const c10::List<OptTensor>&, int64_t, double, bool, bool, bool)>(
+          "reference_vjp");
+  c10::List<OptTensor> saved, out_grads;
+  int64_t wanted = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    saved.push_back(optional(inputs[i]));
+    if (needs(ctx, static_cast<int>(i))) wanted |= int64_t{1} << i;
+  }
+  for (const Tensor& g : grads) out_grads.push_back(optional(g));
+  const std::vector<Tensor> computed =
+      vjp.call(op, saved, out_grads, wanted, eps, upcast, across_heads, interleaved);
+  variable_list result(inputs.size() + num_other_arguments);
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if ((wanted >> i) & 1) result[i] = computed[i];
+  return result;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Norm ops and gated_residual: one Function over their tensors in norm_modulate_backward's
+// gradient order; `kind` says which op computes the forward.
+enum NormKind : int64_t {
+  kRmsnorm,
+  kRmsnormModulate,
+  kLayernormModulate,
+  kAddRmsnormModulate,
+  kAddLayernormModulate,
+  kGatedResidual,
+};
+enum NormInput { kX, kY, kGate, kScale, kShift, kWeight, kBias, kNormInputs };
+constexpr int64_t kMaxCudaNormHidden = 8192;  // LTX_NORM_BACKWARD_MAX_HIDDEN (ltx_kernels.h)
+
+struct NormFunction : public torch::autograd::Function<NormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& y,
+                               const OptTensor& gate, const OptTensor& scale,
+                               const OptTensor& shift, const OptTensor& weight,
+                               const OptTensor& bias, int64_t kind, double eps, bool upcast) {
+    variable_list out = run(x, y, gate, scale, shift, weight, bias, kind, eps, upcast);
+    const bool residual =
+        kind == kAddRmsnormModulate || kind == kAddLayernormModulate || kind == kGatedResidual;
+    const bool reference =
+        (x.is_cuda() && x.size(-1) > kMaxCudaNormHidden) ||
+        (kind == kRmsnorm && weight.has_value() && weight->scalar_type() != x.scalar_type());
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["defined"] = defined_mask(x, y, gate, scale, shift, weight, bias);
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["reference"] = reference;
+    const auto v = value_or_undefined;
+    if (reference) {  // the reference VJP recomputes everything from the inputs
+      ctx->save_for_backward({x, v(y), v(gate), v(scale), v(shift), v(weight), v(bias)});
+      return out;
+    }
+    // h: the normalized rows (x, or the add_ ops' output); y only for gate's gradient.
+    const Tensor h = kind == kGatedResidual ? Tensor() : residual ? out[0] : x;
+    const bool keep_y = y.has_value() && requires_grad(gate);
+    ctx->save_for_backward(
+        {h, keep_y ? *y : Tensor(), v(gate), v(scale), v(shift), v(weight), v(bias)});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t kind = ctx->saved_data["kind"].toInt();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const bool upcast = ctx->saved_data["upcast"].toBool();
+    const variable_list saved = ctx->get_saved_variables();
+    if (ctx->saved_data["reference"].toBool())
+      return reference_vjp(ctx, kNames[kind], saved, grads, 3, eps, upcast, false, false);
+    const bool norm = kind != kGatedResidual;
+    const bool residual =
+        kind == kAddRmsnormModulate || kind == kAddLayernormModulate || kind == kGatedResidual;
+    // Output gradients: of n (the norm ops' last output) and of h (the add_ ops' first output,
+    // gated_residual's only one).
+    const Tensor grad_n = norm ? grads.back() : Tensor();
+    const Tensor grad_h = residual ? grads[0] : Tensor();
+    variable_list result(kNormInputs + 3);
+    if (!grad_n.defined() && !grad_h.defined()) return result;
+    std::array<bool, kNormInputs> wanted{};
+    for (int i = 0; i < kNormInputs; ++i) wanted[i] = needs(ctx, i);
+    if (!grad_n.defined())  // only h's gradient: the norm's inputs get none
+      wanted[kScale] = wanted[kShift] = wanted[kWeight] = wanted[kBias] = false;
+    if (!norm || !grad_n.defined()) {  // x's gradient is h's
+      if (wanted[kX]) result[kX] = grad_h;
+      wanted[kX] = false;
+    }
+    bool any = false;
+    for (bool w : wanted) any = any || w;
+    if (!any) return result;
+    static const auto backward_op =
+        find_op<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+            const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+            const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+            const OptTensor&, double, bool, std::array<bool, 7>)>("norm_modulate_backward");
+    const bool with_n = grad_n.defined();
+    const auto o = [&](int i, bool keep = true) {
+      return keep ? optional(saved[i]) : std::nullopt;
+    };
+    const auto computed = backward_op.call(
+        optional(rows(grad_n)), optional(rows(grad_h)), o(kX, with_n), o(kY), o(kGate),
+        o(kScale, with_n), o(kShift), o(kWeight, with_n), o(kBias, with_n), eps,
+        kind == kLayernormModulate || kind == kAddLayernormModulate, wanted);
+    const std::array<Tensor, kNormInputs> gradients{
+        std::get<0>(computed), std::get<1>(computed), std::get<2>(computed), std::get<3>(computed),
+        std::get<4>(computed), std::get<5>(computed), std::get<6>(computed)};
+    for (int i = 0; i < kNormInputs; ++i)
+      if (wanted[i]) result[i] = gradients[i];
+    return result;
+  }
+
+  static constexpr const char* kNames[] = {"rmsnorm",
+                                           "rmsnorm_modulate",
+                                           "layernorm_modulate",
+                                           "add_rmsnorm_modulate",
+                                           "add_layernorm_modulate",
+                                           "gated_residual"};
+
+  // The op's forward (below autograd).
+  static variable_list run(const Tensor& x, const OptTensor& y, const OptTensor& gate,
+                           const OptTensor& scale, const OptTensor& shift, const OptTensor& weight,
+                           const OptTensor& bias, int64_t kind, double eps, bool upcast) {
+    using Pair = std::tuple<Tensor, Tensor>;
+    using T = const Tensor&;
+    using O = const OptTensor&;
+    switch (kind) {
+      case kRmsnorm: {
+        static const auto op = find_op<Tensor(T, O, double)>("rmsnorm");
+        return {call_below_autograd(op, x, weight, eps)};
+      }
+      case kRmsnormModulate: {
+        static const auto op = find_op<Tensor(T, O, O, O, double, bool)>("rmsnorm_modulate");
+        return {call_below_autograd(op, x, scale, shift, weight, eps, upcast)};
+      }
+      case kLayernormModulate: {
+        static const auto op = find_op<Tensor(T, O, O, O, O, double, bool)>("layernorm_modulate");
+        return {call_below_autograd(op, x, scale, shift, weight, bias, eps, upcast)};
+      }
+      case kAddRmsnormModulate: {
+        static const auto op =
+            find_op<Pair(T, T, O, O, O, O, double, bool)>("add_rmsnorm_modulate");
+        auto [h, n] = call_below_autograd(op, x, *y, scale, shift, gate, weight, eps, upcast);
+        return {h, n};
+      }
+      case kAddLayernormModulate: {
+        static const auto op =
+            find_op<Pair(T, T, O, O, O, O, O, double, bool)>("add_layernorm_modulate");
+        auto [h, n] = call_below_autograd(op, x, *y, scale, shift, gate, weight, bias, eps, upcast);
+        return {h, n};
+      }
+      default: {
+        static const auto op = find_op<Tensor(T, T, O, bool)>("gated_residual");
+        return {call_below_autograd(op, x, *y, gate, upcast)};
+      }
+    }
+  }
+};
+
+// The Autograd kernel of each norm op: straight to the op's impl unless autograd records.
+template <NormKind kKind>
+variable_list norm_op(const Tensor& x, const OptTensor& y, const OptTensor& gate,
+                      const OptTensor& scale, const OptTensor& shift, const OptTensor& weight,
+                      const OptTensor& bias, double eps, bool upcast) {
+  if (!recording(x, y, gate, scale, shift, weight, bias))
+    return NormFunction::run(x, y, gate, scale, shift, weight, bias, kKind, eps, upcast);
+  return NormFunction::apply(x, y, gate, scale, shift, weight, bias, kKind, eps, upcast);
+}
+
+// ------------------------------------------------------------------------------------------------
+// RoPE and the q/k norm + RoPE.
+constexpr int64_t kMaxCudaRopeRow = 8192;  // LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW (ltx_kernels.h)
+
+struct RopeFunction : public torch::autograd::Function<RopeFunction> {
+  static Tensor run(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
+    static const auto op =
+        find_op<Tensor(const Tensor&, const Tensor&, const Tensor&, bool)>("rope");
+    return call_below_autograd(op, x, cos, sin, interleaved);
+  }
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                        bool interleaved) {
+    const bool reference =
+        requires_grad(cos) || requires_grad(sin) || (x.is_cuda() && x.size(-1) > kMaxCudaRopeRow);
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["defined"] = defined_mask(x, cos, sin);
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["reference"] = reference;
+    ctx->save_for_backward({reference ? x : Tensor(), cos, sin});  // dx needs the tables only
+    return run(x, cos, sin, interleaved);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const variable_list saved = ctx->get_saved_variables();
+    if (ctx->saved_data["reference"].toBool())
+      return reference_vjp(ctx, "rope", saved, grads, 1, 0.0, false, false, interleaved);
+    variable_list result(4);
+    if (grads[0].defined() && needs(ctx, 0)) {
+      static const auto op =
+          find_op<Tensor(const Tensor&, const Tensor&, const Tensor&, bool)>("rope_backward");
+      result[0] = op.call(rows(grads[0]), saved[1], saved[2], interleaved);
+    }
+    return result;
+  }
+};
+
+Tensor rope_op(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
+  if (!recording(x, cos, sin)) return RopeFunction::run(x, cos, sin, interleaved);
+  return RopeFunction::apply(x, cos, sin, interleaved);
+}
+
+struct QkFunction : public torch::autograd::Function<QkFunction> {
+  using Pair = std::tuple<Tensor, Tensor>;
+
+  static Pair run(const Tensor& q, const Tensor& k, const OptTensor& q_weight,
+                  const OptTensor& k_weight, const OptTensor& cos, const OptTensor& sin, double eps,
+                  bool across_heads, bool interleaved) {
+    using O = const OptTensor&;
+    static const auto op =
+        find_op<Pair(const Tensor&, const Tensor&, O, O, O, O, double, bool, bool)>(
+            "qk_rmsnorm_rope");
+    return call_below_autograd(op, q, k, q_weight, k_weight, cos, sin, eps, across_heads,
+                               interleaved);
+  }
+
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const OptTensor& q_weight, const OptTensor& k_weight,
+                               const OptTensor& cos, const OptTensor& sin, double eps,
+                               bool across_heads, bool interleaved) {
+    const int64_t row = q.size(-1) * (across_heads && q.dim() == 4 ? q.size(-2) : 1);
+    const bool reference =
+        requires_grad(cos) || requires_grad(sin) || (q.is_cuda() && row > kMaxCudaRopeRow);
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["defined"] = defined_mask(q, k, q_weight, k_weight, cos, sin);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["across_heads"] = across_heads;
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["reference"] = reference;
+    const auto v = value_or_undefined;
+    ctx->save_for_backward({q, k, v(q_weight), v(k_weight), v(cos), v(sin)});
+    auto [q_out, k_out] = run(q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved);
+    return {q_out, k_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const bool across_heads = ctx->saved_data["across_heads"].toBool();
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const variable_list saved = ctx->get_saved_variables();
+    if (ctx->saved_data["reference"].toBool())
+      return reference_vjp(ctx, "qk_rmsnorm_rope", saved, grads, 3, eps, false, across_heads,
+                           interleaved);
+    variable_list result(9);
+    std::array<bool, 4> wanted{};
+    for (int i = 0; i < 4; ++i) wanted[i] = needs(ctx, i);
+    if (!(wanted[0] || wanted[1] || wanted[2] || wanted[3])) return result;
+    if (!grads[0].defined() && !grads[1].defined()) return result;
+    const auto grad_or_zeros = [](const Tensor& g, const Tensor& like) {
+      return g.defined() ? g.contiguous() : at::zeros_like(like);
+    };
+    using O = const OptTensor&;
+    static const auto op = find_op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, O, O, O, O, double, bool, bool,
+        std::array<bool, 2>)>("qk_rmsnorm_rope_backward");
+    const auto [dq, dk, dq_weight, dk_weight] =
+        op.call(grad_or_zeros(grads[0], saved[0]), grad_or_zeros(grads[1], saved[1]), saved[0],
+                saved[1], optional(saved[2]), optional(saved[3]), optional(saved[4]),
+                optional(saved[5]), eps, across_heads, interleaved, {wanted[2], wanted[3]});
+    const std::array<Tensor, 4> gradients{dq, dk, dq_weight, dk_weight};
+    for (int i = 0; i < 4; ++i)
+      if (wanted[i]) result[i] = gradients[i];
+    return result;
+  }
+};
+
+std::tuple<Tensor, Tensor> qk_rmsnorm_rope_op(const Tensor& q, const Tensor& k,
+                                              const OptTensor& q_weight, const OptTensor& k_weight,
+                                              const OptTensor& cos, const OptTensor& sin,
+                                              double eps, bool across_heads, bool interleaved) {
+  if (!recording(q, k, q_weight, k_weight, cos, sin))
+    return QkFunction::run(q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved);
+  const variable_list out =
+      QkFunction::apply(q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved);
+  return {out[0], out[1]};
+}
+
+// ------------------------------------------------------------------------------------------------
+// GELU and GEGLU (x saved; the fused backward op recomputes the activation's derivative).
+struct ActivationFunction : public torch::autograd::Function<ActivationFunction> {
+  using Signature = Tensor(const Tensor&, c10::string_view);
+
+  static const c10::TypedOperatorHandle<Signature>& forward_op(bool geglu) {
+    static const auto gelu = find_op<Signature>("gelu");
+    static const auto geglu_op = find_op<Signature>("geglu");
+    return geglu ? geglu_op : gelu;
+  }
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, c10::string_view approximate,
+                        bool geglu) {
+    ctx->saved_data["approximate"] = std::string(approximate);
+    ctx->saved_data["geglu"] = geglu;
+    ctx->save_for_backward({x});
+    return call_below_autograd(forward_op(geglu), x, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    using Backward = Tensor(const Tensor&, const Tensor&, c10::string_view);
+    static const auto gelu_backward = find_op<Backward>("gelu_backward");
+    static const auto geglu_backward = find_op<Backward>("geglu_backward");
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    const auto& op = ctx->saved_data["geglu"].toBool() ? geglu_backward : gelu_backward;
+    return {op.call(grads[0].contiguous(), ctx->get_saved_variables()[0], approximate), Tensor(),
+            Tensor()};
+  }
+};
+
+template <bool kGeglu>
+Tensor activation_op(const Tensor& x, c10::string_view approximate) {
+  if (!recording(x))
+    return call_below_autograd(ActivationFunction::forward_op(kGeglu), x, approximate);
+  return ActivationFunction::apply(x, approximate, kGeglu);
+}
+
+// gelu_tanh(x @ weight^T + bias): dpre = gelu'(pre) * grad with pre recomputed by the forward's
+// GEMM; dx = dpre @ weight; dweight = dpre^T x; dbias = dpre summed over rows.
+struct LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction> {
+  using Signature = Tensor(const Tensor&, const Tensor&, const OptTensor&);
+
+  static const c10::TypedOperatorHandle<Signature>& op() {
+    static const auto handle = find_op<Signature>("linear_gelu");
+    return handle;
+  }
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                        const OptTensor& bias) {
+    ctx->saved_data["defined"] = defined_mask(x, weight, bias);
+    ctx->save_for_backward({x, weight, value_or_undefined(bias)});
+    return call_below_autograd(op(), x, weight, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
+    const Tensor pre = at::linear(x, weight, optional(bias));
+    const Tensor dpre = at::gelu_backward(grads[0], pre, "tanh");
+    const Tensor dpre_rows = dpre.reshape({-1, dpre.size(-1)});
+    variable_list result(3);
+    if (needs(ctx, 0)) result[0] = at::matmul(dpre, weight);
+    if (needs(ctx, 1)) result[1] = dpre_rows.t().mm(x.reshape({-1, x.size(-1)}));
+    if (needs(ctx, 2)) result[2] = dpre_rows.sum(0);
+    return result;
+  }
+};
+
+Tensor linear_gelu_op(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
+  if (!recording(x, weight, bias))
+    return call_below_autograd(LinearGeluFunction::op(), x, weight, bias);
+  return LinearGeluFunction::apply(x, weight, bias);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Ops without a derivative (the backward ops, the FP8 ops): their outputs get a node that raises
+// when differentiated, naming the op, never a gradient silently cut off.
+std::string op_name(const c10::OperatorHandle& op) {
+  const std::string& name = op.schema().name();
+  return "ltx_kernels." + name.substr(name.find("::") + 2);
+}
+
+std::string not_differentiable_message(const c10::OperatorHandle& op) {
+  return op_name(op) +
+         " is not differentiable: the fused backward ops compute first derivatives only "
+         "(create_graph=True gives gradients that cannot be differentiated again)";
+}
+
+std::string fp8_message(const c10::OperatorHandle& op) {
+  return op_name(op) +
+         " has no backward: the FP8 path (inject_optimized_kernels(..., fp8=True)) is for "
+         "inference; train with the bf16 ops (fp8=False)";
+}
+
+template <std::string (*kMessage)(const c10::OperatorHandle&)>
+void raise_when_differentiated(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                               torch::jit::Stack* stack) {
+  const size_t num_arguments = op.schema().arguments().size();
+  std::vector<Tensor> inputs;
+  for (size_t i = stack->size() - num_arguments; i < stack->size(); ++i)
+    if ((*stack)[i].isTensor()) inputs.push_back((*stack)[i].toTensor());
+  bool record = false;
+  for (const Tensor& t : inputs) record = record || requires_grad(t);
+  record = record && at::GradMode::is_enabled();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  if (!record) return;
+  auto node = std::shared_ptr<torch::autograd::Error>(
+      new torch::autograd::Error(kMessage(op), torch::autograd::collect_next_edges(inputs)),
+      torch::autograd::deleteNode);
+  const size_t num_returns = op.schema().returns().size();
+  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    if (!(*stack)[i].isTensor()) continue;
+    Tensor out = (*stack)[i].toTensor();
+    if (out.defined() && torch::autograd::isDifferentiableType(out.scalar_type()))
+      torch::autograd::set_history(out, node);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL_EXPAND(LTX_OPS_NAMESPACE, Autograd, m) {
+  using O = const OptTensor&;
+  m.impl("rmsnorm", [](const Tensor& x, O weight, double eps) {
+    return norm_op<kRmsnorm>(x, {}, {}, {}, {}, weight, {}, eps, false)[0];
+  });
+  m.impl("rmsnorm_modulate",
+         [](const Tensor& x, O scale, O shift, O weight, double eps, bool upcast) {
+           return norm_op<kRmsnormModulate>(x, {}, {}, scale, shift, weight, {}, eps, upcast)[0];
+         });
+  m.impl("layernorm_modulate", [](const Tensor& x, O scale, O shift, O weight, O bias, double eps,
+                                  bool upcast) {
+    return norm_op<kLayernormModulate>(x, {}, {}, scale, shift, weight, bias, eps, upcast)[0];
+  });
+  m.impl("add_rmsnorm_modulate", [](const Tensor& x, const Tensor& y, O scale, O shift, O gate,
+                                    O weight, double eps, bool upcast) {
+    const auto out =
+        norm_op<kAddRmsnormModulate>(x, y, gate, scale, shift, weight, {}, eps, upcast);
+    return std::make_tuple(out[0], out[1]);
+  });
+  m.impl("add_layernorm_modulate", [](const Tensor& x, const Tensor& y, O scale, O shift, O gate,
+                                      O weight, O bias, double eps, bool upcast) {
+    const auto out =
+        norm_op<kAddLayernormModulate>(x, y, gate, scale, shift, weight, bias, eps, upcast);
+    return std::make_tuple(out[0], out[1]);
+  });
+  m.impl("gated_residual", [](const Tensor& x, const Tensor& y, O gate, bool upcast) {
+    return norm_op<kGatedResidual>(x, y, gate, {}, {}, {}, {}, 0.0, upcast)[0];
+  });
+  m.impl("rope", &rope_op);
+  m.impl("qk_rmsnorm_rope", &qk_rmsnorm_rope_op);
+  m.impl("gelu", &activation_op<false>);
+  m.impl("geglu", &activation_op<true>);
+  m.impl("linear_gelu", &linear_gelu_op);
+  for (const char* name :
+       {"rmsnorm_modulate_fp8", "layernorm_modulate_fp8", "add_rmsnorm_modulate_fp8",
+        "add_layernorm_modulate_fp8", "quantize_fp8"})
+    m.impl(name,
+           torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&fp8_message>>());
+  for (const char* name : {"gelu_backward", "geglu_backward", "norm_modulate_backward",
+                           "rope_backward", "qk_rmsnorm_rope_backward"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<
+                     &raise_when_differentiated<&not_differentiable_message>>());
+}
