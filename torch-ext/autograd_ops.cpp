@@ -21,6 +21,7 @@
 #include <array>
 #include <string>
 
+#include "../kernel_src/ltx_kernels.h"
 #include "ltx_registration.h"
 
 namespace {
@@ -114,7 +115,6 @@ enum NormKind : int64_t {
   kGatedResidual,
 };
 enum NormInput { kX, kY, kGate, kScale, kShift, kWeight, kBias, kNormInputs };
-constexpr int64_t kMaxCudaNormHidden = 8192;  // LTX_NORM_BACKWARD_MAX_HIDDEN (ltx_kernels.h)
 
 struct NormFunction : public torch::autograd::Function<NormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& y,
@@ -125,7 +125,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const bool residual =
         kind == kAddRmsnormModulate || kind == kAddLayernormModulate || kind == kGatedResidual;
     const bool reference =
-        (x.is_cuda() && x.size(-1) > kMaxCudaNormHidden) ||
+        (x.is_cuda() && x.size(-1) > LTX_NORM_BACKWARD_MAX_HIDDEN) ||
         (kind == kRmsnorm && weight.has_value() && weight->scalar_type() != x.scalar_type());
     ctx->set_materialize_grads(false);
     ctx->saved_data["defined"] = defined_mask(x, y, gate, scale, shift, weight, bias);
@@ -253,7 +253,6 @@ variable_list norm_op(const Tensor& x, const OptTensor& y, const OptTensor& gate
 
 // ------------------------------------------------------------------------------------------------
 // RoPE and the q/k norm + RoPE.
-constexpr int64_t kMaxCudaRopeRow = 8192;  // LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW (ltx_kernels.h)
 
 struct RopeFunction : public torch::autograd::Function<RopeFunction> {
   static Tensor run(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
@@ -264,8 +263,8 @@ struct RopeFunction : public torch::autograd::Function<RopeFunction> {
 
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin,
                         bool interleaved) {
-    const bool reference =
-        requires_grad(cos) || requires_grad(sin) || (x.is_cuda() && x.size(-1) > kMaxCudaRopeRow);
+    const bool reference = requires_grad(cos) || requires_grad(sin) ||
+                           (x.is_cuda() && x.size(-1) > LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW);
     ctx->set_materialize_grads(false);
     ctx->saved_data["defined"] = defined_mask(x, cos, sin);
     ctx->saved_data["interleaved"] = interleaved;
@@ -313,8 +312,8 @@ struct QkFunction : public torch::autograd::Function<QkFunction> {
                                const OptTensor& cos, const OptTensor& sin, double eps,
                                bool across_heads, bool interleaved) {
     const int64_t row = q.size(-1) * (across_heads && q.dim() == 4 ? q.size(-2) : 1);
-    const bool reference =
-        requires_grad(cos) || requires_grad(sin) || (q.is_cuda() && row > kMaxCudaRopeRow);
+    const bool reference = requires_grad(cos) || requires_grad(sin) ||
+                           (q.is_cuda() && row > LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW);
     ctx->set_materialize_grads(false);
     ctx->saved_data["defined"] = defined_mask(q, k, q_weight, k_weight, cos, sin);
     ctx->saved_data["eps"] = eps;
