@@ -20,6 +20,7 @@
 
 #include <array>
 #include <string>
+#include <type_traits>
 
 #include "../kernel_src/ltx_kernels.h"
 #include "ltx_registration.h"
@@ -462,6 +463,15 @@ std::string fp8_message(const c10::OperatorHandle& op) {
          "inference; train with the bf16 ops (fp8=False)";
 }
 
+// A new autograd node: held by std::shared_ptr up to torch 2.14, by c10::intrusive_ptr from 2.15.
+template <class Node, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, Node>)
+    return c10::make_intrusive<Node>(std::forward<Args>(args)...);
+  else
+    return std::make_shared<Node>(std::forward<Args>(args)...);
+}
+
 template <std::string (*kMessage)(const c10::OperatorHandle&)>
 void raise_when_differentiated(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                                torch::jit::Stack* stack) {
@@ -477,9 +487,8 @@ void raise_when_differentiated(const c10::OperatorHandle& op, c10::DispatchKeySe
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
   if (!record) return;
-  auto node = std::shared_ptr<torch::autograd::Error>(
-      new torch::autograd::Error(kMessage(op), torch::autograd::collect_next_edges(inputs)),
-      torch::autograd::deleteNode);
+  const auto node =
+      make_node<torch::autograd::Error>(kMessage(op), torch::autograd::collect_next_edges(inputs));
   const size_t num_returns = op.schema().returns().size();
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
     if (!(*stack)[i].isTensor()) continue;
