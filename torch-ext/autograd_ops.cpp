@@ -117,14 +117,18 @@ enum NormKind : int64_t {
 };
 enum NormInput { kX, kY, kGate, kScale, kShift, kWeight, kBias, kNormInputs };
 
+// The ops with a residual add: their first output is h = x + y [* gate].
+bool has_residual(int64_t kind) {
+  return kind == kAddRmsnormModulate || kind == kAddLayernormModulate || kind == kGatedResidual;
+}
+
 struct NormFunction : public torch::autograd::Function<NormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& y,
                                const OptTensor& gate, const OptTensor& scale,
                                const OptTensor& shift, const OptTensor& weight,
                                const OptTensor& bias, int64_t kind, double eps, bool upcast) {
     variable_list out = run(x, y, gate, scale, shift, weight, bias, kind, eps, upcast);
-    const bool residual =
-        kind == kAddRmsnormModulate || kind == kAddLayernormModulate || kind == kGatedResidual;
+    const bool residual = has_residual(kind);
     const bool reference =
         (x.is_cuda() && x.size(-1) > LTX_NORM_BACKWARD_MAX_HIDDEN) ||
         (kind == kRmsnorm && weight.has_value() && weight->scalar_type() != x.scalar_type());
@@ -155,8 +159,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     if (ctx->saved_data["reference"].toBool())
       return reference_vjp(ctx, kNames[kind], saved, grads, 3, eps, upcast, false, false);
     const bool norm = kind != kGatedResidual;
-    const bool residual =
-        kind == kAddRmsnormModulate || kind == kAddLayernormModulate || kind == kGatedResidual;
+    const bool residual = has_residual(kind);
     // Output gradients: of n (the norm ops' last output) and of h (the add_ ops' first output,
     // gated_residual's only one).
     const Tensor grad_n = norm ? grads.back() : Tensor();
