@@ -246,6 +246,44 @@ constexpr int pack_alignment() {
   return Pack<T, N>::kChunkBytes;
 }
 
+// Asynchronous copies global -> shared (cp.async, sm_80+): a thread stages rows ahead without
+// holding them in registers. copy_pack_async copies one pack of N elements (aligned as
+// Pack<T, N>); packs of other than 4, 8 or 16 bytes are copied at once. A thread's copies form a
+// group at each copy_async_commit; copy_async_wait(n) returns once at most n of its groups are
+// still in flight, and their data is visible to the thread itself (other threads need a barrier).
+template <typename T, int N>
+__device__ __forceinline__ void copy_pack_async(T* dst_shared, const T* src) {
+  constexpr int kBytes = sizeof(T) * N;
+  if constexpr (kBytes == 16 || kBytes == 8 || kBytes == 4) {
+    const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_shared));
+    if constexpr (kBytes == 16) {  // bypassing L1: each row is read once
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(kBytes)
+                   : "memory");
+    }
+  } else {
+    Pack<T, N> pack;
+    pack.load(src);
+    pack.store(dst_shared);
+  }
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// n = 0, 1 or 2 (the instruction takes a constant).
+__device__ __forceinline__ void copy_async_wait(int n) {
+  if (n <= 0) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+  } else if (n == 1) {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+  } else {
+    asm volatile("cp.async.wait_group 2;" ::: "memory");
+  }
+}
+
 // Element i of an array whose dtype is only known at run time, as float (for small per-channel
 // vectors such as norm weights; activations use Pack with a compile-time type).
 __device__ __forceinline__ float load_as_float(const void* base, ltx_dtype_t dtype, int64_t i) {

@@ -189,10 +189,11 @@ static inline int64_t ltx_norm_backward_chunks(int64_t rows, int64_t group_rows,
   return rows / group_rows * ((group_rows + chunk_rows - 1) / chunk_rows);
 }
 
-/* A chunk length for `rows` rows in groups of group_rows: about 512 chunks in all (fewer, longer
- * ones for many rows, so the partial sums stay a few percent of the traffic), 8 to 64 rows each. */
+/* A chunk length for `rows` rows in groups of group_rows: at most about 512 chunks in all (one
+ * wave of 4 blocks on each of an H100's 132 SMs; fewer, longer ones for many rows, so the partial
+ * sums stay a few percent of the traffic), 8 to 64 rows each. */
 static inline int64_t ltx_norm_backward_chunk_rows(int64_t rows, int64_t group_rows) {
-  int64_t r = rows / 512;
+  int64_t r = (rows + 511) / 512;
   r = r < 8 ? 8 : r > 64 ? 64 : r;
   return r < group_rows ? r : group_rows > 0 ? group_rows : 1;
 }
