@@ -733,17 +733,35 @@ int dispatch_float(ltx_dtype_t dtype, Fn&& fn) {
   return LTX_ERR_UNSUPPORTED_DTYPE;
 }
 
-// Multiprocessor count of the current device (cached per device; a host-side query, no sync).
-inline int sm_count() {
+// An attribute of the current device (cached per device; a host-side query, no sync); `fallback`
+// (an H100's value) if the query fails.
+template <cudaDeviceAttr kAttribute>
+int device_attribute(int fallback) {
   static int cache[64] = {};
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return fallback;
   if (cache[device] == 0) {
-    int count = 0;
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    cache[device] = count > 0 ? count : 132;
+    int value = 0;
+    cudaDeviceGetAttribute(&value, kAttribute, device);
+    cache[device] = value > 0 ? value : fallback;
   }
   return cache[device];
+}
+
+inline int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(132); }
+
+// Blocks of `threads` threads of kKernel that fit on one SM by its registers, threads and static
+// shared memory (cached per kernel and block size); -1 if the query fails.
+template <auto kKernel>
+int resident_blocks_per_sm(int threads) {
+  static int cache[1024 / 32 + 1] = {};
+  int& blocks = cache[threads / 32];
+  if (blocks == 0 &&
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, 0) != cudaSuccess) {
+    cudaGetLastError();  // clear it; the caller falls back
+    blocks = -1;
+  }
+  return blocks;
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -15,6 +15,7 @@ enum SumIndex { kScaleSum, kShiftSum, kGateSum, kWeightSum, kBiasSum };
 constexpr int kNumStreams = 4;
 enum StreamIndex { kHStream, kDoutStream, kYStream, kDhOutStream };
 constexpr int kMaxStages = 3;
+constexpr int kScratchFloats = 2 * 32;  // block_sums of two values
 
 // Operands of one launch; Tx: activations and their gradients, Tm: gate and scale (and dgate,
 // dscale).
@@ -87,7 +88,7 @@ template <typename Tx, typename Tm, int kVec, int kSlots, bool kNorm>
 __global__ void __launch_bounds__(kMaxThreads, kSlots == 1 ? 2 : 1)
     norm_backward_kernel(const NormBackwardArgs<Tx, Tm> a) {
   extern __shared__ __align__(16) float shared[];
-  __shared__ float scratch[2 * 32];  // block_sums
+  __shared__ float scratch[kScratchFloats];
   const int64_t chunk = blockIdx.x;
   const int64_t group = chunk / a.chunks_per_group;
   const int64_t first_row =
@@ -362,26 +363,15 @@ int launch_backward(NormBackwardArgs<Tx, Tm> a, int64_t chunks, cudaStream_t str
   // Shared memory: weight, bias and accumulators (fp32 rows), then the stages: as many (up to
   // kMaxStages) as leave room for the blocks an SM holds by their registers, else one if it fits
   // a block, else none.
-  const auto kernel = norm_backward_kernel<Tx, Tm, kVec, kSlots, kNorm>;
-  static const int registers = [&] {
-    cudaFuncAttributes attributes{};
-    return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess ? attributes.numRegs : 255;
-  }();
-  const int64_t warps = ceil_div(threads, 32);
-  const int64_t blocks_per_sm = std::max<int64_t>(
-      1, std::min(65536 / (warps * ceil_div(registers * 32, 256) * 256), 64 / warps));
+  constexpr auto kernel = norm_backward_kernel<Tx, Tm, kVec, kSlots, kNorm>;
+  const int blocks_per_sm = std::max(1, resident_blocks_per_sm<kernel>(static_cast<int>(threads)));
   const size_t fixed_bytes =
       static_cast<size_t>((a.weight.data != nullptr) + (a.bias.data != nullptr) + a.num_sums) *
       a.hidden * sizeof(float);
   const size_t stage_bytes = static_cast<size_t>(a.num_streams) * a.hidden * sizeof(Tx);
-  const size_t static_bytes = 2 * 32 * sizeof(float) + 1024;  // scratch, the system's share
-  int device = 0, per_sm = 0, per_block = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return static_cast<int>(err);
+  const size_t static_bytes = kScratchFloats * sizeof(float) + 1024;  // the system's 1 KB too
+  const int per_sm = device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>(228 * 1024);
+  const int per_block = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(227 * 1024);
   const size_t budget = static_cast<size_t>(per_sm / blocks_per_sm);
   a.stages = 0;
   while (a.stages < kMaxStages &&
@@ -391,9 +381,9 @@ int launch_backward(NormBackwardArgs<Tx, Tm> a, int64_t chunks, cudaStream_t str
     a.stages = 1;
   const size_t shared_bytes = fixed_bytes + a.stages * stage_bytes;
   // Above 48 KB of shared memory per block (the static scratch included) needs opting in.
-  if (shared_bytes + 2 * 32 * sizeof(float) > 48 * 1024) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(shared_bytes));
+  if (shared_bytes + kScratchFloats * sizeof(float) > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   return launch(kernel, dim3(static_cast<unsigned>(chunks)), dim3(static_cast<unsigned>(threads)),

@@ -34,19 +34,6 @@ __device__ __forceinline__ float rms_output(float y, float w) {
   }
 }
 
-// Blocks of `threads` threads of kKernel that fit on one SM (cached per kernel and block size).
-template <auto kKernel>
-int resident_blocks_per_sm(int threads) {
-  static int cache[kMaxThreadsPerRow / 32 + 1] = {};
-  int& blocks = cache[threads / 32];
-  if (blocks == 0 &&
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, 0) != cudaSuccess) {
-    cudaGetLastError();  // clear it; fall back to the bandwidth-bound path
-    blocks = -1;
-  }
-  return blocks;
-}
-
 // Row-cached RMSNorm of [rows, hidden] rows: each row is held by a power-of-two RowTeam, kSlots
 // packs of kVec elements per thread, so x is read once. Load the row (all x loads first), reduce
 // the sum of squares (row_sum), scale by rstd and the weight, store. The weight's packs follow x

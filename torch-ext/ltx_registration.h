@@ -11,13 +11,13 @@
 #define _LTX_STRINGIFY(A) #A
 #define STRINGIFY(A) _LTX_STRINGIFY(A)
 
-// Expand NAME before handing it to TORCH_LIBRARY / TORCH_LIBRARY_IMPL.
 // The op namespace: kernel-builder gives it the (versioned) extension name; the setuptools build
 // names it `ltx_kernels`.
 #ifndef LTX_OPS_NAMESPACE
 #define LTX_OPS_NAMESPACE TORCH_EXTENSION_NAME
 #endif
 
+// Expand NAME before handing it to TORCH_LIBRARY / TORCH_LIBRARY_IMPL.
 #define TORCH_LIBRARY_EXPAND(NAME, MODULE) TORCH_LIBRARY(NAME, MODULE)
 #define TORCH_LIBRARY_IMPL_EXPAND(NAME, DEVICE, MODULE) TORCH_LIBRARY_IMPL(NAME, DEVICE, MODULE)
 
