@@ -111,23 +111,47 @@ def cases(op, dtype, device):
             ("bias", (x, w, _rand(24, dtype=dtype, device=device)), {}),
             ("no_bias", (x, w, None), {}),
         ]
+    elif op == "lora_linear":  # q/k/v-like: three projections in one weight, two with adapters
+        w = _rand(3 * D, D, dtype=dtype, device=device, std=D**-0.5)
+        lora_a = [_rand(r, D, dtype=dtype, device=device, std=D**-0.5) for r in (4, 3)]
+        lora_b = [_rand(D, r, dtype=dtype, device=device, std=r**-0.5) for r in (4, 3)]
+        bias = _rand(3 * D, dtype=dtype, device=device)
+        out += [
+            ("bias", (x, w, bias, lora_a, lora_b, [0.5, 2.0], [0, 2 * D]), {}),
+            ("no_bias_one_adapter", (x, w, None, lora_a[:1], lora_b[:1], [1.0], [D]), {}),
+            ("no_adapter", (x, w, bias, [], [], [], []), {}),
+        ]
     else:
         raise AssertionError(f"no autograd test case for op {op}")
     return out
 
 
 def _tensors(args):
-    return [a for a in args if isinstance(a, torch.Tensor)]
+    """The tensors of args, those in list arguments (lora_linear's adapters) included, in order."""
+    out = []
+    for a in args:
+        out += [a] if isinstance(a, torch.Tensor) else _tensors(a) if isinstance(a, list) else []
+    return out
+
+
+def _map_tensors(args, fn):
+    """args with each tensor t (also inside list arguments) of argument i replaced by fn(i, t)."""
+
+    def one(i, a):
+        if isinstance(a, torch.Tensor):
+            return fn(i, a)
+        return [one(i, t) for t in a] if isinstance(a, list) else a
+
+    return [one(i, a) for i, a in enumerate(args)]
 
 
 def _requiring_grad(args, which=None):
-    """args with (leaf copies of) the float tensors requiring grad: all, or the indices `which`."""
-    result = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and (which is None or i in which):
-            a = a.detach().requires_grad_(True)
-        result.append(a)
-    return result
+    """args with (leaf copies of) the float tensors requiring grad: all, or those of the argument
+    indices `which`."""
+    return _map_tensors(
+        args,
+        lambda i, t: t.detach().requires_grad_(True) if which is None or i in which else t,
+    )
 
 
 def _loss(outputs, grads):
@@ -144,14 +168,11 @@ def _output_grads(op, args, kwargs):
 
 def _float64_grads(op, args, kwargs, grads):
     """Gradients of the float64 evaluation of reference.<op> (no intermediate rounding)."""
-    args64 = [
-        a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-        for a in args
-    ]
+    args64 = _map_tensors(args, lambda _, t: t.detach().double().requires_grad_(t.requires_grad))
     outputs = getattr(reference, op)(
         *args64, **kwargs, compute_dtype=torch.float64, round_output=False
     )
-    wanted = [a for a in args64 if isinstance(a, torch.Tensor) and a.requires_grad]
+    wanted = [a for a in _tensors(args64) if a.requires_grad]
     return torch.autograd.grad(_loss(outputs, [g.double() for g in grads]), wanted)
 
 
@@ -175,7 +196,7 @@ def test_gradients_match_float64(op, dtype, device):
         grads = _output_grads(op, args, kwargs)
         _loss(getattr(ltx_kernels, op)(*args, **kwargs), grads).backward()
         expected = _float64_grads(op, args, kwargs, grads)
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        inputs = _tensors(args)
         for index, (a, want) in enumerate(zip(inputs, expected)):
             what = f"{op}[{case}] {dtype} grad of tensor input {index}"
             assert a.grad is not None, f"{what}: missing"
@@ -189,7 +210,7 @@ def test_gradients_match_float64(op, dtype, device):
 def test_only_requested_gradients(op, device):
     """With only x requiring grad (LoRA: the frozen norm weights and modulation get none), x's
     gradient is the same as with every input requiring grad, and no other input gets one."""
-    _, args, kwargs = cases(op, torch.float32, device)[1 if op != "linear_gelu" else 0]
+    _, args, kwargs = cases(op, torch.float32, device)[0 if "linear" in op else 1]
     grads = _output_grads(op, args, kwargs)
     everything = _requiring_grad(args)
     _loss(getattr(ltx_kernels, op)(*everything, **kwargs), grads).backward()
@@ -238,7 +259,7 @@ def test_compiled_forward_backward(op, device):
 
     def step(*tensors):
         values = iter(tensors)
-        full = [next(values) if isinstance(a, torch.Tensor) else a for a in args]
+        full = _map_tensors(args, lambda *_: next(values))
         return _loss(getattr(ltx_kernels, op)(*full, **kwargs), grads)
 
     eager_inputs = _tensors(_requiring_grad(args))

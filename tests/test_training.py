@@ -56,9 +56,15 @@ def _train_step(model, call) -> set:
     return recorded
 
 
-# The autograd Functions of torch-ext/autograd_ops.cpp whose backward is a fused backward op
-# (LinearGeluFunction's recomputes its GEMM: training steps leave linear_gelu out).
-FUSED_FUNCTIONS = {"NormFunction", "RopeFunction", "QkFunction", "ActivationFunction"}
+# The autograd Functions of torch-ext/autograd_ops.cpp whose backward is a fused backward op, and
+# lora_linear's (LinearGeluFunction's recomputes its GEMM: training steps leave linear_gelu out).
+FUSED_FUNCTIONS = {
+    "NormFunction",
+    "RopeFunction",
+    "QkFunction",
+    "ActivationFunction",
+    "LoraLinearFunction",
+}
 
 
 def _recorded_ops(root) -> set:
@@ -122,6 +128,8 @@ def test_injected_model_trains_like_stock(model_name, lora, checkpointing):
     assert not _train_step(stock, call)
     recorded = _train_step(injected, call)
     assert recorded and recorded <= FUSED_FUNCTIONS, f"autograd recorded {recorded}"
+    # LoRA projections run as lora_linear (one node each, q/k/v together where fused)
+    assert ("LoraLinearFunction" in recorded) == lora, recorded
     _assert_same_gradients(stock, injected, f"{model_name} lora={lora} ckpt={checkpointing}")
 
 

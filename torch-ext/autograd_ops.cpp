@@ -6,7 +6,9 @@
 //   the modulation tensors, weight, bias, and y only when gate's gradient is wanted;
 // - rope -> rope_backward; qk_rmsnorm_rope -> qk_rmsnorm_rope_backward; gelu, geglu -> *_backward;
 // - linear_gelu: the pre-activation recomputed with the forward's GEMM, then ATen's gelu_backward
-//   and the three gradient GEMMs (cuBLAS), as PyTorch's own gelu(linear(x)).
+//   and the three gradient GEMMs (cuBLAS), as PyTorch's own gelu(linear(x));
+// - lora_linear: the GEMMs of lora_linear_backward (linear_ops.cpp), from the saved x, weight
+//   and adapters.
 // Inputs the fused kernels do not take (CUDA rows above their limit, an rmsnorm weight of another
 // dtype than x, RoPE tables that require grad) take the VJP of the op's reference instead
 // (reference_vjp, defined by _autograd.py). Only the gradients autograd asks for are computed.
@@ -24,6 +26,7 @@
 
 #include "../kernel_src/ltx_kernels.h"
 #include "ltx_registration.h"
+#include "torch_binding.h"
 
 namespace {
 
@@ -446,6 +449,65 @@ Tensor linear_gelu_op(const Tensor& x, const Tensor& weight, const OptTensor& bi
   return LinearGeluFunction::apply(x, weight, bias);
 }
 
+// x W^T + b plus LoRA updates (linear_ops.cpp): the forward is the op (one node under
+// torch.compile, whose in-place column updates functionalization would otherwise turn into copies
+// of the whole output); the backward is lora_linear_backward's GEMMs from the saved x, weight and
+// adapters. Autograd numbers the defined tensors: x, weight, bias (when given), each lora_a, each
+// lora_b.
+struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
+  using Signature = Tensor(const Tensor&, const Tensor&, const OptTensor&, at::TensorList,
+                           at::TensorList, c10::ArrayRef<double>, c10::IntArrayRef);
+
+  static const c10::TypedOperatorHandle<Signature>& op() {
+    static const auto handle = find_op<Signature>("lora_linear");
+    return handle;
+  }
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                        const OptTensor& bias, at::TensorList lora_a, at::TensorList lora_b,
+                        c10::ArrayRef<double> scaling, c10::IntArrayRef offsets) {
+    ctx->saved_data["has_bias"] = value_or_undefined(bias).defined();
+    ctx->saved_data["scaling"] = std::vector<double>(scaling.begin(), scaling.end());
+    ctx->saved_data["offsets"] = offsets.vec();
+    variable_list saved{x, weight};
+    saved.insert(saved.end(), lora_a.begin(), lora_a.end());
+    saved.insert(saved.end(), lora_b.begin(), lora_b.end());
+    ctx->save_for_backward(saved);
+    return call_below_autograd(op(), x, weight, bias, lora_a, lora_b, scaling, offsets);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const size_t adapters = (saved.size() - 2) / 2;
+    const std::vector<Tensor> lora_a(saved.begin() + 2, saved.begin() + 2 + adapters);
+    const std::vector<Tensor> lora_b(saved.begin() + 2 + adapters, saved.end());
+    const std::vector<double> scaling = ctx->saved_data["scaling"].toDoubleVector();
+    const std::vector<int64_t> offsets = ctx->saved_data["offsets"].toIntVector();
+    std::vector<bool> wanted(3 + 2 * adapters, false);
+    size_t edge = 0;
+    wanted[0] = ctx->needs_input_grad(edge++);
+    wanted[1] = ctx->needs_input_grad(edge++);
+    if (ctx->saved_data["has_bias"].toBool()) wanted[2] = ctx->needs_input_grad(edge++);
+    for (size_t i = 3; i < wanted.size(); ++i) wanted[i] = ctx->needs_input_grad(edge++);
+    variable_list result = lora_linear_backward(grads[0], saved[0], saved[1], lora_a, lora_b,
+                                                scaling, offsets, wanted);
+    result.resize(result.size() + 2);  // (scaling, offsets)
+    return result;
+  }
+};
+
+Tensor lora_linear_op(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                      at::TensorList lora_a, at::TensorList lora_b, c10::ArrayRef<double> scaling,
+                      c10::IntArrayRef offsets) {
+  bool record = recording(x, weight, bias);
+  for (const Tensor& t : lora_a) record = record || recording(t);
+  for (const Tensor& t : lora_b) record = record || recording(t);
+  if (!record)
+    return call_below_autograd(LoraLinearFunction::op(), x, weight, bias, lora_a, lora_b, scaling,
+                               offsets);
+  return LoraLinearFunction::apply(x, weight, bias, lora_a, lora_b, scaling, offsets);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Ops without a derivative (the backward ops, the FP8 ops): their outputs get a node that raises
 // when differentiated, naming the op, never a gradient silently cut off.
@@ -536,6 +598,7 @@ TORCH_LIBRARY_IMPL_EXPAND(LTX_OPS_NAMESPACE, Autograd, m) {
   m.impl("gelu", &activation_op<false>);
   m.impl("geglu", &activation_op<true>);
   m.impl("linear_gelu", &linear_gelu_op);
+  m.impl("lora_linear", &lora_linear_op);
   for (const char* name :
        {"rmsnorm_modulate_fp8", "layernorm_modulate_fp8", "add_rmsnorm_modulate_fp8",
         "add_layernorm_modulate_fp8", "quantize_fp8"})

@@ -1,6 +1,5 @@
 // Bindings of the elementwise ops: gated_residual (ltx_gated_residual_*), gelu and geglu and their
-// backward (ltx_gelu_*, ltx_gelu_backward_*), quantize_fp8 (ltx_quantize_fp8_*), and linear_gelu
-// (a cuBLASLt GEMM epilogue; no launcher of ours).
+// backward (ltx_gelu_*, ltx_gelu_backward_*), quantize_fp8 (ltx_quantize_fp8_*).
 #include "binding_utils.h"
 #include "torch_binding.h"
 
@@ -113,54 +112,6 @@ at::Tensor gelu_backward(const at::Tensor& grad_out, const at::Tensor& x,
 at::Tensor geglu_backward(const at::Tensor& grad_out, const at::Tensor& x,
                           c10::string_view approximate) {
   return gelu_backward_impl("ltx_kernels.geglu_backward", grad_out, x, approximate, true);
-}
-
-// linear_gelu: one cuBLASLt GEMM with its GELU(-tanh) + bias epilogue, reached through
-// at::_addmm_activation.
-at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
-  const char* op = "ltx_kernels.linear_gelu";
-  check_activation(op, "x", x);
-  check_same_device(op, "weight", weight, "x", x);
-  const int64_t in_features = x.size(-1);
-  LTX_CHECK(weight.dim() == 2 && weight.size(1) == in_features, op,
-            ": weight must have shape [N, K] with K = x.shape[-1] = ", in_features, ", got ",
-            weight.sizes());
-  LTX_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight must have x's dtype ",
-            x.scalar_type(), ", got ", weight.scalar_type());
-  const int64_t out_features = weight.size(0);
-  if (bias) {
-    check_same_device(op, "bias", *bias, "x", x);
-    LTX_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op,
-              ": bias must have shape [N] = [", out_features, "], got ", bias->sizes());
-    LTX_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ",
-              x.scalar_type(), ", got ", bias->scalar_type());
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  const at::Tensor x2 = x.reshape({-1, in_features});
-  // The fused path only where cuBLASLt takes it: contiguous, 16-byte aligned operands with
-  // 16-byte multiples as leading dimensions and more than one row. Elsewhere torch's fallback
-  // for _addmm_activation missed the tanh-GELU tolerance in our device tests, so those shapes,
-  // and the CPU (whose _addmm_activation uses the erf GELU), take addmm followed by the GELU.
-  auto aligned = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  };
-  const int64_t elems_per_16_bytes = 16 / x.element_size();
-  const bool fused = x.is_cuda() && x2.is_contiguous() && weight.is_contiguous() && aligned(x2) &&
-                     aligned(weight) && (!bias || aligned(*bias)) &&
-                     in_features % elems_per_16_bytes == 0 &&
-                     out_features % elems_per_16_bytes == 0 && x2.size(0) > 1;
-  at::Tensor out;
-  if (fused) {
-    // cuBLASLt's epilogue needs a bias vector; without one a zero bias is used.
-    const at::Tensor b = bias ? *bias : at::zeros({out_features}, x.options());
-    out = at::_addmm_activation(b, x2, weight.t(), 1, 1, /*use_gelu=*/true);
-  } else {
-    out = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
-    out = at::gelu(out, "tanh");
-  }
-  return out.view(shape);
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, c10::string_view activation) {

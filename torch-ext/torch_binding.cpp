@@ -95,6 +95,11 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   // gelu(x @ weight.T + bias), tanh form: one cuBLASLt GEMM with a GELU epilogue.
   def("linear_gelu(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", "linear_gelu",
       &linear_gelu);
+  // x @ weight.T + bias plus LoRA updates: scaling[j] * (x @ lora_a[j].T) @ lora_b[j].T added to
+  // output columns offsets[j]... (peft's LoRA Linear; several projections of x in one weight).
+  def("lora_linear(Tensor x, Tensor weight, Tensor? bias, Tensor[] lora_a, Tensor[] lora_b, "
+      "float[] scaling, int[] offsets) -> Tensor",
+      "lora_linear", &lora_linear);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

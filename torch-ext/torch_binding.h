@@ -1,11 +1,14 @@
 // Entry points of the ltx_kernels ops (torch side), one impl per op for both backends (CPU and
-// CUDA): torch's checks, output allocation, then the C launchers of kernel_src/ltx_kernels.h.
+// CUDA): torch's checks, output allocation, then the C launchers of kernel_src/ltx_kernels.h (the
+// GEMM ops of linear_ops.cpp: libtorch's GEMMs).
 #pragma once
 
 #include <torch/library.h>
 
 #include <array>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 // norm_ops.cpp
 at::Tensor rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps);
@@ -84,5 +87,18 @@ at::Tensor gelu_backward(const at::Tensor& grad_out, const at::Tensor& x,
 at::Tensor geglu_backward(const at::Tensor& grad_out, const at::Tensor& x,
                           c10::string_view approximate);
 std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, c10::string_view activation);
+
+// linear_ops.cpp
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias);
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, at::TensorList lora_a,
+                       at::TensorList lora_b, c10::ArrayRef<double> scaling,
+                       c10::IntArrayRef offsets);
+// The gradients of lora_linear (wanted: x, weight, bias, each lora_a, each lora_b), which its
+// autograd (autograd_ops.cpp) returns.
+std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::Tensor& x,
+                                             const at::Tensor& weight, at::TensorList lora_a,
+                                             at::TensorList lora_b, c10::ArrayRef<double> scaling,
+                                             c10::IntArrayRef offsets,
+                                             const std::vector<bool>& wanted);

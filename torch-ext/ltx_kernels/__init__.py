@@ -169,6 +169,21 @@ def linear_gelu(x, weight, bias=None):
     return _library().linear_gelu(x, weight, bias)
 
 
+def lora_linear(x, weight, bias=None, lora_a=(), lora_b=(), scaling=(), offsets=None):
+    """peft's LoRA Linear, `F.linear(x, weight, bias) + lora_b(lora_a(x)) * scaling`, for any
+    number of adapters, each adding to its own output columns: adapter j (lora_a[j] [r_j, K],
+    lora_b[j] [N_j, r_j], scaling[j]) adds scaling[j] * (x @ lora_a[j].T) @ lora_b[j].T to columns
+    offsets[j] : offsets[j] + N_j of the [..., N] output (default: the adapters' columns one after
+    another from 0, as for q, k and v projections fused in one weight [N, K]). The base GEMM, one
+    GEMM for all down-projections, and one GEMM per adapter that adds its update in place
+    (alpha = scaling); under autograd one node whose backward is GEMMs, from x and the saved
+    x @ lora_a[j].T. Every tensor has x's dtype; roundings as reference.lora_linear."""
+    offsets = reference._consecutive_offsets(lora_b) if offsets is None else offsets
+    return _library().lora_linear(
+        x, weight, bias, list(lora_a), list(lora_b), [float(s) for s in scaling], list(offsets)
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # FP8-output ops (inference only, `inject_optimized_kernels(..., fp8=True)`): the op's value, rounded
 # to x.dtype as its model-dtype twin rounds it, quantized per row to float8_e4m3fn in the same pass:

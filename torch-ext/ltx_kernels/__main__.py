@@ -33,6 +33,7 @@ def smoke_inputs(device: str) -> dict:
         "gelu": (x,),
         "geglu": (x,),
         "linear_gelu": (x, rand(64, 96), rand(64)),
+        "lora_linear": (x, rand(64, 96), rand(64), [rand(4, 96)], [rand(32, 4)], [0.5], [16]),
         "rmsnorm_modulate_fp8": (x, mod, mod),
         "layernorm_modulate_fp8": (x, mod, mod),
         "add_rmsnorm_modulate_fp8": (x, y, mod, mod, mod),

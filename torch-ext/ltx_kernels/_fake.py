@@ -163,6 +163,27 @@ def linear_gelu(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, offsets):
+    op = "ltx_kernels.lora_linear"
+    torch._check(
+        weight.dim() == 2 and weight.shape[1] == x.shape[-1],
+        lambda: f"{op}: weight must have shape [N, K] with K = x.shape[-1]",
+    )
+    torch._check(
+        len(lora_a) == len(lora_b) == len(scaling) == len(offsets),
+        lambda: f"{op}: lora_a, lora_b, scaling and offsets need one entry per adapter",
+    )
+    for j, (a, b) in enumerate(zip(lora_a, lora_b)):
+        torch._check(
+            a.dim() == 2
+            and a.shape[1] == x.shape[-1]
+            and b.dim() == 2
+            and b.shape[1] == a.shape[0],
+            lambda: f"{op}: lora_a[{j}] must be [r, K] and lora_b[{j}] [N_j, r]",
+        )
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def rope_backward(grad_out, cos, sin, interleaved=True):
     return grad_out.new_empty(grad_out.shape)
 

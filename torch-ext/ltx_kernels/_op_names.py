@@ -23,6 +23,7 @@ OPS = (
     "gelu",
     "geglu",
     "linear_gelu",
+    "lora_linear",
 )
 
 # The FP8-output ops (inference only; `inject_optimized_kernels(..., fp8=True)`): each returns
@@ -53,7 +54,7 @@ BACKWARD_OPS = (
 REFERENCE_VJP_OP = "reference_vjp"
 
 # The ops of OPS whose autograd calls a fused backward op (one of BACKWARD_OPS), and that op; the
-# other (linear_gelu) differentiates its GEMM with ATen (autograd_ops.cpp).
+# others (linear_gelu, lora_linear) differentiate their GEMMs with ATen (autograd_ops.cpp).
 FUSED_BACKWARD_OPS = {
     "rmsnorm": "norm_modulate_backward",
     "rmsnorm_modulate": "norm_modulate_backward",

@@ -276,6 +276,48 @@ def linear_gelu(x, weight, bias=None, *, compute_dtype=torch.float32, round_outp
     return _finish(torch.nn.functional.gelu(y, approximate="tanh"), x.dtype, round_output)
 
 
+def _consecutive_offsets(lora_b) -> list[int]:
+    """lora_linear's default offsets: the adapters' output columns one after another from 0."""
+    offsets, column = [], 0
+    for b in lora_b:
+        offsets.append(column)
+        column += b.shape[0]
+    return offsets
+
+
+def lora_linear(
+    x,
+    weight,
+    bias=None,
+    lora_a=(),
+    lora_b=(),
+    scaling=(),
+    offsets=None,
+    *,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
+    """`F.linear(x, weight, bias)` plus, for each adapter j, scaling[j] * (x @ lora_a[j].T) @
+    lora_b[j].T added to output columns offsets[j]... (peft's LoRA Linear), in compute_dtype,
+    rounded to x.dtype where the op rounds: the base GEMM's output, each x @ lora_a[j].T, and
+    each column block once after its update."""
+    c = compute_dtype
+
+    def rounded(v):
+        return v.to(x.dtype).to(c) if round_output else v
+
+    xc = x.to(c)
+    linear = torch.nn.functional.linear
+    out = rounded(linear(xc, weight.to(c), None if bias is None else bias.to(c)))
+    offsets = _consecutive_offsets(lora_b) if offsets is None else offsets
+    for a, b, s, o in zip(lora_a, lora_b, scaling, offsets):
+        t = rounded(linear(xc, a.to(c)))
+        columns = slice(o, o + b.shape[0])
+        update = rounded(out[..., columns] + s * linear(t, b.to(c)))
+        out = torch.cat([out[..., :o], update, out[..., o + b.shape[0] :]], dim=-1)
+    return _finish(out, x.dtype, round_output)
+
+
 # ------------------------------------------------------------------------------------------------
 # FP8-output ops (inference only). Each computes the value v its model-dtype twin returns (rounded
 # to x.dtype as that op rounds it), then quantizes each row of v to float8_e4m3fn with one fp32

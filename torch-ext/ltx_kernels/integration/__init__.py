@@ -37,6 +37,7 @@ import torch
 
 from .._op_names import FUSED_BACKWARD_OPS, OPS
 from . import linears
+from .module_checks import has_forward_hook, plain_tensor
 
 #: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
 #: name, "fused_projections" (q/k/v projections of one input as one GEMM, linears.py) and
@@ -45,15 +46,20 @@ from . import linears
 FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp")
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused
-#: backward (_op_names.FUSED_BACKWARD_OPS). linear_gelu's backward (cuBLAS GEMMs and a GELU
-#: derivative from the recomputed pre-activation) is not faster than eager autograd, so a training
-#: step runs the diffusers code in its place: stock gradients at stock speed. Forward passes
-#: without gradients (inference, validation sampling) use every enabled op.
-FUSED_BACKWARD: frozenset[str] = frozenset(FUSED_BACKWARD_OPS)
+#: backward (_op_names.FUSED_BACKWARD_OPS), and lora_linear (peft's LoRA Linear as one autograd
+#: node: one C++ call forward and one backward, its GEMMs fused across q/k/v, where peft records
+#: five nodes per projection). linear_gelu's backward (cuBLAS GEMMs and a GELU derivative from the
+#: recomputed pre-activation) is not faster than eager autograd, so a training step runs the
+#: diffusers code in its place: stock gradients at stock speed. Forward passes without gradients
+#: (inference, validation sampling) use every enabled op.
+FUSED_BACKWARD: frozenset[str] = frozenset({*FUSED_BACKWARD_OPS, "lora_linear"})
 #: The same under torch.compile: the ops whose fused forward + backward is also faster than what
 #: Inductor generates from the diffusers code (benchmark_ops.py --backward, H100: qk_rmsnorm_rope
-#: 1.0-1.27x; not yet the norm ops, 0.5-0.9x, nor rope, 0.95-1.03x).
-FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset({"gelu", "geglu", "qk_rmsnorm_rope"})
+#: 1.0-1.27x; not yet the norm ops, 0.5-0.9x, nor rope, 0.95-1.03x), and lora_linear, whose fused
+#: q/k/v GEMMs Inductor does not form.
+FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset(
+    {"gelu", "geglu", "qk_rmsnorm_rope", "lora_linear"}
+)
 DISABLE_ENV = "LTX_KERNELS_DISABLE"
 
 # Attribute names stored on patched modules.
@@ -113,17 +119,6 @@ class InjectionReport:
         return "\n".join(lines)
 
 
-#: The tensor types the fused ops take. A weight of another type (a tensor subclass: torchao's
-#: Float8Tensor, quanto's, GGUF's or bitsandbytes' quantized parameters) is used through its own
-#: ops: a fused step that would read it runs the diffusers code (reported at injection).
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def plain_tensor(t) -> bool:
-    """None or a plain tensor/parameter (not a tensor subclass)."""
-    return t is None or type(t) in _PLAIN_TENSOR_TYPES
-
-
 def _report_quantized_weights(model: torch.nn.Module, prefix: str, report) -> None:
     """Reports the modules of a patched model whose weight or bias is a tensor subclass."""
     for name, module in model.named_modules():
@@ -138,28 +133,6 @@ def _report_quantized_weights(model: torch.nn.Module, prefix: str, report) -> No
                     )
                 )
                 break
-
-
-def has_forward_hook(module: torch.nn.Module) -> bool:
-    """True when `forward` is replaced on the instance: an accelerate or diffusers hook (offload,
-    cache, layerwise casting) or another patch wraps the forward it found there. The class's own
-    forward bound to the module (what accelerate's remove_hook_from_module, and so
-    pipe.remove_all_hooks(), leaves behind) is not a hook."""
-    forward = vars(module).get("forward")
-    return forward is not None and not _is_own_forward(module, forward)
-
-
-def has_hooks(module: torch.nn.Module) -> bool:
-    """has_forward_hook, or forward (pre-)hooks registered on the module: anything that would see
-    a call's inputs or outputs."""
-    return has_forward_hook(module) or bool(module._forward_hooks or module._forward_pre_hooks)
-
-
-def _is_own_forward(module: torch.nn.Module, forward) -> bool:
-    return (
-        getattr(forward, "__self__", None) is module
-        and getattr(forward, "__func__", None) is type(module).forward
-    )
 
 
 class FusedAttnProcessor:

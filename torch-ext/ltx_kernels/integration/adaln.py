@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from . import has_hooks, steps
+from . import steps
+from .module_checks import has_hooks
 
 
 # ------------------------------------------------------------------------------------------------

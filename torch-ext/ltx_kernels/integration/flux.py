@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, adaln, has_hooks, linears, steps
+from . import FusedAttnProcessor, adaln, linears, steps
+from .module_checks import has_hooks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -98,9 +99,11 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
         encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
             [text_len, hidden_states.shape[1] - text_len], dim=1
         )
-        hidden_states = attn.to_out[0](hidden_states.contiguous())
+        hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states.contiguous())
         hidden_states = attn.to_out[1](hidden_states)
-        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+        encoder_hidden_states = steps.linear(
+            self.ops, attn.to_add_out, encoder_hidden_states.contiguous()
+        )
         return hidden_states, encoder_hidden_states
 
     def attend(

@@ -103,8 +103,8 @@ class HunyuanVideoKernelsAttnProcessor(FusedAttnProcessor):
         if single:
             hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
         query, key, value = (
-            _heads(attn, projection(hidden_states))
-            for projection in (attn.to_q, attn.to_k, attn.to_v)
+            _heads(attn, projection)
+            for projection in steps.fused_projections(ops, attn, hidden_states)
         )
         image_rows = query.shape[1] - encoder_hidden_states.shape[1] if single else None
         query, key = _qk_norm_rope(
@@ -112,8 +112,10 @@ class HunyuanVideoKernelsAttnProcessor(FusedAttnProcessor):
         )
         if attn.add_q_proj is not None and encoder_hidden_states is not None:
             encoder_query, encoder_key, encoder_value = (
-                _heads(attn, projection(encoder_hidden_states))
-                for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+                _heads(attn, projection)
+                for projection in steps.fused_projections(
+                    ops, attn, encoder_hidden_states, "added_qkv", steps.ADDED_QKV
+                )
             )
             encoder_query, encoder_key = _qk_norm_rope(
                 ops, attn.norm_added_q, attn.norm_added_k, encoder_query, encoder_key
@@ -141,9 +143,9 @@ class HunyuanVideoKernelsAttnProcessor(FusedAttnProcessor):
                 hidden_states[:, -text_len:],
             )
             if getattr(attn, "to_out", None) is not None:
-                hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+                hidden_states = attn.to_out[1](steps.linear(ops, attn.to_out[0], hidden_states))
             if getattr(attn, "to_add_out", None) is not None:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+                encoder_hidden_states = steps.linear(ops, attn.to_add_out, encoder_hidden_states)
         return hidden_states, encoder_hidden_states
 
 

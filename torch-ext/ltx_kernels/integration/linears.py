@@ -11,8 +11,18 @@ requires_grad) and the state dict stay as they were, and in-place writes (load_s
 the fused tensor. Something that re-allocates a parameter (`model.to(...)`, `param.data = ...`)
 breaks the link: eager calls check it (data pointers, a few host ns) and re-fuse; compiled graphs
 read the fused buffer, which `.to()` moves alongside. A group whose modules are replaced (a peft
-adapter), hooked, or whose parameters need gradients (training) runs the modules one by one. A
-module is in at most one group: the first one named that fuses it (Injector.finish_model).
+adapter the step cannot reproduce: below), hooked, or whose parameters need gradients (full
+fine-tuning) runs the modules one by one. A module is in at most one group: the first one named
+that fuses it (Injector.finish_model).
+
+LoRA adapters (peft). A projection that is a peft LoRA Linear (what `add_adapter`,
+`load_lora_weights` and LoRA fine-tuning put there) computes base_layer(x) + lora_B(lora_A(x)) *
+scaling; the step runs it as one `lora_linear` (one autograd node, its backward GEMMs in C++): for
+a fused group, the group's base GEMM over the fused weights plus every member's adapter, where
+each member has at most one active vanilla adapter (no DoRA or other variant, no lora bias, no
+dropout in effect: p = 0 or eval mode) with x's dtype and nothing hooks the module, its base layer
+or its adapter layers (lora_terms); anything else runs the module as peft does. The group fuses the
+members' base layers, so adapters added before or after injection keep the fused base GEMM.
 
 FP8 (opt-in, inference). A block Linear chosen for FP8 becomes an `Fp8Linear` (a subclass of
 nn.Linear): its weight is quantized once per output channel to float8_e4m3fn (buffers `weight_fp8`
@@ -36,7 +46,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import quantize_fp8
+from .. import lora_linear, quantize_fp8
+from .module_checks import has_hooks, plain_tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: The weight dtype FP8 Linears take: torch._scaled_mm's rowwise scaling writes bf16 only.
@@ -140,8 +151,6 @@ def self_cross_ff_fp8_linears(ff: str) -> tuple[str, ...]:
 
 def fp8_linear_reason(linear) -> str | None:
     """None when `linear` can become an Fp8Linear, else why not (for the report)."""
-    from . import has_hooks, plain_tensor
-
     if type(linear) is not torch.nn.Linear:
         kind = f"{type(linear).__module__}.{type(linear).__qualname__}"
         return f"a {kind}, not a plain nn.Linear (adapter or custom layer)"
@@ -189,6 +198,125 @@ def restore_from_fp8(linear: Fp8Linear) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# LoRA adapters (peft)
+# ------------------------------------------------------------------------------------------------
+def is_peft_lora(module) -> bool:
+    """A peft LoRA Linear (peft.tuners.lora.layer.Linear, over an nn.Linear base_layer)."""
+    cls = type(module)
+    return cls.__name__ == "Linear" and cls.__module__ == "peft.tuners.lora.layer"
+
+
+def base_linear(module):
+    """The Linear whose weight a projection's GEMM reads: a peft LoRA Linear's base_layer, else
+    the module itself."""
+    return module.base_layer if is_peft_lora(module) else module
+
+
+def _no_dropout(dropout) -> bool:
+    return isinstance(dropout, torch.nn.Identity) or (
+        isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)
+    )
+
+
+def lora_terms(module, x) -> list | None:
+    """What `module` adds to its base layer's GEMM on x now, as lora_linear's adapters: [] for a
+    plain module, or a peft LoRA Linear whose adapters are off (disabled, merged, none active);
+    [(lora_A weight, lora_B weight, scaling)] for one active vanilla adapter; None where
+    lora_linear would not compute what peft computes (several active adapters, DoRA or another
+    variant, a lora bias, dropout in effect, hooks, weights of another dtype than x's or tensor
+    subclasses): the module then runs itself. (Submodules and parameters are read from their
+    modules' tables: nn.Module.__getattr__ costs about a microsecond of host time a lookup, and
+    this runs on every projection.)"""
+    if not is_peft_lora(module):
+        return []
+    parts = module._modules
+    if has_hooks(module):  # (its base layer's: lora_outputs checks the base layers)
+        return None
+    if module.disable_adapters:
+        return None if module.merged else []  # (peft unmerges a merged one on this call)
+    if module.merged:
+        return []
+    downs = parts["lora_A"]._modules
+    active = [name for name in module.active_adapters if name in downs]
+    if not active:
+        return []
+    if len(active) > 1:
+        return None
+    (name,) = active
+    down, up = downs[name], parts["lora_B"]._modules[name]
+    if (
+        type(down) is not torch.nn.Linear
+        or type(up) is not torch.nn.Linear
+        or has_hooks(down)
+        or has_hooks(up)
+        or name in getattr(module, "lora_variant", {})
+        or module.use_dora.get(name, False)
+        or not _no_dropout(parts["lora_dropout"]._modules[name])
+    ):
+        return None
+    down_weight, up_weight = down._parameters["weight"], up._parameters["weight"]
+    if (
+        down._parameters["bias"] is not None
+        or up._parameters["bias"] is not None
+        or not (plain_tensor(down_weight) and plain_tensor(up_weight))
+        or down_weight.dtype != x.dtype
+        or up_weight.dtype != x.dtype
+    ):
+        return None
+    return [(down_weight, up_weight, float(module.scaling[name]))]
+
+
+def _linear_of_x(linear, x) -> bool:
+    """A hook-free plain nn.Linear with plain weights of x's dtype (what lora_linear takes)."""
+    if type(linear) is not torch.nn.Linear or has_hooks(linear):
+        return False
+    weight, bias = linear._parameters["weight"], linear._parameters["bias"]
+    return plain_tensor(weight) and plain_tensor(bias) and weight.dtype == x.dtype
+
+
+def lora_outputs(modules, x, owner=None, key: str = "") -> tuple | None:
+    """The outputs of projections `modules` of x, some of them peft LoRA Linears, by lora_linear:
+    one call over the fused base weights of owner's group `key` (given, and able to run now:
+    fused_group), else one call per module. None when lora_terms refuses a module or a base layer
+    is not a plain Linear of x's dtype: the caller runs the modules."""
+    if not isinstance(x, torch.Tensor):  # (Fp8Rows: FP8 Linears carry no adapters)
+        return None
+    terms = [lora_terms(m, x) for m in modules]
+    bases = [base_linear(m) for m in modules]
+    if any(t is None for t in terms) or not all(_linear_of_x(b, x) for b in bases):
+        return None
+    found = fused_group(owner, key, bases) if owner is not None else None
+    if found is not None:
+        group, _ = found
+        adapters, offset = [], 0
+        for size, member_terms in zip(group.sizes, terms):
+            adapters += [(*term, offset) for term in member_terms]
+            offset += size
+        fused = owner._buffers
+        weight, bias = (
+            fused[f"{_FUSED_PREFIX}{key}_weight"],
+            fused.get(f"{_FUSED_PREFIX}{key}_bias"),
+        )
+        out = lora_linear(x, weight, bias, *_adapter_lists(adapters))
+        return out.split(group.sizes, dim=-1)
+    return tuple(
+        lora_linear(
+            x,
+            b._parameters["weight"],
+            b._parameters["bias"],
+            *_adapter_lists([(*t, 0) for t in member_terms]),
+        )
+        for b, member_terms in zip(bases, terms)
+    )
+
+
+def _adapter_lists(adapters) -> tuple[list, list, list, list]:
+    """lora_linear's lora_a, lora_b, scaling and offsets from (A, B, scaling, offset) tuples."""
+    columns = tuple(zip(*adapters)) or ((), (), (), ())
+    return tuple(list(c) for c in columns)
+
+
+# ------------------------------------------------------------------------------------------------
 # Fused projections
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -226,9 +354,7 @@ def _fused_attrs(linears) -> tuple[str, ...] | None:
 def fuse(owner: torch.nn.Module, key: str, names: tuple[str, ...]) -> bool:
     """Fuses owner's modules `names` (paths below owner) as group `key`; False when they cannot
     be (kinds, sizes or bias differ: fp8_linear_reason / _fused_attrs)."""
-    from . import plain_tensor
-
-    linears = [owner.get_submodule(n) for n in names]
+    linears = [base_linear(owner.get_submodule(n)) for n in names]
     attrs = _fused_attrs(linears)
     if attrs is None or not all(plain_tensor(m.weight) for m in linears):
         return False
@@ -262,43 +388,58 @@ def unfuse_all(owner: torch.nn.Module) -> None:
         for attr in group.attrs:
             owner._buffers.pop(f"{_FUSED_PREFIX}{key}_{attr}", None)
             for name in group.names:
-                member = owner.get_submodule(name)
+                member = base_linear(owner.get_submodule(name))
                 if attr in member._parameters and member._parameters[attr] is not None:
                     member._parameters[attr].data = member._parameters[attr].data.clone()
                 elif member._buffers.get(attr) is not None:
                     member._buffers[attr] = member._buffers[attr].clone()
 
 
-def fused_group(owner: torch.nn.Module, key: str) -> tuple | None:
-    """(group, members) when owner's group `key` can run as one GEMM now: its members are the
-    fused modules, hook-free, and no gradient is recorded for their parameters. Eager calls re-link
-    a group whose members were re-allocated."""
-    from . import has_hooks
-
+def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
+    """(group, members) when owner's group `key` can run as one GEMM now: its members (the base
+    layers of peft LoRA Linears; given, or looked up) are the fused modules, hook-free, and no
+    gradient is recorded for their parameters. Eager calls re-link a group whose members were
+    re-allocated. (Tensors are read from the members' tables, as in lora_terms: this runs on
+    every call of the projections.)"""
     group = owner.__dict__.get(_GROUPS, {}).get(key)
     if group is None:
         return None
-    members = [owner.get_submodule(n) for n in group.names]
-    if _fused_attrs(members) != group.attrs or any(has_hooks(m) for m in members):
+    if members is None:
+        members = [base_linear(owner.get_submodule(n)) for n in group.names]
+    kind = Fp8Linear if group.attrs[0] == "weight_fp8" else torch.nn.Linear
+    if any(type(m) is not kind or has_hooks(m) for m in members):
         return None
     if (  # (a bf16 group's fused weight is no parameter; FP8 has no gradients)
-        group.attrs[0] == "weight"
+        kind is torch.nn.Linear
         and torch.is_grad_enabled()
-        and any(p.requires_grad for m in members for p in m.parameters())
+        and any(p is not None and p.requires_grad for m in members for p in m._parameters.values())
     ):
         return None
-    if not torch.compiler.is_compiling():
-        for m in members:
-            if isinstance(m, Fp8Linear):
-                refresh_fp8_weight(m)
-        linked = all(
-            getattr(m, attr).data_ptr() == pointer
-            for attr, pointers in group.pointers.items()
-            for m, pointer in zip(members, pointers)
-        )
-        if not linked:
-            _link(owner, key, group, members)
+    if torch.compiler.is_compiling():  # (traced once: the full check)
+        return (group, members) if _fused_attrs(members) == group.attrs else None
+    for m in members:
+        if kind is Fp8Linear:
+            refresh_fp8_weight(m)
+    linked = all(
+        _data_ptr(_tensor_of(m, attr)) == pointer
+        for attr, pointers in group.pointers.items()
+        for m, pointer in zip(members, pointers)
+    )
+    if not linked:  # re-allocated (or replaced) since: fuse again if they still can be
+        if _fused_attrs(members) != group.attrs:
+            return None
+        _link(owner, key, group, members)
     return group, members
+
+
+def _tensor_of(module, name):
+    """module's parameter or buffer `name` (None if it has none)."""
+    t = module._parameters.get(name)
+    return t if t is not None else module._buffers.get(name)
+
+
+def _data_ptr(t):
+    return None if t is None else t.data_ptr()
 
 
 def fused_outputs(owner: torch.nn.Module, key: str, x) -> tuple | None:
@@ -324,9 +465,15 @@ def fused_outputs(owner: torch.nn.Module, key: str, x) -> tuple | None:
     return out.split(group.sizes, dim=-1)
 
 
-def projections(owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fuse_ok: bool):
-    """The outputs of owner's modules `names` on x (a tensor or Fp8Rows): one GEMM over group
-    `key`'s fused weights when fuse_ok and the group is usable now (fused_outputs), else each
-    module in turn."""
-    out = fused_outputs(owner, key, x) if fuse_ok else None
-    return out if out is not None else tuple(owner.get_submodule(n)(x) for n in names)
+def projections(
+    owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fuse_ok: bool, lora_ok: bool
+):
+    """The outputs of owner's modules `names` on x (a tensor or Fp8Rows): with peft LoRA Linears
+    among them, lora_outputs where lora_ok; otherwise one GEMM over group `key`'s fused weights
+    when fuse_ok and the group is usable now (fused_outputs); else each module in turn."""
+    modules = [owner.get_submodule(n) for n in names]
+    if any(is_peft_lora(m) for m in modules):
+        out = lora_outputs(modules, x, *((owner, key) if fuse_ok else ())) if lora_ok else None
+    else:
+        out = fused_outputs(owner, key, x) if fuse_ok else None
+    return out if out is not None else tuple(m(x) for m in modules)

@@ -69,9 +69,9 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         if encoder_hidden_states is None:
             query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
         else:
-            query = attn.to_q(hidden_states)
-            key = attn.to_k(encoder_hidden_states)
-            value = attn.to_v(encoder_hidden_states)
+            query = steps.linear(self.ops, attn.to_q, hidden_states)
+            key = steps.linear(self.ops, attn.to_k, encoder_hidden_states)
+            value = steps.linear(self.ops, attn.to_v, encoder_hidden_states)
         query, key = steps.qk_norm_rope(
             self.ops,
             attn.norm_q,
@@ -97,7 +97,7 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
             parallel_config=parallel_config,
         )
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         return attn.to_out[1](hidden_states)
 
 

@@ -222,7 +222,7 @@ def attention(
         encoder_hidden_states = hidden_states
     gate_logits = None if attn.to_gate_logits is None else attn.to_gate_logits(hidden_states)
 
-    value = attn.to_v(encoder_hidden_states)
+    value = steps.linear(processor.ops, attn.to_v, encoder_hidden_states)
     if all_perturbed is None:
         all_perturbed = (
             torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
@@ -233,8 +233,8 @@ def attention(
         query, key = qk_norm_rope(
             processor.ops,
             attn,
-            attn.to_q(hidden_states),
-            attn.to_k(encoder_hidden_states),
+            steps.linear(processor.ops, attn.to_q, hidden_states),
+            steps.linear(processor.ops, attn.to_k, encoder_hidden_states),
             query_rotary_emb,
             key_rotary_emb,
         )
@@ -256,7 +256,7 @@ def attention(
         gates = 2.0 * torch.sigmoid(gate_logits)
         hidden_states = hidden_states.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)
         hidden_states = hidden_states.flatten(2, 3)
-    hidden_states = attn.to_out[0](hidden_states)
+    hidden_states = steps.linear(processor.ops, attn.to_out[0], hidden_states)
     return attn.to_out[1](hidden_states)
 
 

@@ -47,9 +47,7 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
         residual = hidden_states
         batch_size = hidden_states.shape[0]
 
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
+        query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
         head_dim = key.shape[-1] // attn.heads
         query, key, value = (_split_heads(t, attn.heads, head_dim) for t in (query, key, value))
         query = self._norm(attn.norm_q, query)
@@ -57,7 +55,9 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
 
         if encoder_hidden_states is not None:
             context_query, context_key, context_value = (
-                _split_heads(projection(encoder_hidden_states), attn.heads, head_dim)
+                _split_heads(
+                    steps.linear(self.ops, projection, encoder_hidden_states), attn.heads, head_dim
+                )
                 for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
             )
             context_query = self._norm(attn.norm_added_q, context_query)
@@ -78,8 +78,10 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
                 hidden_states[:, residual.shape[1] :],
             )
             if not attn.context_pre_only:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        hidden_states = attn.to_out[0](hidden_states)
+                encoder_hidden_states = steps.linear(
+                    self.ops, attn.to_add_out, encoder_hidden_states
+                )
+        hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
         if encoder_hidden_states is not None:
             return hidden_states, encoder_hidden_states

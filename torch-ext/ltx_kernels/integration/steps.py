@@ -36,15 +36,9 @@ from .. import (
     rmsnorm_modulate_fp8,
     rope,
 )
-from . import (
-    FUSED_BACKWARD,
-    FUSED_BACKWARD_COMPILED,
-    FusedAttnProcessor,
-    has_forward_hook,
-    has_hooks,
-    plain_tensor,
-)
-from .linears import Fp8Linear, Fp8Rows, fp8_rows, projections
+from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, FusedAttnProcessor
+from .linears import Fp8Linear, Fp8Rows, fp8_rows, is_peft_lora, lora_outputs, projections
+from .module_checks import has_forward_hook, has_hooks, plain_tensor
 
 
 def ops_for_step(ops, *operands):
@@ -274,8 +268,20 @@ ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")  # a joint attention's te
 
 def fused_projections(ops, attn, x, key: str = "qkv", names=QKV):
     """attn.to_q(x), attn.to_k(x), attn.to_v(x) (or the modules `names`) as one GEMM over the
-    weights injection fused (linears.projections), where it can; x may be Fp8Rows."""
-    return projections(attn, key, names, x, "fused_projections" in ops)
+    weights injection fused, with their LoRA adapters in the same lora_linear call
+    (linears.projections), where it can; x may be Fp8Rows."""
+    lora_ok = "lora_linear" in ops_for_step(ops, x)
+    return projections(attn, key, names, x, "fused_projections" in ops, lora_ok)
+
+
+def linear(ops, module, x):
+    """module(x) for a projection module: a peft LoRA Linear runs as one lora_linear call where
+    it can (linears.lora_outputs), anything else as itself."""
+    if is_peft_lora(module) and "lora_linear" in ops_for_step(ops, x):
+        out = lora_outputs([module], x)
+        if out is not None:
+            return out[0]
+    return module(x)
 
 
 def attention(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary=None):

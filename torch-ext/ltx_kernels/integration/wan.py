@@ -174,7 +174,7 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         )
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
-        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         return attn.to_out[1](hidden_states)
 
 
