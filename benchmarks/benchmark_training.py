@@ -17,6 +17,7 @@ and vs compile_repeated_blocks alone, peak GPU memory over the timed steps, and 
 distance of the adapters' gradients (first step, all adapters concatenated) from eager's.
 
   python benchmarks/benchmark_training.py [--steps 10] [--rounds 1] [--tokens 2688] [--out results/]
+      [--columns eager,kernels,kernels+no_lora_linear]  (the last: an A/B of lora_linear)
 """
 
 import argparse
@@ -34,6 +35,9 @@ from benchmark_transformer import configured  # noqa: E402
 from transformer_cases import LTX_GRIDS  # noqa: E402
 
 COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels")
+# Also accepted by --columns: the kernel columns without lora_linear (peft's LoRA layers as they
+# are), for an A/B of it in one process.
+EXTRA_COLUMNS = ("kernels+no_lora_linear", "blocks+kernels+no_lora_linear")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 LORA_RANK = 32
 TEXT_TOKENS = 128
@@ -154,7 +158,7 @@ def main():
     parser.add_argument("--columns", default=",".join(COLUMNS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
+    columns = bench_utils.parse_columns(parser, args.columns, COLUMNS + EXTRA_COLUMNS)
     if not torch.cuda.is_available():
         sys.exit("benchmark_training.py needs a CUDA GPU")
     env = bench_utils.environment()

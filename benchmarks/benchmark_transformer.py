@@ -45,6 +45,7 @@ import bench_utils  # noqa: E402
 import transformer_cases  # noqa: E402
 
 import ltx_kernels  # noqa: E402
+from ltx_kernels.integration import FUSIONS  # noqa: E402
 
 COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels", "compile", "compile+kernels")
 FP8_COLUMNS = (
@@ -153,13 +154,15 @@ def uncompile_blocks(model):
 @contextlib.contextmanager
 def configured(column, model):
     """The model set up as `column` ("+"-separated: kernels, fp8, torchao-fp8, compiled whole or
-    per block); yields what to call, or None when the model has no repeated blocks to compile.
-    Undone on exit."""
+    per block, and no_<fusion> to inject without one of FUSIONS, e.g. kernels+no_lora_linear);
+    yields what to call, or None when the model has no repeated blocks to compile. Undone on exit."""
     parts = set(column.split("+"))
     injected = "kernels" in parts
+    without = {p.removeprefix("no_") for p in parts if p.startswith("no_")}
     with contextlib.ExitStack() as undo:
         if injected:
-            ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8="fp8" in parts)
+            ops = set(FUSIONS) - without
+            ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8="fp8" in parts, ops=ops)
             undo.callback(ltx_kernels.remove_optimized_kernels, model)
         if "torchao-fp8" in parts:
             undo.enter_context(bench_utils.torchao_fp8_rowwise(model))
