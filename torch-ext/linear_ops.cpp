@@ -29,6 +29,13 @@ void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
+// x's shape with the last dim out_features: the output of a Linear of x.
+std::vector<int64_t> output_shape(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return shape;
+}
+
 }  // namespace
 
 // linear_gelu: one cuBLASLt GEMM with its GELU(-tanh) + bias epilogue, reached through
@@ -38,8 +45,6 @@ at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
   const char* op = "ltx_kernels.linear_gelu";
   check_linear(op, x, weight, bias);
   const int64_t in_features = x.size(-1), out_features = weight.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
   const at::Tensor x2 = x.reshape({-1, in_features});
   // The fused path only where cuBLASLt takes it: contiguous, 16-byte aligned operands with
   // 16-byte multiples as leading dimensions and more than one row. Elsewhere torch's fallback
@@ -62,7 +67,7 @@ at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
     out = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
     out = at::gelu(out, "tanh");
   }
-  return out.view(shape);
+  return out.view(output_shape(x, out_features));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -104,10 +109,11 @@ void check_lora(const char* op, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-// t = [x A_0^T | x A_1^T | ...] ([rows, sum of r_j]; undefined without adapters): one GEMM.
-at::Tensor down_projections(const at::Tensor& x2, at::TensorList lora_a) {
-  if (lora_a.empty()) return at::Tensor();
-  return at::mm(x2, (lora_a.size() == 1 ? lora_a[0] : at::cat(lora_a)).t());
+// The adapters' tensors side by side along dim (one adapter's as it is; undefined for none):
+// A = [A_0; A_1; ...] (dim 0), U = [u_0 | u_1 | ...] (dim 1).
+at::Tensor stacked(at::TensorList parts, int64_t dim) {
+  if (parts.empty()) return at::Tensor();
+  return parts.size() == 1 ? parts[0] : at::cat(parts, dim);
 }
 
 }  // namespace
@@ -120,7 +126,8 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t in_features = x.size(-1), out_features = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, in_features});
   at::Tensor out = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
-  const at::Tensor t = down_projections(x2, lora_a);
+  if (lora_a.empty()) return out.view(output_shape(x, out_features));
+  const at::Tensor t = at::mm(x2, stacked(lora_a, 0).t());  // [x A_0^T | x A_1^T | ...]
   int64_t rank_offset = 0;
   for (size_t j = 0; j < lora_a.size(); ++j) {
     const int64_t rank = lora_a[j].size(0);
@@ -128,9 +135,7 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight,
         .addmm_(t.narrow(1, rank_offset, rank), lora_b[j].t(), /*beta=*/1, /*alpha=*/scaling[j]);
     rank_offset += rank;
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  return out.view(shape);
+  return out.view(output_shape(x, out_features));
 }
 
 // The gradients for grad (out's gradient): with g_j the columns of adapter j, u_j = s_j g_j B_j,
@@ -160,14 +165,15 @@ std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::T
   if (wanted[1]) result[1] = at::mm(g.t(), x2);
   if (wanted[2]) result[2] = g.sum(0);
   auto columns = [&](size_t j) { return g.narrow(1, offsets[j], lora_b[j].size(0)); };
+  const at::Tensor all_a = dx.defined() || want_b ? stacked(lora_a, 0) : at::Tensor();
   if (adapters > 0 && (dx.defined() || want_a)) {
     std::vector<at::Tensor> u(adapters);
     for (size_t j = 0; j < adapters; ++j) {
       u[j] = at::mm(columns(j), lora_b[j]);
       if (scaling[j] != 1) u[j].mul_(scaling[j]);
     }
-    const at::Tensor all_u = adapters == 1 ? u[0] : at::cat(u, 1);
-    if (dx.defined()) dx.addmm_(all_u, adapters == 1 ? lora_a[0] : at::cat(lora_a));
+    const at::Tensor all_u = stacked(u, 1);
+    if (dx.defined()) dx.addmm_(all_u, all_a);
     if (want_a) {
       const at::Tensor da = at::mm(all_u.t(), x2);
       int64_t rank_offset = 0;
@@ -179,7 +185,7 @@ std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::T
     }
   }
   if (want_b) {
-    const at::Tensor t = down_projections(x2, lora_a);
+    const at::Tensor t = at::mm(x2, all_a.t());
     int64_t rank_offset = 0;
     for (size_t j = 0; j < adapters; ++j) {
       const int64_t rank = lora_a[j].size(0);

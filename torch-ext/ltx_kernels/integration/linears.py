@@ -292,11 +292,7 @@ def lora_outputs(modules, x, owner=None, key: str = "") -> tuple | None:
         for size, member_terms in zip(group.sizes, terms):
             adapters += [(*term, offset) for term in member_terms]
             offset += size
-        fused = owner._buffers
-        weight, bias = (
-            fused[f"{_FUSED_PREFIX}{key}_weight"],
-            fused.get(f"{_FUSED_PREFIX}{key}_bias"),
-        )
+        weight, bias = _fused(owner, key, "weight"), _fused(owner, key, "bias")
         out = lora_linear(x, weight, bias, *_adapter_lists(adapters))
         return out.split(group.sizes, dim=-1)
     return tuple(
@@ -417,8 +413,8 @@ def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
         return None
     if torch.compiler.is_compiling():  # (traced once: the full check)
         return (group, members) if _fused_attrs(members) == group.attrs else None
-    for m in members:
-        if kind is Fp8Linear:
+    if kind is Fp8Linear:
+        for m in members:
             refresh_fp8_weight(m)
     linked = all(
         _data_ptr(_tensor_of(m, attr)) == pointer
@@ -442,26 +438,26 @@ def _data_ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def fused_outputs(owner: torch.nn.Module, key: str, x) -> tuple | None:
+def _fused(owner: torch.nn.Module, key: str, attr: str):
+    """Group `key`'s fused tensor `attr` (None where the members have none: a bias)."""
+    return owner._buffers.get(f"{_FUSED_PREFIX}{key}_{attr}")
+
+
+def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | None:
     """The outputs of owner's group `key` on x (a tensor or Fp8Rows) as one GEMM over its fused
     weights, split per member (views of one [..., sum of N] tensor); None when the group cannot
-    run now (fused_group)."""
-    found = fused_group(owner, key)
+    run now (fused_group; members: given, or looked up)."""
+    found = fused_group(owner, key, members)
     if found is None:
         return None
     group, members = found
-    fused = lambda attr: getattr(owner, f"{_FUSED_PREFIX}{key}_{attr}", None)  # noqa: E731
+    bias = _fused(owner, key, "bias")
     if group.attrs[0] == "weight_fp8":
         rows = x if isinstance(x, Fp8Rows) else fp8_rows(x)
-        out = fp8_matmul(
-            rows,
-            fused("weight_fp8"),
-            fused("weight_scale"),
-            fused("bias"),
-            members[0].weight.dtype,
-        )
+        weight, scale = _fused(owner, key, "weight_fp8"), _fused(owner, key, "weight_scale")
+        out = fp8_matmul(rows, weight, scale, bias, members[0].weight.dtype)
     else:
-        out = F.linear(x, fused("weight"), fused("bias"))
+        out = F.linear(x, _fused(owner, key, "weight"), bias)
     return out.split(group.sizes, dim=-1)
 
 
@@ -475,5 +471,5 @@ def projections(
     if any(is_peft_lora(m) for m in modules):
         out = lora_outputs(modules, x, *((owner, key) if fuse_ok else ())) if lora_ok else None
     else:
-        out = fused_outputs(owner, key, x) if fuse_ok else None
+        out = fused_outputs(owner, key, x, modules) if fuse_ok else None
     return out if out is not None else tuple(m(x) for m in modules)

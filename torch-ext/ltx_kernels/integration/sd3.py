@@ -55,10 +55,10 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
 
         if encoder_hidden_states is not None:
             context_query, context_key, context_value = (
-                _split_heads(
-                    steps.linear(self.ops, projection, encoder_hidden_states), attn.heads, head_dim
+                _split_heads(projection, attn.heads, head_dim)
+                for projection in steps.fused_projections(
+                    self.ops, attn, encoder_hidden_states, "added_qkv", steps.ADDED_QKV
                 )
-                for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
             )
             context_query = self._norm(attn.norm_added_q, context_query)
             context_key = self._norm(attn.norm_added_k, context_key)
