@@ -17,7 +17,8 @@ and vs compile_repeated_blocks alone, peak GPU memory over the timed steps, and 
 distance of the adapters' gradients (first step, all adapters concatenated) from eager's.
 
   python benchmarks/benchmark_training.py [--steps 10] [--rounds 1] [--tokens 2688] [--out results/]
-      [--columns eager,kernels,kernels+no_lora_linear]  (the last: an A/B of lora_linear)
+      [--columns eager,kernels,kernels+no_lora_linear]  (the last: an A/B of lora_linear;
+      kernels+no_recompute_norms: of recompute_norms)
 """
 
 import argparse
@@ -36,8 +37,12 @@ from transformer_cases import LTX_GRIDS  # noqa: E402
 
 COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels")
 # Also accepted by --columns: the kernel columns without lora_linear (peft's LoRA layers as they
-# are), for an A/B of it in one process.
-EXTRA_COLUMNS = ("kernels+no_lora_linear", "blocks+kernels+no_lora_linear")
+# are) or without recompute_norms (every activation saved), for an A/B in one process.
+EXTRA_COLUMNS = (
+    "kernels+no_lora_linear",
+    "blocks+kernels+no_lora_linear",
+    "kernels+no_recompute_norms",
+)
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 LORA_RANK = 32
 TEXT_TOKENS = 128

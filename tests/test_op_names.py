@@ -10,7 +10,7 @@ import torch
 import ltx_kernels
 from ltx_kernels import BACKWARD_OPS, FP8_OPS, OPS, _fake, reference
 from ltx_kernels.__main__ import smoke_inputs
-from ltx_kernels._op_names import REFERENCE_VJP_OP
+from ltx_kernels._op_names import RECOMPUTE_SCOPE_OP, REFERENCE_VJP_OP
 from ltx_kernels.integration import FUSIONS
 
 
@@ -31,7 +31,7 @@ def test_ops_are_the_registered_ops():
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("ltx_kernels::")
     }
-    every = (*OPS, *FP8_OPS, *BACKWARD_OPS, REFERENCE_VJP_OP)
+    every = (*OPS, *FP8_OPS, *BACKWARD_OPS, REFERENCE_VJP_OP, RECOMPUTE_SCOPE_OP)
     assert len(set(every)) == len(every)
     assert set(every) == registered
 
@@ -68,6 +68,6 @@ def test_fused_backward_ops_map_ops_to_backward_ops():
     assert set(FUSED_BACKWARD_OPS.values()) == set(BACKWARD_OPS)
 
 
-def test_fusions_are_the_ops_and_fused_projections():
-    assert FUSIONS == (*OPS, "fused_projections", "fused_qkv_mlp")
+def test_fusions_are_the_ops_fused_projections_and_recompute_norms():
+    assert FUSIONS == (*OPS, "fused_projections", "fused_qkv_mlp", "recompute_norms")
     assert set(OPS) <= set(ltx_kernels.__all__)

@@ -19,7 +19,7 @@ from inject_helpers import (
     output_of,
     rel_l2,
 )
-from ltx_kernels.integration import FUSED_BACKWARD
+from ltx_kernels.integration import FUSED_BACKWARD, FUSIONS
 from model_zoo import MODELS, ltx
 
 TRAINED = [
@@ -218,7 +218,7 @@ def test_compiled_steps_use_the_compiled_fused_backward_set(monkeypatch):
     from ltx_kernels.integration import FUSED_BACKWARD_COMPILED
     from ltx_kernels.integration.steps import ops_for_step
 
-    every = frozenset(ltx_kernels.OPS)
+    every = frozenset(FUSIONS)
     x = torch.randn(2, 3, requires_grad=True)
     assert ops_for_step(every, x) == FUSED_BACKWARD
     assert ops_for_step(every, x.detach()) == every

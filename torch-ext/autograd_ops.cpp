@@ -14,6 +14,9 @@
 // (reference_vjp, defined by _autograd.py). Only the gradients autograd asks for are computed.
 // The backward ops and the FP8 ops record a node that raises when differentiated, naming the op:
 // so does a second derivative (create_graph=True) through a fused backward.
+// Training memory: within recompute_scope (integration/recompute.py), a norm output or a LoRA
+// projection's output that lora_linear or qk_rmsnorm_rope saves is saved as the call that gives it
+// again (the section "Outputs recomputed in backward" below).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -21,8 +24,12 @@
 #include <torch/library.h>
 
 #include <array>
+#include <functional>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "../kernel_src/ltx_kernels.h"
 #include "ltx_registration.h"
@@ -108,6 +115,84 @@ variable_list reference_vjp(AutogradContext* ctx, const char* op, const variable
 }
 
 // ------------------------------------------------------------------------------------------------
+// Outputs recomputed in backward instead of saved ("recompute_norms"; integration/recompute.py).
+// While a patched block runs its forward in eager training (recompute_scope(true)), the norm ops
+// record their output n, and lora_linear its output when it is one projection with its own
+// adapter, with the call that gives it again below autograd, bit for bit (the same kernel on the
+// same inputs; for the add_ ops, the plain norm op on their h). lora_linear's x and
+// qk_rmsnorm_rope's q and k, when they are (views of) such an output, are saved as that call, which
+// their backward runs (once per op that saved it). The call holds the tensors it reads: the norm's
+// rows and modulation, which the norm's own node saves anyway; the projection's input and weights,
+// which lora_linear's node saves anyway.
+struct Recompute final : torch::CustomClassHolder {
+  const char* source;  // the op the call runs
+  std::function<Tensor()> call;
+  std::vector<Tensor> inputs;  // the call's tensors, not to be modified in place since
+  std::vector<int64_t> versions;
+
+  Tensor run(const char* op) const {
+    for (size_t i = 0; i < inputs.size(); ++i)
+      TORCH_CHECK(inputs[i]._version() == versions[i], "ltx_kernels.", op,
+                  " backward (recompute_norms): an input of ", source,
+                  ", whose output it recomputes instead of saving it, was modified in place after "
+                  "the forward. Inject with ops excluding 'recompute_norms' (or "
+                  "LTX_KERNELS_DISABLE=recompute_norms) to save the output instead.");
+    return call();
+  }
+};
+
+struct RecomputeScope {
+  bool on = false;
+  // An output's storage -> its call. (The weak reference keeps a freed storage's address from
+  // being another storage's while the entry exists.)
+  std::unordered_map<const c10::StorageImpl*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>,
+                                                        c10::intrusive_ptr<Recompute>>>
+      outputs;
+};
+thread_local RecomputeScope recompute_scope_state;
+
+// Within the scope, records `out` (a fresh output of op `source`) as given again by `call`, which
+// reads `inputs`.
+void record_recomputable(const Tensor& out, const char* source, std::vector<Tensor> inputs,
+                         std::function<Tensor()> call) {
+  if (!recompute_scope_state.on || out.numel() == 0) return;
+  auto recompute = c10::make_intrusive<Recompute>();
+  recompute->source = source;
+  recompute->call = std::move(call);
+  for (Tensor& t : inputs)
+    if (t.defined()) {
+      recompute->versions.push_back(t._version());
+      recompute->inputs.push_back(std::move(t));
+    }
+  const c10::Storage& storage = out.storage();
+  recompute_scope_state.outputs.insert_or_assign(
+      storage.unsafeGetStorageImpl(),
+      std::make_pair(storage.getWeakStorageImpl(), std::move(recompute)));
+}
+
+// What a Function saves of its input t: t, or, when t is a view of an output recorded in the
+// scope, an undefined tensor, the call and t's place in the output going to saved_data[key].
+Tensor saved_or_recomputed(AutogradContext* ctx, const char* key, const Tensor& t) {
+  if (!recompute_scope_state.on || !t.defined() || !t.has_storage()) return t;
+  const auto found = recompute_scope_state.outputs.find(t.storage().unsafeGetStorageImpl());
+  if (found == recompute_scope_state.outputs.end()) return t;
+  ctx->saved_data[key] =
+      c10::ivalue::Tuple::create({c10::IValue::make_capsule(found->second.second), t.sizes(),
+                                  t.strides(), t.storage_offset()});
+  return Tensor();
+}
+
+// The input a Function saved with saved_or_recomputed (the recomputed output is laid out as the
+// original).
+Tensor restored(AutogradContext* ctx, const char* key, const Tensor& saved, const char* op) {
+  const auto found = ctx->saved_data.find(key);
+  if (saved.defined() || found == ctx->saved_data.end()) return saved;
+  const auto parts = found->second.toTupleRef().elements();
+  const auto call = c10::static_intrusive_pointer_cast<Recompute>(parts[0].toCapsule());
+  return call->run(op).as_strided(parts[1].toIntVector(), parts[2].toIntVector(), parts[3].toInt());
+}
+
+// ------------------------------------------------------------------------------------------------
 // Norm ops and gated_residual: one Function over their tensors in norm_modulate_backward's
 // gradient order; `kind` says which op computes the forward.
 enum NormKind : int64_t {
@@ -132,6 +217,16 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
                                const OptTensor& bias, int64_t kind, double eps, bool upcast) {
     variable_list out = run(x, y, gate, scale, shift, weight, bias, kind, eps, upcast);
     const bool residual = has_residual(kind);
+    if (kind != kRmsnorm && kind != kGatedResidual) {  // n, again from x (the add_ ops: from h)
+      const int64_t plain = kind == kAddRmsnormModulate     ? kRmsnormModulate
+                            : kind == kAddLayernormModulate ? kLayernormModulate
+                                                            : kind;
+      const Tensor rows = residual ? out[0] : x;
+      const auto v = value_or_undefined;
+      record_recomputable(
+          out.back(), kNames[plain], {rows, v(scale), v(shift), v(weight), v(bias)},
+          [=] { return run(rows, {}, {}, scale, shift, weight, bias, plain, eps, upcast).back(); });
+    }
     const bool reference =
         (x.is_cuda() && x.size(-1) > LTX_NORM_BACKWARD_MAX_HIDDEN) ||
         (kind == kRmsnorm && weight.has_value() && weight->scalar_type() != x.scalar_type());
@@ -328,7 +423,8 @@ struct QkFunction : public torch::autograd::Function<QkFunction> {
     ctx->saved_data["interleaved"] = interleaved;
     ctx->saved_data["reference"] = reference;
     const auto v = value_or_undefined;
-    ctx->save_for_backward({q, k, v(q_weight), v(k_weight), v(cos), v(sin)});
+    ctx->save_for_backward({saved_or_recomputed(ctx, "q", q), saved_or_recomputed(ctx, "k", k),
+                            v(q_weight), v(k_weight), v(cos), v(sin)});
     auto [q_out, k_out] = run(q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved);
     return {q_out, k_out};
   }
@@ -337,7 +433,9 @@ struct QkFunction : public torch::autograd::Function<QkFunction> {
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool across_heads = ctx->saved_data["across_heads"].toBool();
     const bool interleaved = ctx->saved_data["interleaved"].toBool();
-    const variable_list saved = ctx->get_saved_variables();
+    variable_list saved = ctx->get_saved_variables();
+    saved[0] = restored(ctx, "q", saved[0], "qk_rmsnorm_rope");
+    saved[1] = restored(ctx, "k", saved[1], "qk_rmsnorm_rope");
     if (ctx->saved_data["reference"].toBool())
       return reference_vjp(ctx, "qk_rmsnorm_rope", saved, grads, 3, eps, false, across_heads,
                            interleaved);
@@ -469,15 +567,24 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     ctx->saved_data["has_bias"] = value_or_undefined(bias).defined();
     ctx->saved_data["scaling"] = std::vector<double>(scaling.begin(), scaling.end());
     ctx->saved_data["offsets"] = offsets.vec();
-    variable_list saved{x, weight};
+    variable_list saved{saved_or_recomputed(ctx, "x", x), weight};
     saved.insert(saved.end(), lora_a.begin(), lora_a.end());
     saved.insert(saved.end(), lora_b.begin(), lora_b.end());
     ctx->save_for_backward(saved);
-    return call_below_autograd(op(), x, weight, bias, lora_a, lora_b, scaling, offsets);
+    Tensor out = call_below_autograd(op(), x, weight, bias, lora_a, lora_b, scaling, offsets);
+    if (lora_a.size() == 1 && lora_b[0].size(0) == weight.size(0)) {  // one projection
+      const std::vector<Tensor> a = lora_a.vec(), b = lora_b.vec();
+      const std::vector<double> s = scaling.vec();
+      const std::vector<int64_t> o = offsets.vec();
+      record_recomputable(out, "lora_linear", {x, weight, value_or_undefined(bias), a[0], b[0]},
+                          [=] { return call_below_autograd(op(), x, weight, bias, a, b, s, o); });
+    }
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
+    variable_list saved = ctx->get_saved_variables();
+    saved[0] = restored(ctx, "x", saved[0], "lora_linear");
     const size_t adapters = (saved.size() - 2) / 2;
     const std::vector<Tensor> lora_a(saved.begin() + 2, saved.begin() + 2 + adapters);
     const std::vector<Tensor> lora_b(saved.begin() + 2 + adapters, saved.end());
@@ -564,6 +671,11 @@ void raise_when_differentiated(const c10::OperatorHandle& op, c10::DispatchKeySe
 }
 
 }  // namespace
+
+void recompute_scope(bool on) {
+  recompute_scope_state.on = on;
+  recompute_scope_state.outputs.clear();
+}
 
 TORCH_LIBRARY_IMPL_EXPAND(LTX_OPS_NAMESPACE, Autograd, m) {
   using O = const OptTensor&;

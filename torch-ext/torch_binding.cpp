@@ -100,6 +100,11 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   def("lora_linear(Tensor x, Tensor weight, Tensor? bias, Tensor[] lora_a, Tensor[] lora_b, "
       "float[] scaling, int[] offsets) -> Tensor",
       "lora_linear", &lora_linear);
+  // Training memory (integration/recompute.py): while on, the norm ops and single LoRA
+  // projections record their outputs, which lora_linear and qk_rmsnorm_rope then save as the call
+  // that gives them again (autograd_ops.cpp). No tensors: one kernel for every backend.
+  ops.def("recompute_scope(bool on) -> ()",
+          torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &recompute_scope));
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

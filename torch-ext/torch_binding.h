@@ -102,3 +102,7 @@ std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::T
                                              at::TensorList lora_b, c10::ArrayRef<double> scaling,
                                              c10::IntArrayRef offsets,
                                              const std::vector<bool>& wanted);
+
+// Turns on (a patched block's forward begins) or off (it ends) the recording of outputs that
+// backward recomputes instead of saving them (autograd_ops.cpp, integration/recompute.py).
+void recompute_scope(bool on);

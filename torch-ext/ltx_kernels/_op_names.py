@@ -53,6 +53,10 @@ BACKWARD_OPS = (
 # kernels do not take: the VJP of the op's reference, defined in Python (_autograd.py).
 REFERENCE_VJP_OP = "reference_vjp"
 
+# The op that turns on and off, around a patched block's forward, the recording of outputs that
+# backward recomputes instead of saving them (integration/recompute.py; no tensors).
+RECOMPUTE_SCOPE_OP = "recompute_scope"
+
 # The ops of OPS whose autograd calls a fused backward op (one of BACKWARD_OPS), and that op; the
 # others (linear_gelu, lora_linear) differentiate their GEMMs with ATen (autograd_ops.cpp).
 FUSED_BACKWARD_OPS = {

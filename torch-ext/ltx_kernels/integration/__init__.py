@@ -16,8 +16,8 @@ How a module is patched, and why that way:
   hook (leaf-level offloading or layerwise casting added after injection); otherwise it calls the
   module as diffusers does. So a step never bypasses a hook.
 
-Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS, "fused_projections"
-and "fused_qkv_mlp") minus the comma-separated names in the environment variable
+Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS, "fused_projections",
+"fused_qkv_mlp" and "recompute_norms") minus the comma-separated names in the environment variable
 LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that step only, so kernels
 can be taken out one at a time when hunting a numerical difference.
 
@@ -42,8 +42,10 @@ from .module_checks import has_forward_hook, plain_tensor
 #: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
 #: name, "fused_projections" (q/k/v projections of one input as one GEMM, linears.py) and
 #: "fused_qkv_mlp" (FLUX's single block with fp8=True: q/k/v and the MLP up-projection as one FP8
-#: GEMM; without it, and in bf16, its q/k/v are fused_projections' group).
-FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp")
+#: GEMM; without it, and in bf16, its q/k/v are fused_projections' group), and "recompute_norms"
+#: (eager training: a norm step's output that a later op saves for backward is recomputed there
+#: instead, steps.recomputing_norms; without it, saved as autograd saves it).
+FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp", "recompute_norms")
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused
 #: backward (_op_names.FUSED_BACKWARD_OPS), and lora_linear (peft's LoRA Linear as one autograd
@@ -52,7 +54,7 @@ FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp")
 #: recomputed pre-activation) is not faster than eager autograd, so a training step runs the
 #: diffusers code in its place: stock gradients at stock speed. Forward passes without gradients
 #: (inference, validation sampling) use every enabled op.
-FUSED_BACKWARD: frozenset[str] = frozenset({*FUSED_BACKWARD_OPS, "lora_linear"})
+FUSED_BACKWARD: frozenset[str] = frozenset({*FUSED_BACKWARD_OPS, "lora_linear", "recompute_norms"})
 #: The same under torch.compile: the ops whose fused forward + backward is also faster than what
 #: Inductor generates from the diffusers code (benchmark_ops.py --backward, H100: qk_rmsnorm_rope
 #: 1.0-1.27x; not yet the norm ops, 0.5-0.9x, nor rope, 0.95-1.03x), and lora_linear, whose fused

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, adaln, linears, steps
+from . import FusedAttnProcessor, adaln, linears, recompute, steps
 from .module_checks import has_hooks
 
 
@@ -212,6 +212,7 @@ def _attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb, kwa
     return steps.attention(attn, hidden_states, encoder_hidden_states, None, image_rotary_emb)
 
 
+@recompute.scoped
 def double_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -269,6 +270,7 @@ def double_block_forward(
 QKV_MLP = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
 
 
+@recompute.scoped
 def single_block_forward(
     self,
     hidden_states: torch.Tensor,

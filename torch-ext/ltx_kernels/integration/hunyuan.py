@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import FusedAttnProcessor, steps
+from . import FusedAttnProcessor, recompute, steps
 from .flux import _diffusers_rope
 
 # Modules whose blocks and processors have exactly the semantics below; FramePack
@@ -165,6 +165,7 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
 # ------------------------------------------------------------------------------------------------
 # Blocks
 # ------------------------------------------------------------------------------------------------
+@recompute.scoped
 def double_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -216,6 +217,7 @@ def double_block_forward(
     return hidden_states, encoder_hidden_states
 
 
+@recompute.scoped
 def single_block_forward(
     self,
     hidden_states: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, steps
+from . import FusedAttnProcessor, recompute, steps
 from .linears import self_cross_ff_fp8_linears
 from .context_parallel import gather_cross_attention_inputs
 
@@ -101,6 +101,7 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         return attn.to_out[1](hidden_states)
 
 
+@recompute.scoped
 def block_forward(
     self,
     hidden_states: torch.Tensor,

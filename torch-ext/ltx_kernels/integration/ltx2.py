@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, steps
+from . import FusedAttnProcessor, recompute, steps
 from .ltx import _lora_scaled
 
 # ------------------------------------------------------------------------------------------------
@@ -339,6 +339,7 @@ def _text_kv(block, table, temb_prompt, text, batch_size):
     return text * (1 + scale) + shift
 
 
+@recompute.scoped
 def block_forward(
     self,
     hidden_states: torch.Tensor,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import FusedAttnProcessor, steps
+from . import FusedAttnProcessor, recompute, steps
 
 
 def _split_heads(x, heads: int, head_dim: int):
@@ -98,6 +98,7 @@ def _feed_forward(block, ff, x):
     return _chunked_feed_forward(fused, x, block._chunk_dim, block._chunk_size)
 
 
+@recompute.scoped
 def block_forward(
     self,
     hidden_states: torch.FloatTensor,

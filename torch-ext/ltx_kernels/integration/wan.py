@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FusedAttnProcessor, steps
+from . import FusedAttnProcessor, recompute, steps
 from .linears import self_cross_ff_fp8_linears
 
 # Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
@@ -236,6 +236,7 @@ def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb, a
     return steps.residual_fp32(ops, hidden_states, ff_output, c_gate_msa)
 
 
+@recompute.scoped
 def block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -254,6 +255,7 @@ def block_forward(
     return _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb)
 
 
+@recompute.scoped
 def skyreels_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -276,6 +278,7 @@ def skyreels_block_forward(
     )
 
 
+@recompute.scoped
 def vace_block_forward(
     self,
     hidden_states: torch.Tensor,
