@@ -98,10 +98,6 @@ def test_input_modified_in_place_raises():
         out.float().sum().backward()
 
 
-def _rows(shape, dtype, device):
-    return torch.randn(shape, device=device).to(dtype)
-
-
 @pytest.mark.parametrize(
     "layer_norm, upcast", [(False, False), (True, False), (True, True)], ids=["rms", "layer", "wan"]
 )
@@ -112,7 +108,10 @@ def test_add_op_norm_equals_plain_op_of_h(dtype, hidden, gate_shape, upcast, lay
     """n of add_{rms,layer}norm_modulate(x, y, ...) is {rms,layer}norm_modulate(h, ...) bit for
     bit, h its first output: what recompute_norms recomputes an add_ step's n with (upcast: Wan's
     fp32 LayerNorm steps)."""
-    rows = lambda *shape, dtype=dtype: _rows(shape, dtype, device)  # noqa: E731
+
+    def rows(*shape, dtype=dtype):
+        return torch.randn(shape, device=device).to(dtype)
+
     modulation_dtype = torch.float32 if upcast else dtype
     x, y = rows(2, 37, hidden), rows(2, 37, hidden)
     scale, shift = (

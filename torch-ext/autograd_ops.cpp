@@ -153,9 +153,10 @@ thread_local RecomputeScope recompute_scope_state;
 
 // Within the scope, records `out` (a fresh output of op `source`) as given again by `call`, which
 // reads `inputs`.
+// (Callers check recompute_scope_state.on first: outside the scope nothing is built.)
 void record_recomputable(const Tensor& out, const char* source, std::vector<Tensor> inputs,
                          std::function<Tensor()> call) {
-  if (!recompute_scope_state.on || out.numel() == 0) return;
+  if (out.numel() == 0) return;
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->source = source;
   recompute->call = std::move(call);
@@ -217,12 +218,13 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
                                const OptTensor& bias, int64_t kind, double eps, bool upcast) {
     variable_list out = run(x, y, gate, scale, shift, weight, bias, kind, eps, upcast);
     const bool residual = has_residual(kind);
-    if (kind != kRmsnorm && kind != kGatedResidual) {  // n, again from x (the add_ ops: from h)
+    const auto v = value_or_undefined;
+    if (recompute_scope_state.on && kind != kRmsnorm && kind != kGatedResidual) {
+      // n, again from x (the add_ ops: from h)
       const int64_t plain = kind == kAddRmsnormModulate     ? kRmsnormModulate
                             : kind == kAddLayernormModulate ? kLayernormModulate
                                                             : kind;
       const Tensor rows = residual ? out[0] : x;
-      const auto v = value_or_undefined;
       record_recomputable(
           out.back(), kNames[plain], {rows, v(scale), v(shift), v(weight), v(bias)},
           [=] { return run(rows, {}, {}, scale, shift, weight, bias, plain, eps, upcast).back(); });
@@ -236,7 +238,6 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["upcast"] = upcast;
     ctx->saved_data["reference"] = reference;
-    const auto v = value_or_undefined;
     if (reference) {  // the reference VJP recomputes everything from the inputs
       ctx->save_for_backward({x, v(y), v(gate), v(scale), v(shift), v(weight), v(bias)});
       return out;
@@ -572,7 +573,8 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     saved.insert(saved.end(), lora_b.begin(), lora_b.end());
     ctx->save_for_backward(saved);
     Tensor out = call_below_autograd(op(), x, weight, bias, lora_a, lora_b, scaling, offsets);
-    if (lora_a.size() == 1 && lora_b[0].size(0) == weight.size(0)) {  // one projection
+    if (recompute_scope_state.on && lora_a.size() == 1 &&
+        lora_b[0].size(0) == weight.size(0)) {  // one projection
       const std::vector<Tensor> a = lora_a.vec(), b = lora_b.vec();
       const std::vector<double> s = scaling.vec();
       const std::vector<int64_t> o = offsets.vec();

@@ -43,8 +43,9 @@ from .module_checks import has_forward_hook, plain_tensor
 #: name, "fused_projections" (q/k/v projections of one input as one GEMM, linears.py) and
 #: "fused_qkv_mlp" (FLUX's single block with fp8=True: q/k/v and the MLP up-projection as one FP8
 #: GEMM; without it, and in bf16, its q/k/v are fused_projections' group), and "recompute_norms"
-#: (eager training: a norm step's output that a later op saves for backward is recomputed there
-#: instead, steps.recomputing_norms; without it, saved as autograd saves it).
+#: (eager training: a norm's or a single LoRA projection's output that lora_linear or
+#: qk_rmsnorm_rope saves for backward is recomputed there instead, recompute.py; without it, saved
+#: as autograd saves it).
 FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp", "recompute_norms")
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused

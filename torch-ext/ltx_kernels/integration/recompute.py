@@ -5,9 +5,9 @@ runs (torch-ext/autograd_ops.cpp, "Outputs recomputed in backward"):
 - a norm step's output n, saved by the next projections for their LoRA gradients (attn1's q/k/v):
   recomputed from the norm's inputs, which its own node saves anyway: one [S, D] activation less
   per block for one norm launch in backward;
-- a cross-attention's query projection, saved by its q norm: recomputed by lora_linear from the
-  projection's input, which lora_linear saves anyway: one [S, D] activation less per block for the
-  projection's GEMMs in backward.
+- a cross-attention's query and key projections, saved by its q/k norm: recomputed by
+  lora_linear from the projection's input, which lora_linear saves anyway: one [S, D] activation
+  (and the text's keys) less per block for the projections' GEMMs in backward.
 The values are bit for bit the forward's (the same kernels on the same inputs); an input modified
 in place since the forward raises. Under torch.compile the partitioner decides what to save; under
 gradient checkpointing (torch.utils.checkpoint's saved-tensor hooks in place) the block is
