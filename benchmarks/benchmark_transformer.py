@@ -15,11 +15,13 @@ bf16, with one denoising step's inputs at a typical resolution: transformer_case
 --tokens picks among a model's shapes (ltx: 2688 = 49 frames 512x768, 8064 = 161 frames; the
 others have one, the default).
 
---context-parallel ulysses|ring (ltx models; launch with torchrun --nproc_per_node N): diffusers'
-context parallelism over the N GPUs, in these columns: 1-GPU eager and kernels (each rank alone on
+--context-parallel ulysses|ring (LTX-Video and LTX-2 models; launch with torchrun --nproc_per_node
+N): diffusers' context parallelism over the N GPUs, in these columns: 1-GPU eager and kernels (each rank alone on
 its GPU), N-GPU stock diffusers with the padded text mask (fails or is wrong in diffusers 0.42:
 reported) and without it, N-GPU with the kernels (injected before enable_parallelism), and that with
-compile_repeated_blocks. Ring attention runs on cuDNN (`_native_cudnn`, every column), the backend
+compile_repeated_blocks; under Ulysses the same two with diffusers' Ulysses attention in place of
+ulysses_attention (the A/B). --profile adds the GPU kernel time by category of the kernel columns.
+Ring attention runs on cuDNN (`_native_cudnn`, every column), the backend
 that returns the log-sum-exp ring attention needs and takes a mask. Rank 0 prints and writes.
 
 Time per step: CUDA events around each call (the user-visible step time, CPU launch gaps included),
@@ -32,6 +34,8 @@ output is compared with the eager output (relative L2).
 
 import argparse
 import contextlib
+import functools
+import io
 import os
 import statistics
 import sys
@@ -199,16 +203,6 @@ def rel_l2(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-CP_COLUMNS = (
-    "1 GPU eager",
-    "1 GPU kernels",
-    "N GPU eager (mask)",
-    "N GPU eager (no mask)",
-    "N GPU kernels",
-    "N GPU blocks+kernels",
-)
-
-
 def context_parallel_columns(args, tokens, world):
     """{column: (first call s, ms, output) or an error string} for one LTX shape under diffusers'
     context parallelism (module docstring)."""
@@ -224,6 +218,8 @@ def context_parallel_columns(args, tokens, world):
             model.set_attention_backend(backend)
         return model, call
 
+    rank = int(os.environ["RANK"])
+
     def attempt(column, fn):
         try:
             measured[column] = time_step(fn, args.reps)
@@ -238,16 +234,34 @@ def context_parallel_columns(args, tokens, world):
         attempt("N GPU eager (mask)", lambda: call(model))
         attempt("N GPU eager (no mask)", lambda: call(model, mask=False))
 
-    def with_kernels(model, call):
-        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    def with_kernels(model, call, ops=None, label="N GPU kernels"):
+        ltx_kernels.inject_optimized_kernels(model, verbose=False, ops=ops)
         model.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
-        attempt("N GPU kernels", lambda: call(model))
+        attempt(label, lambda: call(model))
+        if args.profile:
+            import profile_step
+
+            step = lambda: call(model)  # noqa: E731
+            quiet = (
+                contextlib.nullcontext() if rank == 0 else contextlib.redirect_stdout(io.StringIO())
+            )
+            with torch.no_grad(), quiet:  # every rank steps (the collectives), rank 0 prints
+                profile_step.kernel_breakdown(step, 3, 12, f"{label}, rank {rank}")
         if args.model == "ltx":  # the 13B model's compile time is not worth a device run
             torch._dynamo.reset()
             model.compile_repeated_blocks(fullgraph=True)
-            attempt("N GPU blocks+kernels", lambda: call(model))
+            attempt(label.replace("kernels", "blocks+kernels"), lambda: call(model))
 
-    for phase in (one_gpu_then_stock, with_kernels):
+    phases = [one_gpu_then_stock, with_kernels]
+    if degree == "ulysses_degree":  # the A/B of ulysses_attention
+        phases.append(
+            functools.partial(
+                with_kernels,
+                ops=set(FUSIONS) - {"ulysses_attention"},
+                label="N GPU kernels (diffusers Ulysses)",
+            )
+        )
+    for phase in phases:
         phase(*build())  # a fresh model each: enable_parallelism cannot be undone
         torch.cuda.empty_cache()
     return measured
@@ -258,8 +272,8 @@ def context_parallel_main(parser, args):
 
     if "WORLD_SIZE" not in os.environ:
         parser.error("--context-parallel runs under torchrun --nproc_per_node N (N GPUs)")
-    if args.model not in ("ltx", "ltx-13b"):
-        parser.error("--context-parallel: --model ltx or ltx-13b")
+    if args.model not in ("ltx", "ltx-13b", "ltx2", "ltx2.3", "ltx2.5"):
+        parser.error("--context-parallel: --model ltx, ltx-13b, ltx2, ltx2.3 or ltx2.5")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
@@ -271,8 +285,10 @@ def context_parallel_main(parser, args):
         f"torch {env['torch']}, bf16, median of {args.reps} steps (CUDA events, rank 0)"
     )
     results = []
-    for tokens in args.tokens or [8064]:
-        say(f"\n## {args.model}, batch 2 x {tokens} tokens, 128 text tokens (padded mask)")
+    # LTX-Video: 161 frames (8064 tokens); the others: the case's own shape
+    default = 8064 if args.model == "ltx" else transformer_cases.CASES[args.model].shapes[0]
+    for tokens in args.tokens or [default]:
+        say(f"\n## {args.model}, batch 2 x {tokens} tokens, padded text mask")
         say("| column | ms/step | vs 1 GPU kernels | first call s | rel L2 vs 1 GPU eager |")
         say("|---|---|---|---|---|", flush=True)
         measured = context_parallel_columns(args, tokens, world)
@@ -327,6 +343,11 @@ def main():
         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)",
     )
     parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="--context-parallel: also the GPU kernel time by category of the kernel columns",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.context_parallel:

@@ -49,7 +49,7 @@ of the transformer (torchao from PyPI), compiled; torchao replaces the weights, 
 on the CPU and come back after the row.
 
 Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU;
-LTXPipeline checkpoints): the transformer runs under diffusers' context parallelism
+LTXPipeline and LTX2Pipeline checkpoints): the transformer runs under diffusers' context parallelism
 (enable_parallelism), the kernels injected on top. The text mask every LTXPipeline call passes
 fails (Ulysses) or silently goes wrong (ring) in stock diffusers 0.42; ltx_kernels' attention
 processors handle it, so the baseline rows run the diffusers code through them
@@ -236,8 +236,7 @@ FAMILIES = {
         frame_rate=24.0,
         left_padded_text=True,
         first_frame=False,
-        no_context_parallel="not wired here (diffusers' plan splits the video stream only; "
-        "untested with the kernels)",
+        no_context_parallel=None,
         no_cache="diffusers 0.42's FirstBlockCache has no LTX-2 block registered, and "
         "PyramidAttentionBroadcast replays the guidance pass's attention in the STG and modality "
         "passes, whose batch differs, and fails",

@@ -15,10 +15,12 @@ ring attention needs on the CPU, so the ring case swaps diffusers' native attent
 aten's CPU flash attention (which returns it) for that case only.
 """
 
+import contextlib
 import copy
 import json
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ import torch.multiprocessing as mp
 
 import ltx_kernels
 from inject_helpers import REL_L2_TOLERANCE, output_of, rel_l2
+from ltx_kernels.integration import FUSIONS
 from model_zoo import ltx
 
 pytestmark = pytest.mark.skipif(
@@ -80,13 +83,46 @@ class _CpuLseAttention:
         self.dispatch._native_attention_forward_op = self.original
 
 
+class _CountUlyssesCalls:
+    """Counts the calls of ulysses_attention from the LTX and LTX-2 processors while active."""
+
+    def __enter__(self):
+        from ltx_kernels.integration import context_parallel, ltx, ltx2
+
+        self.modules, self.calls = (ltx, ltx2), 0
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return context_parallel.ulysses_attention(*args, **kwargs)
+
+        for module in self.modules:
+            module.ulysses_attention = counted
+        return self
+
+    def __exit__(self, *exc):
+        from ltx_kernels.integration import context_parallel
+
+        for module in self.modules:
+            module.ulysses_attention = context_parallel.ulysses_attention
+
+
 def _run_case(device, config, order="before", mask=True, per_token=False, train=False,
-              remove=False, backend=None, dtype=torch.float32, compile=False):  # fmt: skip
+              remove=False, backend=None, dtype=torch.float32, compile=False, ops=None,
+              model_config=None):  # fmt: skip
     """One tiny LTX model under context parallelism, injected before or after enable_parallelism;
     returns its output's (and gradients') relative L2 error against stock diffusers in one
-    process."""
+    process, and how many attention calls ran ulysses_attention."""
+    # (not under compile: Dynamo would trace the counter and recompile when it changes)
+    counter = contextlib.nullcontext(SimpleNamespace(calls=0)) if compile else _CountUlyssesCalls()
+    with counter as ulysses:
+        return _run_counted(ulysses, device, config, order, mask, per_token, train, remove,
+                            backend, dtype, compile, ops, model_config)  # fmt: skip
+
+
+def _run_counted(ulysses, device, config, order, mask, per_token, train, remove, backend, dtype,
+                 compile, ops, model_config):  # fmt: skip
     torch.manual_seed(0)
-    reference = ltx.tiny_model(dtype).to(device)
+    reference = ltx.tiny_model(dtype, **(model_config or {})).to(device)
     model = copy.deepcopy(reference)
     inputs = ltx.tiny_inputs(dtype, device=device, per_token=per_token)
     if not mask:
@@ -96,7 +132,7 @@ def _run_case(device, config, order="before", mask=True, per_token=False, train=
     result = {"tolerance": TOLERANCE if dtype == torch.float32 else REL_L2_TOLERANCE[dtype]}
 
     def inject():
-        report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
+        report = ltx_kernels.inject_optimized_kernels(model, verbose=False, ops=ops)
         result["patched"] = report.total_patched
         result["skipped"] = sorted(report.skipped)
 
@@ -122,9 +158,11 @@ def _run_case(device, config, order="before", mask=True, per_token=False, train=
         torch.set_grad_enabled(train),
         torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True),
     ):
+        ulysses.calls = 0
         out = output_of(model(**inputs))
         expected = output_of(reference(**inputs))
     result["out"] = rel_l2(out, expected)
+    result["ulysses_calls"] = ulysses.calls
     if train:
         out.square().mean().backward()
         expected.square().mean().backward()
@@ -162,6 +200,21 @@ def _full_size(device, config):
     return {"out": rel_l2(out, expected), "tolerance": REL_L2_TOLERANCE[torch.bfloat16]}
 
 
+FOUR_HEADS = dict(num_attention_heads=4, attention_head_dim=4)  # the same width, 2 heads a rank
+#: Cases whose self-attention runs ulysses_attention (two blocks: one call each), and those that
+#: keep diffusers' parallel attention (training, ring, uneven splits, the op disabled).
+ULYSSES_ATTENTION = {
+    "ulysses_inject_before": 2,
+    "ulysses_inject_after": 2,
+    "ulysses_per_token_timesteps": 2,
+    "ulysses_compiled": 0,  # not counted under compile
+    "ulysses_4_heads": 2,
+    "ulysses_train": 0,
+    "ulysses_anything": 0,
+    "ulysses_diffusers_attention": 0,
+    "ring": 0,
+}
+
 CASES = {
     "ulysses_inject_before": lambda d: _run_case(d, _ulysses(), "before"),
     "ulysses_inject_after": lambda d: _run_case(d, _ulysses(), "after"),
@@ -169,15 +222,118 @@ CASES = {
     "ulysses_train": lambda d: _run_case(d, _ulysses(), "before", train=True),
     "ulysses_compiled": lambda d: _run_case(d, _ulysses(), "before", compile=True),
     "ulysses_anything": lambda d: _run_case(d, _ulysses_anything(), "before"),
+    "ulysses_4_heads": lambda d: _run_case(d, _ulysses(), model_config=FOUR_HEADS),
+    "ulysses_diffusers_attention": lambda d: _run_case(
+        d, _ulysses(), ops=set(FUSIONS) - {"ulysses_attention"}
+    ),
     # Removal after enable_parallelism: the restored stock processors keep the parallel config
     # (no mask: stock diffusers fails with one).
     "ulysses_remove": lambda d: _run_case(d, _ulysses(), "after", mask=False, remove=True),
-    # Last: on a GPU set_attention_backend also sets diffusers' process-wide default backend.
+}
+#: Last (after the LTX-2 cases): on a GPU set_attention_backend also sets diffusers' process-wide
+#: default backend.
+RING_CASES = {
     "ring": lambda d: _run_with_lse(d, _ring(), "before"),
     "ring_inject_after": lambda d: _run_with_lse(d, _ring(), "after"),
 }
+
+
+def _ltx2_case(device, config, release="2.0", variant=None, mask=True, train=False,
+               dtype=torch.float32, backend=None, order="before"):  # fmt: skip
+    """A tiny LTX-2 model (video and audio) injected before or after enable_parallelism, against
+    stock diffusers in one process (stock fails under context parallelism: its plan does not split
+    the RoPE tables of the released "split" layout). Both outputs' relative L2 error (the
+    worse)."""
+    from model_zoo import ltx2
+
+    reference = ltx2.tiny_model(dtype, release).to(device)
+    model = copy.deepcopy(reference)
+    inputs = ltx2.inputs(dtype, release, variant, device=device)
+    if not mask:
+        inputs.update(encoder_attention_mask=None, audio_encoder_attention_mask=None)
+    if backend is not None:
+        model.set_attention_backend(backend)
+    result = {"tolerance": TOLERANCE if dtype == torch.float32 else REL_L2_TOLERANCE[dtype]}
+    if order == "after":
+        model.enable_parallelism(config=config)
+    result["skipped"] = sorted(ltx_kernels.inject_optimized_kernels(model, verbose=False).skipped)
+    if order == "before":
+        model.enable_parallelism(config=config)
+    with torch.set_grad_enabled(train), _CountUlyssesCalls() as ulysses:
+        outputs = model(**inputs)
+    with torch.no_grad():
+        expected = reference(**inputs)
+    result["out"] = max(rel_l2(out, ref) for out, ref in zip(outputs, expected))
+    result["ulysses_calls"] = ulysses.calls
+    return result
+
+
+def _ltx2_ring(device):
+    if device == "cuda":  # cuDNN attention (bf16) returns the log-sum-exp; its heads: 64 or 128
+        return _ltx2_full_width(device, _ring(), backend="_native_cudnn")
+    with _CpuLseAttention():
+        return _ltx2_case(device, _ring())
+
+
+def _ltx2_training(device):
+    try:
+        _ltx2_case(device, _ulysses(), train=True)
+    except NotImplementedError as error:
+        return {"raised": str(error)}
+    return {"raised": None}
+
+
+#: LTX-2 under Ulysses and ring: every release, text-to-video with and without the text mask,
+#: image-to-video (per-token timesteps; 2.5: the keyframe mask), STG (2.3's perturbed processor).
+LTX2_CASES = {
+    "ltx2_ulysses": lambda d: _ltx2_case(d, _ulysses()),
+    "ltx2_ulysses_no_mask": lambda d: _ltx2_case(d, _ulysses(), mask=False),
+    # inject after enable_parallelism: diffusers' plan, the output-norm patch skipped (hooked)
+    "ltx2_ulysses_inject_after": lambda d: _ltx2_case(d, _ulysses(), order="after"),
+    "ltx2.3_ulysses_stg": lambda d: _ltx2_case(d, _ulysses(), "2.3", "stg"),
+    "ltx2_ulysses_i2v": lambda d: _ltx2_case(d, _ulysses(), "2.0", "i2v"),
+    "ltx2.5_ulysses_i2v": lambda d: _ltx2_case(d, _ulysses(), "2.5", "i2v"),
+}
+RING_CASES["ltx2_ring"] = _ltx2_ring
+#: Cases that must raise, with a word of the expected message.
+RAISES = {
+    "ltx2_training": (_ltx2_training, "training LTX-2 under context parallelism"),
+}
+CASES.update(LTX2_CASES)
+CASES.update({name: run for name, (run, _) in RAISES.items()})
+CASES.update(RING_CASES)
+ULYSSES_ATTENTION.update(dict.fromkeys(LTX2_CASES, 2))  # LTX-2: each block's video self-attention
+ULYSSES_ATTENTION["ltx2_ring"] = 0
+
+
+def _ltx2_full_width(device, config, backend=None):
+    """LTX-2 at full width (two of its 48 blocks, random weights, bf16), 2 x 384 video tokens, 20
+    audio frames and a padded 32-token prompt: injected under context parallelism against stock
+    diffusers on one GPU."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from model_zoo import ltx2
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LTX2VideoTransformer3DModel(**ltx2.config("2.0", full=True, num_layers=2))
+    model = model.to(torch.bfloat16).eval()
+    inputs = ltx2.inputs(torch.bfloat16, "2.0", None, 2, 4, 8, 12, 20, 32, full=True, device=device)
+    if backend is not None:
+        model.set_attention_backend(backend)
+    with torch.no_grad():
+        expected = model(**inputs)
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+        model.enable_parallelism(config=config)
+        with _CountUlyssesCalls() as ulysses:
+            outputs = model(**inputs)
+    error = max(rel_l2(out, ref) for out, ref in zip(outputs, expected))
+    tolerance = REL_L2_TOLERANCE[torch.bfloat16]
+    return {"out": error, "tolerance": tolerance, "ulysses_calls": ulysses.calls}
+
+
 GPU_CASES = {
     "full_size_ulysses": lambda d: _full_size(d, _ulysses()),
+    "ltx2_full_width_ulysses": lambda d: _ltx2_full_width(d, _ulysses()),
 }
 
 
@@ -234,7 +390,14 @@ def results(request, tmp_path_factory):
     return _spawn(tmp_path_factory.mktemp(f"context_parallel_{request.param}"), request.param)
 
 
-@pytest.mark.parametrize("case", sorted({**CASES, **GPU_CASES}))
+@pytest.mark.parametrize("case", sorted(RAISES))
+def test_ltx2_raises_clearly(results, case):
+    """LTX-2: training under context parallelism raises with the reason."""
+    for by_case in results:
+        assert by_case[case]["raised"] and RAISES[case][1] in by_case[case]["raised"]
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - set(RAISES) | set(GPU_CASES)))
 def test_matches_one_process_stock(results, case):
     if case not in results[0]:
         pytest.skip("a full-size model: runs on 2 GPUs only")
@@ -245,6 +408,12 @@ def test_matches_one_process_stock(results, case):
         assert result["out"] <= tolerance, f"rank {rank}: output rel. L2 {result['out']:.3g}"
         if "grads" in result:
             assert result["grads"] <= tolerance, f"rank {rank}: gradient rel. L2 {result['grads']}"
+
+
+@pytest.mark.parametrize("case", sorted(ULYSSES_ATTENTION))
+def test_which_self_attention_runs_ulysses_attention(results, case):
+    for by_case in results:
+        assert by_case[case]["ulysses_calls"] == ULYSSES_ATTENTION[case]
 
 
 @pytest.mark.parametrize("case", ["ulysses_inject_before", "ring", "ulysses_train"])
@@ -273,7 +442,7 @@ def test_remove_restores_stock_processors_with_parallel_config(results):
         assert result["processor"] == "LTXVideoAttnProcessor" and result["processor_parallel"]
 
 
-def _generate_video_worker(rank, port, output):
+def _generate_video_worker(rank, port, output, model_args):
     """scripts/generate_video.py under a torchrun-like environment (gloo on the CPU)."""
     import importlib.util
     import sys
@@ -295,24 +464,49 @@ def _generate_video_worker(rank, port, output):
     sys.modules["generate_video"] = script
     spec.loader.exec_module(script)
     script.main(
-        ["--tiny", "--num-frames", "9", "--height", "64", "--width", "64", "--steps", "2"]
+        ["--tiny", *model_args, "--num-frames", "9", "--height", "64", "--width", "64"]
+        + ["--steps", "2"]
         + ["--warmup-iterations", "1", "--runs", "1", "--no-progress", "--no-video"]
         + ["--dtype", "fp32", "--compare", "--configs", "baseline,kernels"]
         + ["--context-parallel", "ulysses", "--output", output]
     )
 
 
-def test_generate_video_context_parallel(tmp_path):
+@pytest.mark.parametrize(
+    "model_args", [[], ["--model-id", "Lightricks/LTX-2"]], ids=["ltx", "ltx2"]
+)
+def test_generate_video_context_parallel(tmp_path, model_args):
     """torchrun --nproc_per_node 2 scripts/generate_video.py --context-parallel ulysses --compare:
     the rows (kernels on one GPU, then the baseline and the kernels on both), their latents equal
     within fp32 rounding, the results written by rank 0."""
     output = tmp_path / "video.mp4"
-    mp.spawn(_generate_video_worker, args=(_free_port(), str(output)), nprocs=WORLD, join=True)
+    mp.spawn(
+        _generate_video_worker,
+        args=(_free_port(), str(output), model_args),
+        nprocs=WORLD,
+        join=True,
+    )
     results = json.loads(output.with_suffix(".json").read_text())
     rows = {row["config"]: row for row in results["results"]}
     assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]
     assert rows["kernels-1gpu"]["rel_l2"] <= TOLERANCE  # one GPU vs the split baseline
     assert 0 < rows["kernels"]["rel_l2"] <= TOLERANCE
+    if model_args:  # LTX-2: the audio waveforms too
+        assert rows["kernels"]["audio_rel_l2"] <= TOLERANCE
     assert "ulysses x 2 GPUs" in rows["kernels"]["notes"]
     assert "ltx_kernels processors for the text mask" in rows["baseline"]["notes"]
     assert results["settings"]["context_parallel"] == "ulysses"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("last", [8, 12, 7])
+def test_copy_through_wide_elements(dtype, last):
+    """context_parallel._copy (8-byte elements where the last dim allows): out equals x bit for bit
+    for permuted, offset and odd-width views."""
+    from ltx_kernels.integration.context_parallel import _copy
+
+    x = torch.randn(3, 5, 4, last, dtype=torch.float64).to(dtype)
+    source = x.permute(2, 0, 1, 3)[1:]  # [3, 3, 5, last], offset and permuted
+    out = torch.full((3, 3, 5, 2, last), float("nan"), dtype=dtype)[:, :, :, 1]
+    assert _copy(out, source) is out
+    assert torch.equal(out, source)

@@ -68,6 +68,7 @@ def test_fused_backward_ops_map_ops_to_backward_ops():
     assert set(FUSED_BACKWARD_OPS.values()) == set(BACKWARD_OPS)
 
 
-def test_fusions_are_the_ops_fused_projections_and_recompute_norms():
-    assert FUSIONS == (*OPS, "fused_projections", "fused_qkv_mlp", "recompute_norms")
+def test_fusions_are_the_ops_and_the_named_fusions():
+    fusions = ("fused_projections", "fused_qkv_mlp", "recompute_norms", "ulysses_attention")
+    assert FUSIONS == (*OPS, *fusions)
     assert set(OPS) <= set(ltx_kernels.__all__)

@@ -11,7 +11,16 @@ ring attention applies each rank's mask chunk to every K/V chunk that passes by,
 The fused processors avoid both: a cross-attention under context parallelism all-gathers the text
 tokens and their mask (a few hundred tokens: one small all-gather per call, cheaper than the four
 all-to-alls of a Ulysses call whose queries and outputs are video-sized) and attends locally, this
-rank's video queries against the whole text. Self-attention keeps diffusers' parallel attention.
+rank's video queries against the whole text.
+
+Self-attention under Ulysses without gradients runs `ulysses_attention` (below; "ulysses_attention"
+in FUSIONS): diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
+copies (eight copies of a [B, s, H, D] tensor per call). Here q, k and v travel in one all-to-all,
+attention reads them where they land (strided views), and the output returns in one more: five
+such copies, through 8-byte elements, and two all-to-alls. Every other case (ring attention, uneven splits, a mask, autograd
+recording) keeps diffusers' parallel attention. (Pipelining head chunks, one chunk's all-to-all
+beside the previous chunk's attention, was slower on 2 H200s: NCCL's kernels wait for SMs and for
+the peer behind the attention kernel; benchmarks/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -78,6 +87,44 @@ def gather_sequence(x: torch.Tensor, dim: int, cp_config) -> torch.Tensor:
     return _GatherSequence.apply(x, dim, cp_config._flattened_mesh.get_group())
 
 
+def split_token_timesteps(cp_plan):
+    """A model's `_cp_plan` plus its per-token timesteps [B, S] (LTXConditionPipeline, LTX-2's
+    image-to-video) split with the tokens (a [B] timestep is left whole, with a warning from
+    diffusers)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    if cp_plan is None or "timestep" in cp_plan.get("", {}):
+        return cp_plan
+    inputs = dict(cp_plan[""])
+    inputs["timestep"] = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
+    return {**cp_plan, "": inputs}
+
+
+def shard_sequence(x: torch.Tensor, dim: int, parallel_config) -> torch.Tensor:
+    """This rank's chunk of `x` along `dim`, as diffusers' plan splits a model input (for an
+    optional input, which the plan cannot name: its hook raises on an absent argument); `x` as it is
+    without context parallelism."""
+    cp_config = context_parallel_config(parallel_config)
+    if cp_config is None:
+        return x
+    from diffusers.hooks.context_parallel import EquipartitionSharder, PartitionAnythingSharder
+
+    if cp_config.ulysses_anything or cp_config.ring_anything:
+        return PartitionAnythingSharder.shard_anything(x, dim, cp_config._flattened_mesh)
+    return EquipartitionSharder.shard(x, dim, cp_config._flattened_mesh)
+
+
+def local_rope_tables(cos_sin, tokens: int, parallel_config):
+    """RoPE tables (cos, sin; tokens in dim -2) of a tensor of `tokens` tokens: this rank's chunk
+    when they span the whole sequence (the plan split the tensor, not its tables), else as they
+    are."""
+    if cos_sin is None or context_parallel_config(parallel_config) is None:
+        return cos_sin
+    if cos_sin[0].shape[-2] == tokens:
+        return cos_sin
+    return tuple(shard_sequence(t, t.dim() - 2, parallel_config) for t in cos_sin)
+
+
 def gather_cross_attention_inputs(parallel_config, encoder_hidden_states, attention_mask):
     """Under context parallelism, the whole text (tokens and mask, sequence last in the mask) for a
     cross-attention and None as the parallel config to attend with; otherwise the inputs unchanged."""
@@ -88,3 +135,83 @@ def gather_cross_attention_inputs(parallel_config, encoder_hidden_states, attent
     if attention_mask is not None:
         attention_mask = gather_sequence(attention_mask, attention_mask.ndim - 1, cp_config)
     return encoder_hidden_states, attention_mask, None
+
+
+def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> bool:
+    """Whether a self-attention call runs `ulysses_attention`: Ulysses only (no ring, even splits),
+    no mask, q and k of one length, heads divisible by the degree, and no autograd recording
+    (diffusers' Ulysses carries the backward)."""
+    cp_config = context_parallel_config(parallel_config)
+    return (
+        "ulysses_attention" in ops
+        and cp_config is not None
+        and cp_config.ulysses_degree > 1
+        and cp_config.ring_degree == 1
+        and not cp_config.ulysses_anything
+        and attention_mask is None
+        and query.shape[1] == key.shape[1]
+        and query.shape[2] % cp_config.ulysses_degree == 0
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)))
+    )
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all along dim 0 of a contiguous tensor (waits on the stream at its first use)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_to_all_single(x, None, None, group)
+
+
+def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out.copy_(x) through 8-byte elements where the last dim of both allows it. torch's copy of
+    permuted views moves one element per access (about a third of the copy bandwidth in bf16);
+    the same bytes as 8-byte elements move in a quarter of the accesses. (Compiled: Inductor
+    writes its own copy kernel.)"""
+    width = 8 // x.element_size()
+    if torch.compiler.is_compiling():
+        return out.copy_(x)
+
+    def widens(t):
+        return (
+            t.stride(-1) == 1
+            and t.shape[-1] % width == 0
+            and t.storage_offset() % width == 0
+            and all(stride % width == 0 for stride in t.stride()[:-1])
+        )
+
+    if x.dtype == out.dtype and width > 1 and widens(out) and widens(x):
+        out.view(torch.int64).copy_(x.view(torch.int64))
+    else:
+        out.copy_(x)
+    return out
+
+
+def ulysses_attention(query, key, value, parallel_config, attend) -> torch.Tensor:
+    """Ulysses self-attention: query/key/value [B, s, H, D] (this rank's s tokens of the sequence,
+    every head; any strides with D contiguous) -> [B, s, H * D]. `attend(q, k, v)` attends this
+    rank's heads over the whole sequence: [B, S, h, D] each -> [B, S, h, D].
+
+    Rank r attends heads [r h, (r + 1) h), h = H / N. q, k and v travel in one send buffer
+    [N (to rank), s, B, 3, h * D]; what arrives, [N (from rank), s, B, 3, h * D], is the whole
+    sequence (token = rank * s + t) in a layout in which q, k and v are strided views
+    [B, S, h, D], attended where they are. The output returns as [N, s, B, h * D] and is copied
+    into [B, s, N, h * D] = [B, s, H * D]. The same attention as on one GPU, head by head."""
+    cp_config = context_parallel_config(parallel_config)
+    group = cp_config._ulysses_mesh.get_group()
+    ranks = cp_config.ulysses_degree
+    batch, tokens, heads, head_dim = query.shape
+    width = heads // ranks * head_dim  # of one rank's heads
+
+    send = query.new_empty(ranks, tokens, batch, 3, width)
+    for i, x in enumerate((query, key, value)):  # [B, s, H, D] -> [N, s, B, h * D]
+        _copy(send[:, :, :, i], x.flatten(2).unflatten(2, (ranks, width)).permute(2, 1, 0, 3))
+    qkv = _all_to_all(send, group).flatten(0, 1).transpose(0, 1)  # [B, S, 3, h * D]
+    qkv = qkv.unflatten(3, (heads // ranks, head_dim))
+    out = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).flatten(2)  # [B, S, h * D]
+    out = _copy(
+        out.new_empty(ranks, tokens, batch, width),
+        out.unflatten(1, (ranks, tokens)).permute(1, 2, 0, 3),
+    )
+    out = _all_to_all(out, group)  # [N, s, B, h * D], back on the tokens' rank
+    result = out.new_empty(batch, tokens, ranks, width)
+    return _copy(result, out.permute(2, 1, 0, 3)).flatten(2)

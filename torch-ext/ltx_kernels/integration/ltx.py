@@ -17,8 +17,9 @@ FP8 (fp8=True): attn1's q/k/v (one FP8 GEMM) and out, attn2's q and out, the FF'
 norm1 and norm2 emit their output as FP8 rows for attn1's q/k/v and the FF, the FF's GELU emits
 its output as FP8 rows for the down projection; attn2's text K/V stay bf16.
 
-Under diffusers' context parallelism attn2 attends to the whole text (context_parallel.py), and the
-patched model's `_cp_plan` also splits per-token timesteps ([B, S], LTXConditionPipeline).
+Under diffusers' context parallelism attn2 attends to the whole text, attn1 under Ulysses runs
+ulysses_attention (context_parallel.py), and the patched model's `_cp_plan` also splits per-token
+timesteps ([B, S], LTXConditionPipeline).
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ import torch
 
 from . import FusedAttnProcessor, recompute, steps
 from .linears import self_cross_ff_fp8_linears
-from .context_parallel import gather_cross_attention_inputs
+from .context_parallel import (
+    gather_cross_attention_inputs,
+    runs_ulysses_attention,
+    split_token_timesteps,
+    ulysses_attention,
+)
 
 
 def _diffusers_rope(x, cos_sin):
@@ -86,17 +92,23 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        def attend(query, key, value, parallel_config=None):
+            return dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=parallel_config,
+            )
+
+        if runs_ulysses_attention(self.ops, parallel_config, query, key, attention_mask):
+            hidden_states = ulysses_attention(query, key, value, parallel_config, attend)
+        else:
+            hidden_states = attend(query, key, value, parallel_config).flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
         hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         return attn.to_out[1](hidden_states)
 
@@ -248,24 +260,12 @@ def patch_block(name: str, block, injector) -> None:
         injector.skip("LTXVideoTransformerBlock feed-forward", f"{name}.ff", reason)
 
 
-def _split_token_timesteps(cp_plan):
-    """diffusers' LTX `_cp_plan` plus the per-token timesteps [B, S] of LTXConditionPipeline, split
-    with the tokens (a [B] timestep is left whole, with a warning from diffusers)."""
-    from diffusers.models._modeling_parallel import ContextParallelInput
-
-    if cp_plan is None or "timestep" in cp_plan.get("", {}):
-        return cp_plan
-    inputs = dict(cp_plan[""])
-    inputs["timestep"] = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
-    return {**cp_plan, "": inputs}
-
-
 def patch_model(name: str, model, injector) -> None:
     if injector.swap_forward(
         name, model, model_forward, "LTXVideoTransformer3DModel (output norm)", required=False
     ):
         patched_class = type(model)
-        patched_class._cp_plan = _split_token_timesteps(getattr(patched_class, "_cp_plan", None))
+        patched_class._cp_plan = split_token_timesteps(getattr(patched_class, "_cp_plan", None))
 
 
 PATCHERS = {

@@ -44,6 +44,15 @@ from typing import Any
 import torch
 
 from . import FusedAttnProcessor, recompute, steps
+from .context_parallel import (
+    context_parallel_config,
+    gather_cross_attention_inputs,
+    local_rope_tables,
+    runs_ulysses_attention,
+    shard_sequence,
+    split_token_timesteps,
+    ulysses_attention,
+)
 from .ltx import _lora_scaled
 
 # ------------------------------------------------------------------------------------------------
@@ -212,6 +221,16 @@ def attention(
     perturbation mask) with the q/k norms and RoPE on our ops."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+    key_tokens = (hidden_states if encoder_hidden_states is None else encoder_hidden_states).shape[
+        1
+    ]
+    query_rotary_emb = local_rope_tables(
+        query_rotary_emb, hidden_states.shape[1], processor._parallel_config
+    )
+    key_rotary_emb = local_rope_tables(key_rotary_emb, key_tokens, processor._parallel_config)
+    encoder_hidden_states, attention_mask, parallel_config = _context_parallel_inputs(
+        processor, hidden_states, encoder_hidden_states, attention_mask
+    )
     batch_size, sequence_length, _ = (
         hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
     )
@@ -238,17 +257,32 @@ def attention(
             query_rotary_emb,
             key_rotary_emb,
         )
-        hidden_states = dispatch_attention_fn(
-            query.unflatten(2, (attn.heads, -1)),
-            key.unflatten(2, (attn.heads, -1)),
-            value.unflatten(2, (attn.heads, -1)),
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=processor._attention_backend,
-            parallel_config=processor._parallel_config,
+        query_heads, key_heads, value_heads = (
+            t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)
         )
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+
+        def attend(query, key, value, parallel_config=None):
+            return dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=processor._attention_backend,
+                parallel_config=parallel_config,
+            )
+
+        if runs_ulysses_attention(
+            processor.ops, parallel_config, query_heads, key_heads, attention_mask
+        ):
+            hidden_states = ulysses_attention(
+                query_heads, key_heads, value_heads, parallel_config, attend
+            )
+        else:
+            hidden_states = attend(query_heads, key_heads, value_heads, parallel_config)
+            hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
         if perturbation_mask is not None:
             hidden_states = torch.lerp(value, hidden_states, perturbation_mask)
 
@@ -260,10 +294,71 @@ def attention(
     return attn.to_out[1](hidden_states)
 
 
+# ------------------------------------------------------------------------------------------------
+# Context parallelism: the video tokens (and the video's text) split over the GPUs, the audio whole
+# ------------------------------------------------------------------------------------------------
+#: What each attention of a block attends under context parallelism (the processor's cp_role).
+#: The patched model's plan (_cp_plan) splits the video tokens, per-token timesteps and keyframe
+#: mask, and the video's text and its mask; each processor takes the chunk of the RoPE tables of the
+#: tokens it holds; the audio and its text stay whole on every GPU. So: video self-attention runs diffusers' parallel attention (or
+#: ulysses_attention); the video's text cross-attention gathers the text and attends locally;
+#: audio-to-video attends this GPU's video queries to the whole audio, and the audio's self- and
+#: text attention are whole: all three local; video-to-audio (audio queries, the whole audio on
+#: every GPU, against split video keys) runs diffusers' parallel attention, which gives every GPU
+#: the full result for its copy of the queries.
+CP_ROLES = {
+    "attn1": "parallel",
+    "attn2": "gather_text",
+    "audio_attn1": "local",
+    "audio_attn2": "local",
+    "audio_to_video_attn": "local",
+    "video_to_audio_attn": "parallel",
+}
+
+
+def _context_parallel_inputs(processor, hidden_states, encoder_hidden_states, attention_mask):
+    """(encoder_hidden_states, attention_mask, parallel config to attend with) of one attention call
+    under the processor's cp_role (CP_ROLES); the inputs unchanged without context parallelism."""
+    parallel_config = processor._parallel_config
+    if context_parallel_config(parallel_config) is None:
+        return encoder_hidden_states, attention_mask, parallel_config
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        raise NotImplementedError(
+            "ltx_kernels: training LTX-2 under context parallelism is not supported (the audio "
+            "stream runs whole on every GPU, so its gradients would be counted once per GPU); "
+            "inference (no_grad) is"
+        )
+    role = processor.cp_role
+    if role == "gather_text":
+        return gather_cross_attention_inputs(parallel_config, encoder_hidden_states, attention_mask)
+    if role == "local":
+        return encoder_hidden_states, attention_mask, None
+    if attention_mask is not None:  # the IC-LoRA video self-attention mask [B, S, S]
+        raise NotImplementedError(
+            "ltx_kernels: LTX-2's video_self_attention_mask under context parallelism is not "
+            "supported (its query rows would have to be split with the tokens); run without "
+            "enable_parallelism"
+        )
+    return encoder_hidden_states, attention_mask, parallel_config
+
+
+def context_parallel_plan(cp_plan):
+    """diffusers' LTX-2 `_cp_plan` without its RoPE entries (the processors take their chunk of
+    the tables, local_rope_tables: the plan splits only 3-dim tables, not the [B, H, S, r] ones of
+    the "split" layout of every released checkpoint) and with per-token timesteps ([B, S],
+    image-to-video) split with the tokens. (The keyframe mask of 2.5, [B, S, 1], is an optional
+    input, which a plan cannot name: the patched forward takes its chunk.)"""
+    if cp_plan is None:
+        return None
+    return split_token_timesteps({key: plan for key, plan in cp_plan.items() if key != "rope"})
+
+
 class LTX2KernelsAttnProcessor(FusedAttnProcessor):
     """`LTX2AudioVideoAttnProcessor` with the q/k RMSNorm and RoPE on our ops. Same signature
     (LTX2Attention filters its kwargs by it); backend and parallel config are copied from the
-    replaced processor and passed where diffusers passes them."""
+    replaced processor; under context parallelism, cp_role (CP_ROLES) says what it attends."""
+
+    cp_role = "parallel"
 
     def __call__(
         self,
@@ -288,6 +383,8 @@ class LTX2KernelsAttnProcessor(FusedAttnProcessor):
 class LTX2KernelsPerturbedAttnProcessor(FusedAttnProcessor):
     """`LTX2PerturbedAttnProcessor` (spatio-temporal guidance: perturbed samples take the values
     instead of the attention) with the q/k RMSNorm and RoPE on our ops. Same signature."""
+
+    cp_role = "parallel"
 
     def __call__(
         self,
@@ -602,6 +699,8 @@ def _model_forward(
 
     # 2.1. Mark tokens whose latent encodes a single pixel frame (causal first frame, generated keyframe slots).
     if self.config.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
+        if video_keyframes_mask.shape[1] != hidden_states.shape[1]:  # under context parallelism
+            video_keyframes_mask = shard_sequence(video_keyframes_mask, 1, self._parallel_config)
         marker = (video_keyframes_mask > 0).to(dtype=hidden_states.dtype)
         hidden_states = hidden_states + marker * self.keyframes_abs_pos_embedding.to(
             dtype=hidden_states.dtype
@@ -818,7 +917,7 @@ _PROCESSORS = {
 }
 
 
-def _patch_attention(name: str, attn, kind: str, injector) -> None:
+def _patch_attention(name: str, attn, kind: str, cp_role: str, injector) -> None:
     processor = attn.processor
     ours = _PROCESSORS.get(type(processor).__name__)
     if ours is None:
@@ -831,6 +930,7 @@ def _patch_attention(name: str, attn, kind: str, injector) -> None:
         injector.skip(kind, name, _differs(type(processor), "__call__"))
     else:
         injector.set_processor(name, attn, ours(), kind)
+        attn.processor.cp_role = cp_role
     if attn.to_gate_logits is not None:
         injector.skip(
             GATES, name, "2 * sigmoid(to_gate_logits(x)) has no kernel; runs as in diffusers"
@@ -853,14 +953,16 @@ def patch_block(name: str, block, injector) -> None:
             if reason:
                 injector.skip(f"{BLOCK} feed-forward", f"{name}.{ff_name}", reason)
     for attn_name, kind in _ATTENTION.items():
-        _patch_attention(f"{name}.{attn_name}", getattr(block, attn_name), kind, injector)
+        attn = getattr(block, attn_name)
+        _patch_attention(f"{name}.{attn_name}", attn, kind, CP_ROLES[attn_name], injector)
 
 
 def patch_model(name: str, model, injector) -> None:
     if not _reproduces(type(model), "forward"):
         injector.skip(MODEL, name, _differs(type(model), "forward"))
-    else:
-        injector.swap_forward(name, model, model_forward, MODEL, required=False)
+    elif injector.swap_forward(name, model, model_forward, MODEL, required=False):
+        patched_class = type(model)
+        patched_class._cp_plan = context_parallel_plan(getattr(patched_class, "_cp_plan", None))
 
 
 PATCHERS = {
