@@ -84,26 +84,24 @@ class _CpuLseAttention:
 
 
 class _CountUlyssesCalls:
-    """Counts the calls of ulysses_attention from the LTX and LTX-2 processors while active."""
+    """Counts the calls of context_parallel.ulysses_attention while active."""
 
     def __enter__(self):
-        from ltx_kernels.integration import context_parallel, ltx, ltx2
+        from ltx_kernels.integration import context_parallel
 
-        self.modules, self.calls = (ltx, ltx2), 0
+        self.original, self.calls = context_parallel.ulysses_attention, 0
 
         def counted(*args, **kwargs):
             self.calls += 1
-            return context_parallel.ulysses_attention(*args, **kwargs)
+            return self.original(*args, **kwargs)
 
-        for module in self.modules:
-            module.ulysses_attention = counted
+        context_parallel.ulysses_attention = counted
         return self
 
     def __exit__(self, *exc):
         from ltx_kernels.integration import context_parallel
 
-        for module in self.modules:
-            module.ulysses_attention = context_parallel.ulysses_attention
+        context_parallel.ulysses_attention = self.original
 
 
 def _run_case(device, config, order="before", mask=True, per_token=False, train=False,

@@ -162,6 +162,31 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.all_to_all_single(x, None, None, group)
 
 
+def attend(processor, query, key, value, heads: int, attention_mask, parallel_config):
+    """diffusers' attention (dispatch_attention_fn with the processor's backend) of q/k/v
+    [B, S, heads * D] -> [B, S, heads * D]; under Ulysses, where runs_ulysses_attention says so,
+    through ulysses_attention."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    query, key, value = (t.unflatten(2, (heads, -1)) for t in (query, key, value))
+
+    def dispatch(query, key, value, parallel_config=None):
+        return dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=processor._attention_backend,
+            parallel_config=parallel_config,
+        )
+
+    if runs_ulysses_attention(processor.ops, parallel_config, query, key, attention_mask):
+        return ulysses_attention(query, key, value, parallel_config, dispatch)
+    return dispatch(query, key, value, parallel_config).flatten(2, 3)
+
+
 def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """out.copy_(x) through 8-byte elements where the last dim of both allows it. torch's copy of
     permuted views moves one element per access (about a third of the copy bandwidth in bf16);

@@ -30,12 +30,7 @@ import torch
 
 from . import FusedAttnProcessor, recompute, steps
 from .linears import self_cross_ff_fp8_linears
-from .context_parallel import (
-    gather_cross_attention_inputs,
-    runs_ulysses_attention,
-    split_token_timesteps,
-    ulysses_attention,
-)
+from .context_parallel import attend, gather_cross_attention_inputs, split_token_timesteps
 
 
 def _diffusers_rope(x, cos_sin):
@@ -57,8 +52,6 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         encoder_hidden_states, attention_mask, parallel_config = gather_cross_attention_inputs(
             self._parallel_config, encoder_hidden_states, attention_mask
         )
@@ -88,26 +81,7 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
             _diffusers_rope,
             across_heads=True,
         )
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-
-        def attend(query, key, value, parallel_config=None):
-            return dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=parallel_config,
-            )
-
-        if runs_ulysses_attention(self.ops, parallel_config, query, key, attention_mask):
-            hidden_states = ulysses_attention(query, key, value, parallel_config, attend)
-        else:
-            hidden_states = attend(query, key, value, parallel_config).flatten(2, 3)
+        hidden_states = attend(self, query, key, value, attn.heads, attention_mask, parallel_config)
         hidden_states = hidden_states.to(query.dtype)
         hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         return attn.to_out[1](hidden_states)

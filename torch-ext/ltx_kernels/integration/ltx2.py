@@ -45,13 +45,12 @@ import torch
 
 from . import FusedAttnProcessor, recompute, steps
 from .context_parallel import (
+    attend,
     context_parallel_config,
     gather_cross_attention_inputs,
     local_rope_tables,
-    runs_ulysses_attention,
     shard_sequence,
     split_token_timesteps,
-    ulysses_attention,
 )
 from .ltx import _lora_scaled
 
@@ -219,15 +218,10 @@ def attention(
 ):
     """`LTX2PerturbedAttnProcessor.__call__` (= `LTX2AudioVideoAttnProcessor.__call__` without a
     perturbation mask) with the q/k norms and RoPE on our ops."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-    key_tokens = (hidden_states if encoder_hidden_states is None else encoder_hidden_states).shape[
-        1
-    ]
-    query_rotary_emb = local_rope_tables(
-        query_rotary_emb, hidden_states.shape[1], processor._parallel_config
-    )
-    key_rotary_emb = local_rope_tables(key_rotary_emb, key_tokens, processor._parallel_config)
+    keys = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+    parallel = processor._parallel_config  # each table's chunk: of the tokens its tensor holds
+    query_rotary_emb = local_rope_tables(query_rotary_emb, hidden_states.shape[1], parallel)
+    key_rotary_emb = local_rope_tables(key_rotary_emb, keys.shape[1], parallel)
     encoder_hidden_states, attention_mask, parallel_config = _context_parallel_inputs(
         processor, hidden_states, encoder_hidden_states, attention_mask
     )
@@ -257,31 +251,9 @@ def attention(
             query_rotary_emb,
             key_rotary_emb,
         )
-        query_heads, key_heads, value_heads = (
-            t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)
+        hidden_states = attend(
+            processor, query, key, value, attn.heads, attention_mask, parallel_config
         )
-
-        def attend(query, key, value, parallel_config=None):
-            return dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=processor._attention_backend,
-                parallel_config=parallel_config,
-            )
-
-        if runs_ulysses_attention(
-            processor.ops, parallel_config, query_heads, key_heads, attention_mask
-        ):
-            hidden_states = ulysses_attention(
-                query_heads, key_heads, value_heads, parallel_config, attend
-            )
-        else:
-            hidden_states = attend(query_heads, key_heads, value_heads, parallel_config)
-            hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
         if perturbation_mask is not None:
             hidden_states = torch.lerp(value, hidden_states, perturbation_mask)
