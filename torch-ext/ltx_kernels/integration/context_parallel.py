@@ -17,10 +17,13 @@ Self-attention under Ulysses without gradients runs `ulysses_attention` (below; 
 in FUSIONS): diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
 copies (eight copies of a [B, s, H, D] tensor per call). Here q, k and v travel in one all-to-all,
 attention reads them where they land (strided views), and the output returns in one more: five
-such copies, through 8-byte elements, and two all-to-alls. Every other case (ring attention, uneven splits, a mask, autograd
-recording) keeps diffusers' parallel attention. (Pipelining head chunks, one chunk's all-to-all
-beside the previous chunk's attention, was slower on 2 H200s: NCCL's kernels wait for SMs and for
-the peer behind the attention kernel; benchmarks/NOTES.md.)
+such copies, through 8-byte elements, and two all-to-alls. Every other case (ring attention,
+uneven splits, a mask, autograd recording) keeps diffusers' parallel attention. (Pipelining head
+chunks, one chunk's all-to-all beside the previous chunk's attention, was slower on 2 H200s:
+NCCL's kernels wait for SMs and for the peer behind the attention kernel; benchmarks/NOTES.md.)
+
+LTX-2 keeps its audio whole on every GPU; its processors attend by role (ltx2.CP_ROLES) and take
+their chunk of the RoPE tables (local_rope_tables).
 """
 
 from __future__ import annotations
