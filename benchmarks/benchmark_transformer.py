@@ -16,13 +16,14 @@ bf16, with one denoising step's inputs at a typical resolution: transformer_case
 others have one, the default).
 
 --context-parallel ulysses|ring (LTX-Video and LTX-2 models; launch with torchrun --nproc_per_node
-N): diffusers' context parallelism over the N GPUs, in these columns: 1-GPU eager and kernels (each rank alone on
-its GPU), N-GPU stock diffusers with the padded text mask (fails or is wrong in diffusers 0.42:
-reported) and without it, N-GPU with the kernels (injected before enable_parallelism), and that with
-compile_repeated_blocks; under Ulysses the same two with diffusers' Ulysses attention in place of
-ulysses_attention (the A/B). --profile adds the GPU kernel time by category of the kernel columns.
-Ring attention runs on cuDNN (`_native_cudnn`, every column), the backend
-that returns the log-sum-exp ring attention needs and takes a mask. Rank 0 prints and writes.
+N): diffusers' context parallelism over the N GPUs, in these columns: 1-GPU eager and kernels
+(each rank alone on its GPU), N-GPU stock diffusers with the padded text mask (fails or is wrong
+in diffusers 0.42: reported) and without it, N-GPU with the kernels (injected before
+enable_parallelism), and that with compile_repeated_blocks; under Ulysses the same two with
+diffusers' Ulysses attention in place of ulysses_attention (the A/B). --profile adds the GPU kernel
+time by category of the kernel columns. Ring attention runs on cuDNN (`_native_cudnn`, every
+column), the backend that returns the log-sum-exp ring attention needs and takes a mask. Rank 0
+prints and writes.
 
 Time per step: CUDA events around each call (the user-visible step time, CPU launch gaps included),
 median of --reps calls after warm-up; compile time is the wall time of the first call. Each column's
@@ -203,7 +204,7 @@ def rel_l2(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def context_parallel_columns(args, tokens, world):
+def context_parallel_columns(args, tokens, rank, world):
     """{column: (first call s, ms, output) or an error string} for one LTX shape under diffusers'
     context parallelism (module docstring)."""
     from diffusers import ContextParallelConfig
@@ -217,8 +218,6 @@ def context_parallel_columns(args, tokens, world):
         if backend:
             model.set_attention_backend(backend)
         return model, call
-
-    rank = int(os.environ["RANK"])
 
     def attempt(column, fn):
         try:
@@ -291,7 +290,7 @@ def context_parallel_main(parser, args):
         say(f"\n## {args.model}, batch 2 x {tokens} tokens, padded text mask")
         say("| column | ms/step | vs 1 GPU kernels | first call s | rel L2 vs 1 GPU eager |")
         say("|---|---|---|---|---|", flush=True)
-        measured = context_parallel_columns(args, tokens, world)
+        measured = context_parallel_columns(args, tokens, rank, world)
         rows = {}
         for column, value in measured.items():
             if isinstance(value, str):

@@ -49,10 +49,10 @@ of the transformer (torchao from PyPI), compiled; torchao replaces the weights, 
 on the CPU and come back after the row.
 
 Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU;
-LTXPipeline and LTX2Pipeline checkpoints): the transformer runs under diffusers' context parallelism
-(enable_parallelism), the kernels injected on top. The text mask every LTXPipeline call passes
-fails (Ulysses) or silently goes wrong (ring) in stock diffusers 0.42; ltx_kernels' attention
-processors handle it, so the baseline rows run the diffusers code through them
+LTXPipeline and LTX2Pipeline checkpoints): the transformer runs under diffusers' context
+parallelism (enable_parallelism), the kernels injected on top. The text mask every LTXPipeline
+call passes fails (Ulysses) or silently goes wrong (ring) in stock diffusers 0.42; ltx_kernels'
+attention processors handle it, so the baseline rows run the diffusers code through them
 (inject_optimized_kernels(ops=())) and stay comparable. --compare adds a first row: the kernels on
 one GPU (every rank alone). Compiling is per block there. Ring attention runs on cuDNN (the backend
 that returns the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writes

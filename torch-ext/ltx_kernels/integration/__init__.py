@@ -17,9 +17,9 @@ How a module is patched, and why that way:
   module as diffusers does. So a step never bypasses a hook.
 
 Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS, "fused_projections",
-"fused_qkv_mlp", "recompute_norms" and "ulysses_attention") minus the comma-separated names in the environment variable
-LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that step only, so kernels
-can be taken out one at a time when hunting a numerical difference.
+"fused_qkv_mlp", "recompute_norms" and "ulysses_attention") minus the comma-separated names in the
+environment variable LTX_KERNELS_DISABLE. A disabled op falls back to the diffusers code for that
+step only, so kernels can be taken out one at a time when hunting a numerical difference.
 
 Linears (linears.py): a patcher names the projections of one input that run as one GEMM
 (fuse_projections) and, for fp8=True, the block Linears that run in FP8 (fp8_linears); both are
@@ -46,8 +46,8 @@ from .module_checks import has_forward_hook, plain_tensor
 #: (eager training: a norm's or a single LoRA projection's output that lora_linear or
 #: qk_rmsnorm_rope saves for backward is recomputed there instead, recompute.py; without it, saved
 #: as autograd saves it), and "ulysses_attention" (self-attention under diffusers' Ulysses context
-#: parallelism with one all-to-all per head chunk, pipelined with attention, context_parallel.py;
-#: without it, diffusers' Ulysses attention).
+#: parallelism: q/k/v in one all-to-all, attended where they land, the output in one more,
+#: context_parallel.py; without it, diffusers' Ulysses attention).
 FUSIONS = (*OPS, "fused_projections", "fused_qkv_mlp", "recompute_norms", "ulysses_attention")
 #: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
 #: step uses them while autograd records through it (training). These are the ops with a fused

@@ -270,10 +270,11 @@ def attention(
 # Context parallelism: the video tokens (and the video's text) split over the GPUs, the audio whole
 # ------------------------------------------------------------------------------------------------
 #: What each attention of a block attends under context parallelism (the processor's cp_role).
-#: The patched model's plan (_cp_plan) splits the video tokens, per-token timesteps and keyframe
-#: mask, and the video's text and its mask; each processor takes the chunk of the RoPE tables of the
-#: tokens it holds; the audio and its text stay whole on every GPU. So: video self-attention runs diffusers' parallel attention (or
-#: ulysses_attention); the video's text cross-attention gathers the text and attends locally;
+#: The patched model's plan (_cp_plan) splits the video tokens, per-token timesteps, the video's
+#: text and its mask (the patched forward: the keyframe mask); each processor takes the chunk of
+#: the RoPE tables of the tokens it holds; the audio and its text stay whole on every GPU. So:
+#: video self-attention runs diffusers' parallel attention (or ulysses_attention); the video's
+#: text cross-attention gathers the text and attends locally;
 #: audio-to-video attends this GPU's video queries to the whole audio, and the audio's self- and
 #: text attention are whole: all three local; video-to-audio (audio queries, the whole audio on
 #: every GPU, against split video keys) runs diffusers' parallel attention, which gives every GPU
