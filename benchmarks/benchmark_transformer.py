@@ -21,7 +21,9 @@ N): diffusers' context parallelism over the N GPUs, in these columns: 1-GPU eage
 in diffusers 0.42: reported) and without it, N-GPU with the kernels (injected before
 enable_parallelism), and that with compile_repeated_blocks; under Ulysses the same two with
 diffusers' Ulysses attention in place of ulysses_attention (the A/B). --profile adds the GPU kernel
-time by category of the kernel columns. Ring attention runs on cuDNN (`_native_cudnn`, every
+time by category of the kernel columns; --graph the 1-GPU and N-GPU kernel columns replayed as one
+CUDA graph per step (NCCL's kernels inside): the step's GPU time without host launch gaps, which
+also keep one GPU waiting for the other in the collectives. Ring attention runs on cuDNN (`_native_cudnn`, every
 column), the backend that returns the log-sum-exp ring attention needs and takes a mask. Rank 0
 prints and writes.
 
@@ -150,6 +152,39 @@ def time_step(fn, reps: int):
     return first_s, statistics.median(times), out
 
 
+def graph_step(fn, reps: int):
+    """(capture seconds, median ms per replay, output) of fn captured as one CUDA graph (after
+    two warm-up calls on a side stream): the step's GPU time without host launch gaps."""
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread queries its events while a rank captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - start
+        for _ in range(2):
+            graph.replay()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        out = out.clone()
+    del graph
+    return capture_s, statistics.median(times), out
+
+
 def uncompile_blocks(model):
     for module in model.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
@@ -219,9 +254,9 @@ def context_parallel_columns(args, tokens, rank, world):
             model.set_attention_backend(backend)
         return model, call
 
-    def attempt(column, fn):
+    def attempt(column, fn, timer=time_step):
         try:
-            measured[column] = time_step(fn, args.reps)
+            measured[column] = timer(fn, args.reps)
         except Exception as error:  # reported as the column's result
             measured[column] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
 
@@ -229,6 +264,8 @@ def context_parallel_columns(args, tokens, rank, world):
         for column in ("eager", "kernels"):
             with configured(column, model) as target:
                 attempt(f"1 GPU {column}", lambda: call(target))
+                if args.graph and column == "kernels":
+                    attempt("1 GPU kernels, CUDA graph", lambda: call(target), graph_step)
         model.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
         attempt("N GPU eager (mask)", lambda: call(model))
         attempt("N GPU eager (no mask)", lambda: call(model, mask=False))
@@ -237,6 +274,8 @@ def context_parallel_columns(args, tokens, rank, world):
         ltx_kernels.inject_optimized_kernels(model, verbose=False, ops=ops)
         model.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
         attempt(label, lambda: call(model))
+        if args.graph:
+            attempt(f"{label}, CUDA graph", lambda: call(model), graph_step)
         if args.profile:
             import profile_step
 
@@ -298,7 +337,8 @@ def context_parallel_main(parser, args):
                 say(f"| {column} | fails: {value} | | | |", flush=True)
                 continue
             first_s, ms, out = value
-            base = measured.get("1 GPU kernels")
+            graphed = ", CUDA graph" if column.endswith(", CUDA graph") else ""
+            base = measured.get(f"1 GPU kernels{graphed}")  # a graph against a graph
             eager = measured.get("1 GPU eager")
             row = rows[column] = dict(ms=ms, first_call_s=first_s)
             row["speedup_vs_1gpu_kernels"] = base[1] / ms if isinstance(base, tuple) else None
@@ -346,6 +386,11 @@ def main():
         "--profile",
         action="store_true",
         help="--context-parallel: also the GPU kernel time by category of the kernel columns",
+    )
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="--context-parallel: also the kernel columns replayed as one CUDA graph per step",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

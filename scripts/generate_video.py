@@ -48,12 +48,13 @@ the path a user would pick instead: torchao's float8 dynamic rowwise quantizatio
 of the transformer (torchao from PyPI), compiled; torchao replaces the weights, the bf16 ones wait
 on the CPU and come back after the row.
 
-Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU;
-LTXPipeline and LTX2Pipeline checkpoints): the transformer runs under diffusers' context
-parallelism (enable_parallelism), the kernels injected on top. The text mask every LTXPipeline
-call passes fails (Ulysses) or silently goes wrong (ring) in stock diffusers 0.42; ltx_kernels'
-attention processors handle it, so the baseline rows run the diffusers code through them
-(inject_optimized_kernels(ops=())) and stay comparable. --compare adds a first row: the kernels on
+Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU; every
+checkpoint): the transformer runs under diffusers' context parallelism (enable_parallelism), the
+kernels injected on top. The text mask every LTXPipeline call passes fails (Ulysses) or silently
+goes wrong (ring) in stock diffusers 0.42, and its plan does not split LTXConditionPipeline's
+per-token timesteps; ltx_kernels' attention processors and patched plan handle both, so the
+baseline rows run the diffusers code through them (inject_optimized_kernels(ops=())) and stay
+comparable. --compare adds a first row: the kernels on
 one GPU (every rank alone). Compiling is per block there. Ring attention runs on cuDNN (the backend
 that returns the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writes
 the outputs.
@@ -141,7 +142,6 @@ class Family:
     frame_rate: float  # the pipeline's default frame_rate
     left_padded_text: bool  # Gemma pads prompts on the left, T5 on the right
     first_frame: bool  # condition on a first frame: per-token timesteps [B, S] in the transformer
-    no_context_parallel: str | None  # why --context-parallel does not apply, if it does not
     no_cache: str | None  # why --cache does not apply, if it does not
     tiny: dict  # --tiny: section -> config overrides (a value, or a function of the real one)
 
@@ -215,7 +215,6 @@ FAMILIES = {
         frame_rate=25,
         left_padded_text=False,
         first_frame=False,
-        no_context_parallel=None,
         no_cache=None,
         tiny=LTX_TINY,
     ),
@@ -225,8 +224,6 @@ FAMILIES = {
         frame_rate=25,
         left_padded_text=False,
         first_frame=True,
-        no_context_parallel="diffusers' context-parallel plan does not split its per-token "
-        "timesteps [B, S]",
         no_cache=None,
         tiny=LTX_TINY,
     ),
@@ -236,7 +233,6 @@ FAMILIES = {
         frame_rate=24.0,
         left_padded_text=True,
         first_frame=False,
-        no_context_parallel=None,
         no_cache="diffusers 0.42's FirstBlockCache has no LTX-2 block registered, and "
         "PyramidAttentionBroadcast replays the guidance pass's attention in the STG and modality "
         "passes, whose batch differs, and fails",
@@ -546,8 +542,6 @@ def check_family(args, family: Family, error) -> None:
     if args.frame_rate is None:
         args.frame_rate = family.frame_rate
     name = f"{args.pipeline} ({args.model_id})"
-    if args.context_parallel and family.no_context_parallel:
-        error(f"--context-parallel: not with {name}: {family.no_context_parallel}")
     if args.cache and family.no_cache:
         error(f"--cache: not with {name}: {family.no_cache}")
 

@@ -84,24 +84,31 @@ class _CpuLseAttention:
 
 
 class _CountUlyssesCalls:
-    """Counts the calls of context_parallel.ulysses_attention while active."""
+    """Counts the calls of context_parallel.ulysses_attention (calls) and gather_sequence
+    (gathers) while active."""
+
+    NAMES = {"calls": "ulysses_attention", "gathers": "gather_sequence"}
 
     def __enter__(self):
         from ltx_kernels.integration import context_parallel
 
-        self.original, self.calls = context_parallel.ulysses_attention, 0
+        self.originals = {}
+        for count, name in self.NAMES.items():
+            setattr(self, count, 0)
+            original = self.originals[name] = getattr(context_parallel, name)
 
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return self.original(*args, **kwargs)
+            def counted(*args, _count=count, _original=original, **kwargs):
+                setattr(self, _count, getattr(self, _count) + 1)
+                return _original(*args, **kwargs)
 
-        context_parallel.ulysses_attention = counted
+            setattr(context_parallel, name, counted)
         return self
 
     def __exit__(self, *exc):
         from ltx_kernels.integration import context_parallel
 
-        context_parallel.ulysses_attention = self.original
+        for name, original in self.originals.items():
+            setattr(context_parallel, name, original)
 
 
 def _run_case(device, config, order="before", mask=True, per_token=False, train=False,
@@ -141,6 +148,7 @@ def _run_counted(ulysses, device, config, order, mask, per_token, train, remove,
         inject()
     if remove:
         result["restored"] = ltx_kernels.remove_optimized_kernels(model)
+    result["split_inputs"] = _split_inputs(model)
     if compile:  # fullgraph, and the second call must not recompile
         torch._dynamo.reset()
         model.compile_repeated_blocks(fullgraph=True)
@@ -156,8 +164,9 @@ def _run_counted(ulysses, device, config, order, mask, per_token, train, remove,
         torch.set_grad_enabled(train),
         torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True),
     ):
-        ulysses.calls = 0
+        ulysses.calls = ulysses.gathers = 0
         out = output_of(model(**inputs))
+        result["text_gathers"] = ulysses.gathers
         expected = output_of(reference(**inputs))
     result["out"] = rel_l2(out, expected)
     result["ulysses_calls"] = ulysses.calls
@@ -172,6 +181,11 @@ def _run_counted(ulysses, device, config, order, mask, per_token, train, remove,
             errors.append(rel_l2(parameter.grad, stock.grad))
         result["grads"] = max(errors)
     return result
+
+
+def _split_inputs(model) -> list[str]:
+    """The inputs diffusers' split hook on the model splits (its plan's "" entry)."""
+    return sorted(model._diffusers_hook.get_hook("cp_input---").metadata)
 
 
 def _run_with_lse(device, config, order):
@@ -205,6 +219,7 @@ ULYSSES_ATTENTION = {
     "ulysses_inject_before": 2,
     "ulysses_inject_after": 2,
     "ulysses_per_token_timesteps": 2,
+    "ulysses_inject_after_per_token_timesteps": 2,
     "ulysses_compiled": 0,  # not counted under compile
     "ulysses_4_heads": 2,
     "ulysses_train": 0,
@@ -217,6 +232,10 @@ CASES = {
     "ulysses_inject_before": lambda d: _run_case(d, _ulysses(), "before"),
     "ulysses_inject_after": lambda d: _run_case(d, _ulysses(), "after"),
     "ulysses_per_token_timesteps": lambda d: _run_case(d, _ulysses(), "before", per_token=True),
+    # (LTXConditionPipeline as generate_video.py runs it: enable_parallelism, then the kernels)
+    "ulysses_inject_after_per_token_timesteps": lambda d: _run_case(
+        d, _ulysses(), "after", per_token=True
+    ),
     "ulysses_train": lambda d: _run_case(d, _ulysses(), "before", train=True),
     "ulysses_compiled": lambda d: _run_case(d, _ulysses(), "before", compile=True),
     "ulysses_anything": lambda d: _run_case(d, _ulysses_anything(), "before"),
@@ -286,21 +305,91 @@ def _ltx2_training(device):
 LTX2_CASES = {
     "ltx2_ulysses": lambda d: _ltx2_case(d, _ulysses()),
     "ltx2_ulysses_no_mask": lambda d: _ltx2_case(d, _ulysses(), mask=False),
-    # inject after enable_parallelism: diffusers' plan, the output-norm patch skipped (hooked)
+    # inject after enable_parallelism: the split hook moves onto the patched forward
     "ltx2_ulysses_inject_after": lambda d: _ltx2_case(d, _ulysses(), order="after"),
+    "ltx2.5_ulysses_i2v_inject_after": lambda d: _ltx2_case(
+        d, _ulysses(), "2.5", "i2v", order="after"
+    ),
     "ltx2.3_ulysses_stg": lambda d: _ltx2_case(d, _ulysses(), "2.3", "stg"),
     "ltx2_ulysses_i2v": lambda d: _ltx2_case(d, _ulysses(), "2.0", "i2v"),
     "ltx2.5_ulysses_i2v": lambda d: _ltx2_case(d, _ulysses(), "2.5", "i2v"),
 }
 RING_CASES["ltx2_ring"] = _ltx2_ring
+
+
+def _wan_case(device, config, variant="t2v"):
+    """The tiny Wan transformer injected before enable_parallelism, against stock diffusers in one
+    process (Wan's plan splits the tokens at its first block; its cross-attention stays local)."""
+    from model_zoo import wan
+
+    torch.manual_seed(0)
+    reference = wan.tiny_model(torch.float32, **(wan.I2V if variant == "i2v" else {})).to(device)
+    model = copy.deepcopy(reference)
+    inputs = {
+        name: value.to(device) if torch.is_tensor(value) else value
+        for name, value in wan.tiny_inputs(torch.float32, variant).items()
+    }
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    model.enable_parallelism(config=config)
+    with torch.no_grad(), _CountUlyssesCalls() as ulysses:
+        out = model(**inputs)[0]
+        expected = reference(**inputs)[0]
+    return {"out": rel_l2(out, expected), "tolerance": TOLERANCE, "ulysses_calls": ulysses.calls}
+
+
+def _text_gather_reuse(device):
+    """gather_cross_attention_inputs reuses its last gather for the same, unmodified tensors only:
+    not after the text or the gathered text is written, not for another tensor of the same
+    values, not under autograd recording."""
+    from ltx_kernels.integration import context_parallel
+
+    model = ltx.tiny_model(torch.float32).to(device)
+    model.enable_parallelism(config=_ulysses())
+    config = model.transformer_blocks[0].attn2.processor._parallel_config
+
+    def gather(text, mask):
+        return context_parallel.gather_cross_attention_inputs(config, text, mask)[:2]
+
+    text = torch.randn(2, 3, 8, device=device)
+    mask = torch.randn(2, 1, 3, device=device)
+    first = gather(text, mask)
+    checks = {"reused": all(a is b for a, b in zip(gather(text, mask), first))}
+    checks["same values, other tensor"] = gather(text.clone(), mask)[0] is not first[0]
+    first = gather(text, mask)
+    text.add_(1)
+    after_write = gather(text, mask)
+    checks["text written"] = after_write[0] is not first[0] and torch.equal(
+        after_write[0], first[0] + 1
+    )
+    after_write[0].mul_(2)  # a consumer writing into the gathered text
+    checks["gathered text written"] = gather(text, mask)[0] is not after_write[0]
+    with torch.inference_mode():  # no version counters: the same tensors are enough
+        text, mask = text.clone(), mask.clone()
+        checks["inference mode"] = gather(text, mask)[0] is gather(text, mask)[0]
+    text = text.clone()
+    with torch.enable_grad():
+        text.requires_grad_(True)
+        checks["autograd"] = gather(text, mask)[0] is not gather(text, mask)[0]
+    return {"failed": sorted(name for name, ok in checks.items() if not ok)}
+
+
+#: Wan under Ulysses: text-to-video, I2V (the image context), TI2V (a timestep per token).
+WAN_CASES = {
+    f"wan_ulysses_{variant}": lambda d, variant=variant: _wan_case(d, _ulysses(), variant)
+    for variant in ("t2v", "i2v", "ti2v")
+}
 #: Cases that must raise, with a word of the expected message.
 RAISES = {
     "ltx2_training": (_ltx2_training, "training LTX-2 under context parallelism"),
 }
 CASES.update(LTX2_CASES)
+CASES.update(WAN_CASES)
+CHECKS = {"text_gather_reuse": _text_gather_reuse}
+CASES.update(CHECKS)
 CASES.update({name: run for name, (run, _) in RAISES.items()})
 CASES.update(RING_CASES)
 ULYSSES_ATTENTION.update(dict.fromkeys(LTX2_CASES, 2))  # LTX-2: each block's video self-attention
+ULYSSES_ATTENTION.update(dict.fromkeys(WAN_CASES, 2))  # Wan: each block's self-attention
 ULYSSES_ATTENTION["ltx2_ring"] = 0
 
 
@@ -395,7 +484,29 @@ def test_ltx2_raises_clearly(results, case):
         assert by_case[case]["raised"] and RAISES[case][1] in by_case[case]["raised"]
 
 
-@pytest.mark.parametrize("case", sorted(set(CASES) - set(RAISES) | set(GPU_CASES)))
+@pytest.mark.parametrize("case", sorted(CHECKS))
+def test_checks(results, case):
+    for by_case in results:
+        assert by_case[case].get("failed") == [], by_case[case]
+
+
+#: Text gathers of one inference call of the tiny LTX model: its text and mask once (reused by
+#: every block); training gathers per block (autograd recording).
+TEXT_GATHERS = {
+    "ulysses_inject_before": 2,
+    "ulysses_inject_after_per_token_timesteps": 2,
+    "ring": 2,
+    "ulysses_train": 2 * ltx.TINY["num_layers"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(TEXT_GATHERS))
+def test_text_gathered_once_per_step(results, case):
+    for by_case in results:
+        assert by_case[case]["text_gathers"] == TEXT_GATHERS[case]
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - set(RAISES) - set(CHECKS) | set(GPU_CASES)))
 def test_matches_one_process_stock(results, case):
     if case not in results[0]:
         pytest.skip("a full-size model: runs on 2 GPUs only")
@@ -414,30 +525,33 @@ def test_which_self_attention_runs_ulysses_attention(results, case):
         assert by_case[case]["ulysses_calls"] == ULYSSES_ATTENTION[case]
 
 
-@pytest.mark.parametrize("case", ["ulysses_inject_before", "ring", "ulysses_train"])
-def test_injected_before_patches_everything(results, case):
+@pytest.mark.parametrize(
+    "case", ["ulysses_inject_before", "ulysses_inject_after", "ring", "ring_inject_after"]
+)
+def test_injection_patches_everything_in_either_order(results, case):
+    """Injected before or after enable_parallelism, everything is patched, the model's output norm
+    included (after: diffusers' split hook moves onto the patched forward), and the model's split
+    hook splits the per-token timesteps too."""
     for by_case in results:
-        assert by_case[case]["processor"] == "LTXKernelsAttnProcessor"
-        assert by_case[case]["processor_parallel"]
-        assert by_case[case]["skipped"] == []
+        result = by_case[case]
+        assert result["processor"] == "LTXKernelsAttnProcessor"
+        assert result["processor_parallel"]
+        assert result["skipped"] == []
         # blocks, two processors and attn1's fused q/k/v projections each, the output norm
-        assert by_case[case]["patched"] == 4 * ltx.TINY["num_layers"] + 1
+        assert result["patched"] == 4 * ltx.TINY["num_layers"] + 1
+        assert "timestep" in result["split_inputs"]
 
 
-def test_injected_after_skips_only_the_output_norm(results):
-    """enable_parallelism wraps the model's forward in a hook: the output-norm patch is skipped
-    (reported); blocks and processors are patched and get the parallel config."""
-    for by_case in results:
-        result = by_case["ulysses_inject_after"]
-        assert result["processor"] == "LTXKernelsAttnProcessor" and result["processor_parallel"]
-        assert result["skipped"] == ["LTXVideoTransformer3DModel (output norm)"]
-
-
-def test_remove_restores_stock_processors_with_parallel_config(results):
+def test_remove_restores_stock_model_and_processors_with_parallel_config(results):
+    """Removal after injecting after enable_parallelism: blocks, processors and the model back,
+    the stock processors with the parallel config, the model's split hook with diffusers' plan."""
     for by_case in results:
         result = by_case["ulysses_remove"]
-        assert result["restored"] == 3 * ltx.TINY["num_layers"]
+        assert result["restored"] == 3 * ltx.TINY["num_layers"] + 1
         assert result["processor"] == "LTXVideoAttnProcessor" and result["processor_parallel"]
+        assert result["split_inputs"] == [
+            "encoder_attention_mask", "encoder_hidden_states", "hidden_states"
+        ]  # fmt: skip
 
 
 def _generate_video_worker(rank, port, output, model_args):
@@ -471,7 +585,9 @@ def _generate_video_worker(rank, port, output, model_args):
 
 
 @pytest.mark.parametrize(
-    "model_args", [[], ["--model-id", "Lightricks/LTX-2"]], ids=["ltx", "ltx2"]
+    "model_args",
+    [[], ["--model-id", "Lightricks/LTX-Video-0.9.7-dev"], ["--model-id", "Lightricks/LTX-2"]],
+    ids=["ltx", "ltx_condition", "ltx2"],
 )
 def test_generate_video_context_parallel(tmp_path, model_args):
     """torchrun --nproc_per_node 2 scripts/generate_video.py --context-parallel ulysses --compare:
@@ -489,7 +605,7 @@ def test_generate_video_context_parallel(tmp_path, model_args):
     assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]
     assert rows["kernels-1gpu"]["rel_l2"] <= TOLERANCE  # one GPU vs the split baseline
     assert 0 < rows["kernels"]["rel_l2"] <= TOLERANCE
-    if model_args:  # LTX-2: the audio waveforms too
+    if "LTX-2" in str(model_args):  # the audio waveforms too
         assert rows["kernels"]["audio_rel_l2"] <= TOLERANCE
     assert "ulysses x 2 GPUs" in rows["kernels"]["notes"]
     assert "ltx_kernels processors for the text mask" in rows["baseline"]["notes"]

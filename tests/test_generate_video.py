@@ -525,11 +525,6 @@ def test_recommended_call_unless_the_flags_say(gv, flags, steps, guidance, call)
     "flags, message",
     [
         (
-            ["--model-id", "ltx-video-0.9.8-13b-distilled", "--context-parallel", "ring"],
-            "--context-parallel: not with LTXConditionPipeline (ltx-video-0.9.8-13b-distilled): "
-            "diffusers' context-parallel plan does not split its per-token timesteps [B, S]",
-        ),
-        (
             [
                 "--model-id",
                 "Lightricks/LTX-2.3",

@@ -29,6 +29,7 @@ fuse their FP8 weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections import Counter, defaultdict
@@ -36,7 +37,7 @@ from collections import Counter, defaultdict
 import torch
 
 from .._op_names import FUSED_BACKWARD_OPS, OPS
-from . import linears
+from . import context_parallel, linears
 from .module_checks import has_forward_hook, plain_tensor
 
 #: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
@@ -71,6 +72,8 @@ DISABLE_ENV = "LTX_KERNELS_DISABLE"
 _ORIGINAL_CLASS = "_ltx_kernels_original_class"
 _OPS = "_ltx_kernels_ops"
 _ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
+# The plan entry of diffusers' split hook on a model injected after enable_parallelism.
+_UNPATCHED_SPLIT_PLAN = "_ltx_kernels_unpatched_split_plan"
 # What diffusers sets on every attention processor that has it (set_attention_backend,
 # enable_parallelism): carried over both ways when a processor is replaced or restored.
 _PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
@@ -214,10 +217,31 @@ class Injector:
                 )
 
     def swap_forward(
-        self, name: str, module: torch.nn.Module, forward, kind: str, required: bool = True
+        self,
+        name: str,
+        module: torch.nn.Module,
+        forward,
+        kind: str,
+        required: bool = True,
+        replan=None,
     ) -> bool:
         """Gives `module` a same-named subclass of its class whose forward is `forward`.
-        required=False: a hooked module is skipped (reported) instead of raising."""
+        required=False: a hooked module is skipped (reported) instead of raising. `replan`: for a
+        model, how the subclass's context-parallel plan (`_cp_plan`) differs from its class's (a
+        plan -> plan function); after enable_parallelism, diffusers' split hook on the model is
+        lifted and put back on the new forward with that plan."""
+        if replan is None:
+            return self._swap_forward(name, module, forward, kind, required)
+        with context_parallel.beneath_model_split_hook(module, replan) as unpatched_plan:
+            if not self._swap_forward(name, module, forward, kind, required):
+                return False
+            patched_class = type(module)
+            patched_class._cp_plan = replan(getattr(patched_class, "_cp_plan", None))
+            if unpatched_plan is not None:  # for remove_optimized_kernels
+                module.__dict__[_UNPATCHED_SPLIT_PLAN] = unpatched_plan
+            return True
+
+    def _swap_forward(self, name, module, forward, kind, required) -> bool:
         if has_forward_hook(module):
             reason = (
                 "its forward is wrapped by a hook (offloading, caching or layerwise casting "
@@ -452,7 +476,14 @@ def remove_optimized_kernels(pipe_or_model) -> int:
     for prefix, model in _models(pipe_or_model):
         modules = list(model.named_modules())
         for name, module in modules:
-            if hasattr(type(module), _ORIGINAL_CLASS) and has_forward_hook(module):
+            if (
+                hasattr(type(module), _ORIGINAL_CLASS)
+                and has_forward_hook(module)
+                and not (
+                    _UNPATCHED_SPLIT_PLAN in vars(module)
+                    and context_parallel.has_only_model_split_hook(module)
+                )
+            ):
                 raise RuntimeError(
                     f"remove_optimized_kernels: {'.'.join(p for p in (prefix, name) if p) or '<root>'}"
                     f" ({type(module).__name__}) got a forward hook after injection, which holds the "
@@ -468,10 +499,7 @@ def remove_optimized_kernels(pipe_or_model) -> int:
                 continue
             original_class = getattr(type(module), _ORIGINAL_CLASS, None)
             if original_class is not None:
-                if "forward" in vars(module):  # stale bound patched forward left by a removed hook
-                    del module.forward
-                module.__class__ = original_class
-                del module.__dict__[_OPS]
+                _restore_class(module, original_class)
                 restored += 1
             original_processor = module.__dict__.pop(_ORIGINAL_PROCESSOR, None)
             if original_processor is not None:
@@ -483,3 +511,18 @@ def remove_optimized_kernels(pipe_or_model) -> int:
                 module.set_processor(original_processor)
                 restored += 1
     return restored
+
+
+def _restore_class(module: torch.nn.Module, original_class: type) -> None:
+    """Gives a patched module its class back (a model injected after enable_parallelism: beneath
+    diffusers' split hook, which gets diffusers' plan back)."""
+    unpatched_plan = module.__dict__.pop(_UNPATCHED_SPLIT_PLAN, None)
+    with (
+        context_parallel.beneath_model_split_hook(module, lambda _: {"": unpatched_plan})
+        if unpatched_plan is not None
+        else contextlib.nullcontext()
+    ):
+        if "forward" in vars(module):  # stale bound patched forward left by a removed hook
+            del module.forward
+        module.__class__ = original_class
+    del module.__dict__[_OPS]

@@ -9,9 +9,11 @@ fails in diffusers 0.42: Ulysses all-gathers the mask's sequence but not its hea
 ring attention applies each rank's mask chunk to every K/V chunk that passes by, silently wrong.
 
 The fused processors avoid both: a cross-attention under context parallelism all-gathers the text
-tokens and their mask (a few hundred tokens: one small all-gather per call, cheaper than the four
-all-to-alls of a Ulysses call whose queries and outputs are video-sized) and attends locally, this
-rank's video queries against the whole text.
+tokens and their mask (a few hundred tokens: cheaper than the four all-to-alls of a Ulysses call
+whose queries and outputs are video-sized) and attends locally, this rank's video queries against
+the whole text. In inference the blocks of a step share one gather (gather_cross_attention_inputs).
+Collectives are waited at once: functional collectives return a Python tensor subclass through
+which every later op would dispatch (a third of the eager step's host time on 2 H200s).
 
 Self-attention under Ulysses without gradients runs `ulysses_attention` (below; "ulysses_attention"
 in FUSIONS): diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
@@ -27,6 +29,8 @@ their chunk of the RoPE tables (local_rope_tables).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -48,11 +52,13 @@ def _collective(name: str):
 
 
 def _waited(tensor):
+    """A functional collective's result as a plain tensor, its wait enqueued now. (Eager,
+    functional collectives return an AsyncCollectiveTensor, a Python subclass that defers the wait
+    to its first use: each op on it, views included, runs through Python dispatch, ~0.1 ms of
+    host time; under Dynamo the result is plain already.)"""
     import torch.distributed._functional_collectives as funcol
 
-    return (
-        funcol.wait_tensor(tensor) if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
-    )
+    return tensor.trigger_wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -88,6 +94,49 @@ def gather_sequence(x: torch.Tensor, dim: int, cp_config) -> torch.Tensor:
             )
         return PartitionAnythingSharder.unshard_anything(x, dim, cp_config._flattened_mesh)
     return _GatherSequence.apply(x, dim, cp_config._flattened_mesh.get_group())
+
+
+#: diffusers' name for the hook enable_parallelism puts on the model itself (its plan's "" entry,
+#: which splits the model's inputs).
+_MODEL_SPLIT_HOOK = "cp_input---"
+
+
+def has_only_model_split_hook(model: torch.nn.Module) -> bool:
+    """True when diffusers' context-parallel split hook is the only hook wrapping model.forward
+    (no other diffusers hook, no accelerate hook, no torch forward hook)."""
+    from diffusers.hooks import HookRegistry
+
+    registry = getattr(model, "_diffusers_hook", None)
+    return (
+        isinstance(registry, HookRegistry)
+        and list(registry.hooks) == [_MODEL_SPLIT_HOOK]
+        and not hasattr(model, "_hf_hook")
+        and not (model._forward_hooks or model._forward_pre_hooks)
+    )
+
+
+@contextlib.contextmanager
+def beneath_model_split_hook(model: torch.nn.Module, replan):
+    """For a body that swaps the model's forward after enable_parallelism: when diffusers' split
+    hook is the only hook on the model, lifts it for the body and puts it back on the new forward,
+    its plan entry passed through `replan` (a `_cp_plan` -> `_cp_plan` function, e.g.
+    split_token_timesteps), so that the model is as if injected before enable_parallelism. Yields
+    the plan entry it lifted (None, doing nothing, when the model has no such hook or others too)."""
+    if not has_only_model_split_hook(model):
+        yield None
+        return
+    registry = model._diffusers_hook
+    hook = registry.get_hook(_MODEL_SPLIT_HOOK)
+    registry.remove_hook(_MODEL_SPLIT_HOOK)
+    try:
+        yield hook.metadata
+    except BaseException:
+        registry.register_hook(hook, _MODEL_SPLIT_HOOK)  # as it was
+        raise
+    from diffusers.hooks.context_parallel import ContextParallelSplitHook
+
+    plan = replan({"": hook.metadata})[""]
+    registry.register_hook(ContextParallelSplitHook(plan, hook.parallel_config), _MODEL_SPLIT_HOOK)
 
 
 def split_token_timesteps(cp_plan):
@@ -130,14 +179,59 @@ def local_rope_tables(cos_sin, tokens: int, parallel_config):
 
 def gather_cross_attention_inputs(parallel_config, encoder_hidden_states, attention_mask):
     """Under context parallelism, the whole text (tokens and mask, sequence last in the mask) for a
-    cross-attention and None as the parallel config to attend with; otherwise the inputs unchanged."""
+    cross-attention and None as the parallel config to attend with; otherwise the inputs unchanged.
+    Every block of a step attends to the same text tensors: without autograd recording (and not
+    under compile) the last call's gather is reused while its inputs are the same, unmodified
+    tensors, so a step gathers its text once instead of once per block. (Inference tensors,
+    made under torch.inference_mode, have no version counter: for them "unmodified" rests on
+    nothing in diffusers writing a block's text in place.)"""
     cp_config = context_parallel_config(parallel_config)
     if cp_config is None or encoder_hidden_states is None:
         return encoder_hidden_states, attention_mask, parallel_config
+    inputs = (encoder_hidden_states, attention_mask)
+    reusable = not torch.compiler.is_compiling() and not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    )
+    outputs = _last_text_gather_of(cp_config, inputs) if reusable else None
+    if outputs is not None:
+        return (*outputs, None)
     encoder_hidden_states = gather_sequence(encoder_hidden_states, 1, cp_config)
     if attention_mask is not None:
         attention_mask = gather_sequence(attention_mask, attention_mask.ndim - 1, cp_config)
+    if reusable:
+        tensors = (*inputs, encoder_hidden_states, attention_mask)
+        versions = tuple(_version(t) for t in tensors)
+        _last_text_gather[:] = [cp_config, _capturing(), tensors, versions]
     return encoder_hidden_states, attention_mask, None
+
+
+#: [config, whether a CUDA graph was being captured, (text, mask, gathered text, gathered mask),
+#: their versions] of the last reusable gather_cross_attention_inputs call (held: the tensors' ids
+#: stay theirs).
+_last_text_gather: list = []
+
+
+def _last_text_gather_of(cp_config, inputs):
+    """The last reusable call's (gathered text, gathered mask) when it had this config and these
+    input tensors and none of the four was written since; else None."""
+    if not _last_text_gather:
+        return None
+    config, capturing, tensors, versions = _last_text_gather
+    if config is not cp_config or capturing != _capturing():  # (a graph reads what it gathered)
+        return None
+    if any(t is not u for t, u in zip(tensors, inputs)):
+        return None
+    if any(_version(t) != v for t, v in zip(tensors, versions)):
+        return None
+    return tensors[2:]
+
+
+def _version(t: torch.Tensor | None) -> int | None:
+    return None if t is None or t.is_inference() else t._version
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> bool:
@@ -162,7 +256,7 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """All-to-all along dim 0 of a contiguous tensor (waits on the stream at its first use)."""
     import torch.distributed._functional_collectives as funcol
 
-    return funcol.all_to_all_single(x, None, None, group)
+    return _waited(funcol.all_to_all_single(x, None, None, group))
 
 
 def attend(processor, query, key, value, heads: int, attention_mask, parallel_config):

@@ -235,11 +235,14 @@ def patch_block(name: str, block, injector) -> None:
 
 
 def patch_model(name: str, model, injector) -> None:
-    if injector.swap_forward(
-        name, model, model_forward, "LTXVideoTransformer3DModel (output norm)", required=False
-    ):
-        patched_class = type(model)
-        patched_class._cp_plan = split_token_timesteps(getattr(patched_class, "_cp_plan", None))
+    injector.swap_forward(
+        name,
+        model,
+        model_forward,
+        "LTXVideoTransformer3DModel (output norm)",
+        required=False,
+        replan=split_token_timesteps,
+    )
 
 
 PATCHERS = {

@@ -933,9 +933,10 @@ def patch_block(name: str, block, injector) -> None:
 def patch_model(name: str, model, injector) -> None:
     if not _reproduces(type(model), "forward"):
         injector.skip(MODEL, name, _differs(type(model), "forward"))
-    elif injector.swap_forward(name, model, model_forward, MODEL, required=False):
-        patched_class = type(model)
-        patched_class._cp_plan = context_parallel_plan(getattr(patched_class, "_cp_plan", None))
+    else:
+        injector.swap_forward(
+            name, model, model_forward, MODEL, required=False, replan=context_parallel_plan
+        )
 
 
 PATCHERS = {

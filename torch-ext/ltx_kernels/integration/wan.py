@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import FusedAttnProcessor, recompute, steps
+from .context_parallel import attend
 from .linears import self_cross_ff_fp8_linears
 
 # Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
@@ -107,7 +108,8 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
 class WanKernelsAttnProcessor(FusedAttnProcessor):
     """`WanAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature; backend and
     parallel config are copied from the replaced processor and passed where diffusers passes
-    them. The q/k/v projections are the attention module's own module's helpers."""
+    them (context_parallel.attend: self-attention under Ulysses runs ulysses_attention). The
+    q/k/v projections are the attention module's own module's helpers."""
 
     # Whether cross-attention (and I2V's image context) also gets the parallel config: Wan's
     # processor passes it to self-attention only, SkyReels-V2's to every attention.
@@ -125,22 +127,14 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         helpers = self.projection_helpers
 
-        def attend(key, value, attn_mask, parallel_config):
-            out = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attn_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=parallel_config,
-            )
-            return out.flatten(2, 3).type_as(query)
+        def attend_query(key, value, attn_mask, parallel_config):  # heads-shaped k/v -> [B, S, C]
+            out = attend(
+                self, query.flatten(2), key.flatten(2), value.flatten(2), attn.heads, attn_mask,
+                parallel_config,
+            )  # fmt: skip
+            return out.type_as(query)
 
         encoder_hidden_states_img = None
         if attn.add_k_proj is not None:
@@ -163,10 +157,10 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
             key_img, value_img = helpers._get_added_kv_projections(attn, encoder_hidden_states_img)
             key_img = _heads(attn, attn.norm_added_k(key_img))
             cross_parallel = self._parallel_config if self.parallel_cross_attention else None
-            hidden_states_img = attend(key_img, _heads(attn, value_img), None, cross_parallel)
+            hidden_states_img = attend_query(key_img, _heads(attn, value_img), None, cross_parallel)
 
         self_attention = encoder_hidden_states is None
-        hidden_states = attend(
+        hidden_states = attend_query(
             key,
             value,
             attention_mask,
