@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -27,20 +28,27 @@ def input_sets(make, bytes_per_set: int, min_sets: int = 2):
     return [make() for _ in range(count)]
 
 
-def graph_time_us(fn, arg_sets, replays: int = 30, warmup_replays: int = 3) -> float:
-    """Median GPU time per call of fn(*args), in µs, from CUDA-graph replays over arg_sets."""
+def graph_replays(fn, arg_sets, replays: int = 30, warmup_replays: int = 3,
+                  capture_error_mode: str = "global"):  # fmt: skip
+    """fn(*args) for every set of arg_sets captured in one CUDA graph (after a warm-up call of each
+    on a side stream: compilation, autotuning, lazy init), then replayed: (ms of each timed replay,
+    the captured calls' outputs, capture seconds). capture_error_mode="thread_local" where another
+    thread uses CUDA while this one captures (NCCL's watchdog)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (compilation, autotuning, lazy init) off the graph
+    with torch.cuda.stream(stream):
         for args in arg_sets:
             fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    start_s = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     outputs = []  # kept alive so every call writes its own buffer
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         for args in arg_sets:
             outputs.append(fn(*args))
+    torch.cuda.synchronize()
+    capture_s = time.perf_counter() - start_s
     for _ in range(warmup_replays):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,7 +59,13 @@ def graph_time_us(fn, arg_sets, replays: int = 30, warmup_replays: int = 3) -> f
         end.record()
         end.synchronize()
         times_ms.append(start.elapsed_time(end))
-    del graph, outputs
+    # (the outputs outlive the graph: their blocks of its pool are freed with them)
+    return times_ms, outputs, capture_s
+
+
+def graph_time_us(fn, arg_sets, replays: int = 30, warmup_replays: int = 3) -> float:
+    """Median GPU time per call of fn(*args), in µs, from CUDA-graph replays over arg_sets."""
+    times_ms, _, _ = graph_replays(fn, arg_sets, replays, warmup_replays)
     return statistics.median(times_ms) * 1000.0 / len(arg_sets)
 
 

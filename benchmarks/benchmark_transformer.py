@@ -153,36 +153,14 @@ def time_step(fn, reps: int):
 
 
 def graph_step(fn, reps: int):
-    """(capture seconds, median ms per replay, output) of fn captured as one CUDA graph (after
-    two warm-up calls on a side stream): the step's GPU time without host launch gaps."""
+    """(capture seconds, median ms per replay, output) of fn captured as one CUDA graph: the step's
+    GPU time without host launch gaps (thread_local capture: NCCL's watchdog thread queries its
+    events while a rank captures)."""
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: NCCL's watchdog thread queries its events while a rank captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = fn()
-        torch.cuda.synchronize()
-        capture_s = time.perf_counter() - start
-        for _ in range(2):
-            graph.replay()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        out = out.clone()
-    del graph
-    return capture_s, statistics.median(times), out
+        times_ms, (out,), capture_s = bench_utils.graph_replays(
+            fn, [()], reps, warmup_replays=2, capture_error_mode="thread_local"
+        )
+    return capture_s, statistics.median(times_ms), out
 
 
 def uncompile_blocks(model):
