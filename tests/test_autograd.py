@@ -33,8 +33,9 @@ def _x_for(kind, x):
     return x.unflatten(1, (FRAMES, -1)) if kind == "frames" else x
 
 
-def cases(op, dtype, device):
-    """(id, args, kwargs) of `op` covering its input forms; every float tensor may require grad."""
+def cases(op, dtype, device, S=S):
+    """(id, args, kwargs) of `op` covering its input forms, at sequence length S (a multiple of
+    FRAMES); every float tensor may require grad."""
     x = make_activation((B, S, D), dtype, device, "row_strided")
     y = _rand(B, S, D, dtype=dtype, device=device)
     weight = _rand(D, dtype=dtype, device=device, std=0.3).add_(1)
@@ -268,6 +269,92 @@ def test_compiled_forward_backward(op, device):
     torch.compile(step, fullgraph=True)(*compiled_inputs).backward()
     for a, b in zip(compiled_inputs, eager_inputs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_compiled_dynamic_shapes_do_not_recompile_in_training(op):
+    """torch.compile(fullgraph=True, dynamic=True) of forward + backward with every tensor input
+    requiring grad, in every input form of the op: a second sequence length runs the same graphs
+    (no recompile: bucketed training changes it every step) and gives the eager gradients. (A
+    concrete size or stride read in the C++ autograd, rather than a symbolic one, specializes the
+    traced backward to the first length.)"""
+    import torch._dynamo
+
+    for index, (case, _, kwargs) in enumerate(cases(op, torch.float32, "cpu")):
+
+        def args_for(seq, index=index):
+            return cases(op, torch.float32, "cpu", S=seq)[index][1]
+
+        # The arguments without their tensors (captured, they would be graph constants): None
+        # in each tensor's place, which `places` lists in _tensors' order.
+        template = args_for(S)
+        places = [
+            (i, j)
+            for i, a in enumerate(template)
+            for j in (
+                [None]
+                if isinstance(a, torch.Tensor)
+                else range(len(a))
+                if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)
+                else []
+            )
+        ]
+        template = [
+            None if isinstance(a, torch.Tensor) else list(a) if isinstance(a, list) else a
+            for a in template
+        ]
+
+        def step(*tensors, template=template, places=places, kwargs=kwargs):
+            full = [list(a) if isinstance(a, list) else a for a in template]
+            for (i, j), t in zip(places, tensors):
+                if j is None:
+                    full[i] = t
+                else:
+                    full[i][j] = t
+            outputs = getattr(ltx_kernels, op)(*full, **kwargs)
+            return sum(
+                o.float().sum() for o in (outputs if isinstance(outputs, tuple) else (outputs,))
+            )
+
+        torch._dynamo.reset()
+        # aot_eager: AOTAutograd traces forward and backward through our autograd as Inductor's
+        # does (what specializes does so there); Inductor's own size heuristics are not ours.
+        compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+        for seq, recompile_ok in ((5 * FRAMES, True), (11 * FRAMES, False)):  # (no size shared)
+            args = args_for(seq)  # (leaf copies of the same tensors for each run)
+            compiled_inputs, eager_inputs = (_tensors(_requiring_grad(args)) for _ in range(2))
+            with torch._dynamo.config.patch(error_on_recompile=not recompile_ok):
+                compiled(*compiled_inputs).backward()
+            step(*eager_inputs).backward()
+            for a, b in zip(compiled_inputs, eager_inputs):
+                what = f"{op}[{case}] at S={seq}"
+                assert (a.grad is None) == (b.grad is None), what
+                if a.grad is not None:
+                    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=what)
+
+
+def test_inductor_dynamic_shapes_do_not_recompile_in_training():
+    """The reported case: a residual + modulated norm followed by an RMSNorm with a trained weight,
+    compiled by Inductor with dynamic=True, runs a new sequence length without recompiling."""
+    import torch._dynamo
+
+    def block(x, y, scale, shift, weight):
+        _, n = ltx_kernels.add_rmsnorm_modulate(x, y, scale, shift)
+        return ltx_kernels.rmsnorm(n, weight)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, dynamic=True)
+    weight = torch.randn(64, requires_grad=True)
+    for seq, recompile_ok in ((96, True), (160, False)):
+        x, y = torch.randn(2, seq, 64), torch.randn(2, seq, 64)
+        scale, shift = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+        with torch._dynamo.config.patch(error_on_recompile=not recompile_ok):
+            compiled(x, y, scale, shift, weight).sum().backward()
+        compiled_grad = weight.grad.clone()
+        weight.grad = None
+        block(x, y, scale, shift, weight).sum().backward()
+        torch.testing.assert_close(compiled_grad, weight.grad, rtol=1e-5, atol=1e-4)
+        weight.grad = None
 
 
 @pytest.mark.parametrize("op", sorted(FUSED_BACKWARD_OPS))

@@ -68,9 +68,10 @@ Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tens
 OptTensor optional(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 // An output gradient as the kernels take it: a contiguous last dim (autograd may hand over
-// expanded zeros or scalars).
+// expanded zeros or scalars). (Symbolic stride: under torch.compile(dynamic=True) a concrete
+// stride would specialize the sequence length of the traced backward.)
 Tensor rows(const Tensor& grad) {
-  return !grad.defined() || grad.stride(-1) == 1 ? grad : grad.contiguous();
+  return !grad.defined() || grad.sym_stride(-1) == 1 ? grad : grad.contiguous();
 }
 
 // Bit i set when the i-th tensor argument of a Function's apply() is defined; autograd numbers
@@ -230,7 +231,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
           [=] { return run(rows, {}, {}, scale, shift, weight, bias, plain, eps, upcast).back(); });
     }
     const bool reference =
-        (x.is_cuda() && x.size(-1) > LTX_NORM_BACKWARD_MAX_HIDDEN) ||
+        (x.is_cuda() && x.sym_size(-1) > LTX_NORM_BACKWARD_MAX_HIDDEN) ||
         (kind == kRmsnorm && weight.has_value() && weight->scalar_type() != x.scalar_type());
     ctx->set_materialize_grads(false);
     ctx->saved_data["defined"] = defined_mask(x, y, gate, scale, shift, weight, bias);
@@ -367,7 +368,7 @@ struct RopeFunction : public torch::autograd::Function<RopeFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin,
                         bool interleaved) {
     const bool reference = requires_grad(cos) || requires_grad(sin) ||
-                           (x.is_cuda() && x.size(-1) > LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW);
+                           (x.is_cuda() && x.sym_size(-1) > LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW);
     ctx->set_materialize_grads(false);
     ctx->saved_data["defined"] = defined_mask(x, cos, sin);
     ctx->saved_data["interleaved"] = interleaved;
@@ -414,7 +415,8 @@ struct QkFunction : public torch::autograd::Function<QkFunction> {
                                const OptTensor& q_weight, const OptTensor& k_weight,
                                const OptTensor& cos, const OptTensor& sin, double eps,
                                bool across_heads, bool interleaved) {
-    const int64_t row = q.size(-1) * (across_heads && q.dim() == 4 ? q.size(-2) : 1);
+    const c10::SymInt row =
+        q.sym_size(-1) * (across_heads && q.dim() == 4 ? q.sym_size(-2) : c10::SymInt(1));
     const bool reference = requires_grad(cos) || requires_grad(sin) ||
                            (q.is_cuda() && row > LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW);
     ctx->set_materialize_grads(false);
@@ -533,10 +535,10 @@ struct LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction>
     const Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
     const Tensor pre = at::linear(x, weight, optional(bias));
     const Tensor dpre = at::gelu_backward(grads[0], pre, "tanh");
-    const Tensor dpre_rows = dpre.reshape({-1, dpre.size(-1)});
+    const Tensor dpre_rows = dpre.reshape_symint({-1, dpre.sym_size(-1)});
     variable_list result(3);
     if (needs(ctx, 0)) result[0] = at::matmul(dpre, weight);
-    if (needs(ctx, 1)) result[1] = dpre_rows.t().mm(x.reshape({-1, x.size(-1)}));
+    if (needs(ctx, 1)) result[1] = dpre_rows.t().mm(x.reshape_symint({-1, x.sym_size(-1)}));
     if (needs(ctx, 2)) result[2] = dpre_rows.sum(0);
     return result;
   }

@@ -151,9 +151,10 @@ std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::T
                                              c10::IntArrayRef offsets,
                                              const std::vector<bool>& wanted) {
   const size_t adapters = lora_a.size();
-  const int64_t in_features = x.size(-1), out_features = weight.size(0);
-  const at::Tensor g = grad.reshape({-1, out_features});
-  const at::Tensor x2 = x.reshape({-1, in_features});
+  // (Rows flattened without reading x's concrete sizes: under torch.compile(dynamic=True) a
+  // concrete size of x would specialize the traced backward to its sequence length.)
+  const at::Tensor g = grad.reshape_symint({-1, grad.sym_size(-1)});
+  const at::Tensor x2 = x.reshape_symint({-1, x.sym_size(-1)});
   auto any_wanted = [&](size_t first) {
     bool any = false;
     for (size_t j = 0; j < adapters; ++j) any = any || wanted[first + j];
@@ -196,6 +197,6 @@ std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::T
       rank_offset += rank;
     }
   }
-  if (dx.defined()) result[0] = dx.view(x.sizes());
+  if (dx.defined()) result[0] = dx.view_symint(x.sym_sizes());  // (symbolic under compile)
   return result;
 }
