@@ -112,6 +112,26 @@ def block_op_counts(per_block: dict, fallbacks: dict, disabled, layers: int) -> 
     return {op: n * layers for op, n in counts.items()}
 
 
+def fused_rows(modules, attr: str = "weight") -> torch.Tensor:
+    """Asserts that the modules' tensors `attr` are consecutive row blocks of one storage (a fused
+    group: one GEMM reads them as one tensor) and returns them as that tensor (a view)."""
+    parts = [getattr(m, attr) for m in modules]
+    first, address = parts[0], parts[0].data_ptr()
+    for p in parts:
+        assert p.is_contiguous() and p.data_ptr() == address, "not consecutive row blocks"
+        address += p.nbytes
+    storage = first.untyped_storage()
+    assert storage.data_ptr() + storage.nbytes() >= address, "not one storage"
+    rows = sum(p.shape[0] for p in parts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def assert_no_fused_buffers(model: torch.nn.Module) -> None:
+    """No module of the model holds a tensor overlapping its parameters' (what disk offloading and
+    safetensors refuse): fused groups keep no buffer of their own."""
+    assert not any("_ltx_kernels" in name for name, _ in model.named_buffers())
+
+
 def count_ltx_ops(call) -> dict:
     """{op name: number of calls} of the ltx_kernels ops run by call()."""
     with torch.no_grad(), OpCounter() as counter:

@@ -10,11 +10,13 @@ from inject_helpers import (
     FP8_VS_BF16,
     REL_L2_TOLERANCE,
     assert_matches_eager,
+    assert_no_fused_buffers,
     assert_remove_restores,
     caller,
     count_ltx_ops,
     clone,
     eager_and_injected,
+    fused_rows,
     gemms,
     inject_then_group_offload,
     output_of,
@@ -139,7 +141,6 @@ def test_full_size_flux_report_on_meta():
 # FP8: the single block's q/k/v and proj_mlp as one GEMM (fused_qkv_mlp)
 # ------------------------------------------------------------------------------------------------
 BF16 = torch.bfloat16
-QKV_MLP_WEIGHT = "_ltx_kernels_fused_qkv_mlp_weight_fp8"
 
 
 def test_single_block_qkv_mlp_is_one_fp8_gemm_and_restores():
@@ -150,12 +151,10 @@ def test_single_block_qkv_mlp_is_one_fp8_gemm_and_restores():
     eager, injected, report = eager_and_injected(block, call, fp8=True)
     assert report.patched[SINGLE_QKV_MLP] == 1
     assert "fused projections (to_q/to_k/to_v)" not in report.patched  # replaced by the larger
-    fused = getattr(block, QKV_MLP_WEIGHT)
+    # the members' FP8 weights are row blocks of one storage, q/k/v with proj_mlp
+    fused = fused_rows([block.get_submodule(name) for name in QKV_MLP], "weight_fp8")
     assert fused.shape == (3 * 32 + 128, 32) and fused.dtype == torch.float8_e4m3fn
-    assert "_ltx_kernels_fused_qkv_weight_fp8" not in block.attn._buffers
-    starts = [0, 32, 64, 96]  # the members' FP8 weights are row blocks of the fused one
-    for name, start in zip(QKV_MLP, starts):
-        assert block.get_submodule(name).weight_fp8.data_ptr() == fused[start].data_ptr()
+    assert_no_fused_buffers(block)
     assert dict(block.named_parameters()) == params  # the same objects
     after = block.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
@@ -169,7 +168,6 @@ def test_single_block_qkv_mlp_is_one_fp8_gemm_and_restores():
     # norm.linear, q/k/v + proj_mlp, proj_out; without the fusion: q/k/v, then proj_mlp
     assert gemms(lambda: call(block)) == 3 and gemms(lambda: call(unfused)) == 4
     ltx_kernels.remove_optimized_kernels(block)
-    assert QKV_MLP_WEIGHT not in block._buffers
     assert dict(block.named_parameters()) == params
     after = block.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)

@@ -10,10 +10,12 @@ import ltx_kernels
 from inject_helpers import (
     FP8_VS_BF16,
     assert_matches_eager,
+    assert_no_fused_buffers,
     caller,
     clone,
     count_ltx_ops,
     eager_and_injected,
+    fused_rows,
     gemms,
     output_of,
     rel_l2,
@@ -54,16 +56,12 @@ def test_fused_qkv_shares_the_parameters_storage(dtype):
     assert {name: p for name, p in model.named_parameters()} == params  # the same objects
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
-    for attn in attn1s(model):
-        fused = attn._ltx_kernels_fused_qkv_weight
-        start = fused.data_ptr()
-        step = fused[: attn.to_q.out_features].nbytes
-        # the parameters are the row blocks of the fused weight: no second copy
-        for i, name in enumerate(QKV):
-            assert getattr(attn, name).weight.data_ptr() == start + i * step
+    for attn in attn1s(model):  # the parameters are row blocks of one storage: no second copy
+        fused_rows([getattr(attn, name) for name in QKV])
+        fused_rows([getattr(attn, name) for name in QKV], "bias")
+    assert_no_fused_buffers(model)  # (nothing but the parameters holds it)
     ltx_kernels.remove_optimized_kernels(model)
     for attn in attn1s(model):
-        assert "_ltx_kernels_fused_qkv_weight" not in attn._buffers
         pointers = {getattr(attn, name).weight.data_ptr() for name in QKV}
         assert len(pointers) == 3
         assert all(
@@ -120,7 +118,11 @@ def test_fused_qkv_can_be_disabled():
     )
     assert torch.equal(output_of(injected), output_of(eager))
     assert not any("fused projections" in kind for kind in report.patched)
-    assert all("_ltx_kernels_fused_qkv_weight" not in attn._buffers for attn in attn1s(model))
+    for attn in attn1s(model):  # each its own storage
+        assert all(
+            getattr(attn, n).weight.untyped_storage().nbytes() == getattr(attn, n).weight.nbytes
+            for n in QKV
+        )
 
 
 def test_rope_tables_are_computed_once_for_the_batch():
@@ -457,6 +459,61 @@ def test_fp8_sees_weights_loaded_after_injection():
         linear.weight = replacement
         stock_linear.weight.mul_(0.5)
         assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
+
+
+@pytest.mark.parametrize(
+    "built_in_inference_mode", [False, True], ids=["built_outside", "built_inside"]
+)
+def test_fp8_injected_inside_inference_mode(built_in_inference_mode, device):
+    """inject_optimized_kernels(fp8=True) inside torch.inference_mode, as a script wrapping its
+    whole run does (the model built outside, or inside it too: its parameters then are inference
+    tensors, which have no version counter): the model runs there and outside, gives the output of
+    the model injected outside, and weights loaded afterwards (in place, inside or outside) are
+    re-quantized. (On the GPU injection parks each weight on the CPU: inside inference_mode that
+    copy was an inference tensor, and its version counter raised at the first call.)"""
+    inputs = tiny_inputs(BF16, device=device)
+    reference_model = tiny_model(BF16).to(device)
+    fp8_injected(reference_model)
+    with torch.no_grad():
+        expected = output_of(reference_model(**inputs))
+    state = reference_model.state_dict()
+    with torch.inference_mode(built_in_inference_mode):
+        model = tiny_model(BF16).to(device)
+        model.load_state_dict(state)
+    with torch.inference_mode():
+        ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8=True)
+        assert torch.equal(output_of(model(**inputs)), expected)
+    with torch.no_grad():
+        assert torch.equal(output_of(model(**inputs)), expected)
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in state.items()}
+    fresh = tiny_model(BF16).to(device)
+    fresh.load_state_dict(new_state)
+    fp8_injected(fresh)
+    with torch.no_grad():
+        expected_new = output_of(fresh(**inputs))
+    # (parameters made under inference_mode can only be written there)
+    with torch.inference_mode(built_in_inference_mode), torch.no_grad():
+        model.load_state_dict(new_state)
+    with torch.inference_mode():
+        assert torch.equal(output_of(model(**inputs)), expected_new)
+
+
+def test_fused_projections_relinked_inside_inference_mode_stay_writable():
+    """A fused group re-linked inside torch.inference_mode (its parameters re-allocated since:
+    `.to()`, offloading) points them at normal tensors: load_state_dict writes them in place
+    afterwards, outside inference_mode, and the next call reads what it wrote."""
+    model = tiny_model(BF16)
+    inputs = tiny_inputs(BF16)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    model.to(torch.float32).to(BF16)  # every parameter re-allocated: the next call re-links
+    with torch.inference_mode():
+        model(**inputs)
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    stock = tiny_model(BF16)
+    stock.load_state_dict(new_state)
+    with torch.no_grad():
+        model.load_state_dict(new_state)
+        assert torch.equal(output_of(model(**inputs)), output_of(stock(**inputs)))
 
 
 def test_fp8_is_inference_only():

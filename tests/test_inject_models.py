@@ -12,6 +12,7 @@ from inject_helpers import (
     assert_backend_kept,
     assert_matches_eager,
     caller,
+    clone,
     count_ltx_ops,
     eager_and_injected,
     output_of,
@@ -147,3 +148,59 @@ def test_quantized_linear_weights_fall_back(model):
     assert reasons and all("weight is a QuantizedWeight" in r for r in reasons)
     assert "quantized weights" in str(report)
     assert "linear_gelu" not in count_ltx_ops(lambda: call(tiny))
+
+
+# ------------------------------------------------------------------------------------------------
+# Injected models under diffusers' loading and offloading paths
+# ------------------------------------------------------------------------------------------------
+ALL_FAMILIES = ("ltx", "ltx_per_token", "ltx2", "ltx23", "flux", "wan", "sd35", "hunyuan_video15")
+
+
+@pytest.mark.parametrize("model", models(*ALL_FAMILIES))
+def test_injected_while_empty_then_loaded(model):
+    """Injection on a model built on the meta device (from_pretrained and accelerate's
+    init_empty_weights do that, then load tensor by tensor): nothing injection builds is left on
+    the meta device, and once diffusers' loader fills the parameters the model runs as the loaded
+    stock model; fp8=True (quantized at injection) refuses clearly at inject time."""
+    from accelerate import init_empty_weights
+    from diffusers.models.model_loading_utils import load_model_dict_into_meta
+
+    stock = model.build(torch.bfloat16)
+    call = caller(model.inputs(torch.bfloat16))
+    with init_empty_weights():
+        empty = type(stock).from_config(stock.config)
+    assert any(p.is_meta for p in empty.parameters())
+    with pytest.raises(RuntimeError, match=r"fp8=True.*meta device.*inject after"):
+        ltx_kernels.inject_optimized_kernels(empty, verbose=False, fp8=True)
+    report = ltx_kernels.inject_optimized_kernels(empty, verbose=False)
+    assert report.total_patched > 0
+    load_model_dict_into_meta(empty, stock.state_dict(), dtype=torch.bfloat16)
+    empty.eval()
+    assert not any(t.is_meta for t in (*empty.parameters(), *empty.buffers()))
+    empty.to("cpu")  # (failed with "Cannot copy out of meta tensor")
+    with torch.no_grad():
+        assert_matches_eager(call(stock), call(empty), torch.bfloat16, "injected while empty")
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+@pytest.mark.parametrize("model", models(*ALL_FAMILIES))
+def test_group_offload_to_disk_after_injection(model, offload_type, tmp_path):
+    """enable_group_offload(..., offload_to_disk_path=...) saves each group's parameters and buffers
+    with safetensors, which refuses tensors that overlap (it did: a fused q/k/v buffer over the
+    three weights): it runs, and gives the stock model's output under the same offloading."""
+    stock = model.build(torch.bfloat16)
+    injected = clone(stock)
+    call = caller(model.inputs(torch.bfloat16))
+    ltx_kernels.inject_optimized_kernels(injected, verbose=False)
+    kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    for name, m in (("stock", stock), ("injected", injected)):
+        m.enable_group_offload(
+            torch.device("cpu"),
+            offload_type=offload_type,
+            offload_to_disk_path=str(tmp_path / name),
+            **kwargs,
+        )
+    with torch.no_grad():
+        expected = call(stock)
+        for _ in range(2):  # (the second call loads the groups from disk again)
+            assert_matches_eager(expected, call(injected), torch.bfloat16, "disk offload")

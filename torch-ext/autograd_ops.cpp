@@ -125,6 +125,10 @@ variable_list reference_vjp(AutogradContext* ctx, const char* op, const variable
 // their backward runs (once per op that saved it). The call holds the tensors it reads: the norm's
 // rows and modulation, which the norm's own node saves anyway; the projection's input and weights,
 // which lora_linear's node saves anyway.
+// t's version counter; -1 for an inference tensor (made under torch.inference_mode), which has
+// none and cannot be written outside it.
+int64_t version_of(const Tensor& t) { return t.is_inference() ? -1 : t._version(); }
+
 struct Recompute final : torch::CustomClassHolder {
   const char* source;  // the op the call runs
   std::function<Tensor()> call;
@@ -133,7 +137,7 @@ struct Recompute final : torch::CustomClassHolder {
 
   Tensor run(const char* op) const {
     for (size_t i = 0; i < inputs.size(); ++i)
-      TORCH_CHECK(inputs[i]._version() == versions[i], "ltx_kernels.", op,
+      TORCH_CHECK(version_of(inputs[i]) == versions[i], "ltx_kernels.", op,
                   " backward (recompute_norms): an input of ", source,
                   ", whose output it recomputes instead of saving it, was modified in place after "
                   "the forward. Inject with ops excluding 'recompute_norms' (or "
@@ -163,7 +167,7 @@ void record_recomputable(const Tensor& out, const char* source, std::vector<Tens
   recompute->call = std::move(call);
   for (Tensor& t : inputs)
     if (t.defined()) {
-      recompute->versions.push_back(t._version());
+      recompute->versions.push_back(version_of(t));
       recompute->inputs.push_back(std::move(t));
     }
   const c10::Storage& storage = out.storage();

@@ -454,8 +454,15 @@ def inject_optimized_kernels(
 
 
 def _check_fp8_device(model: torch.nn.Module, prefix: str) -> None:
-    """fp8=True needs FP8 tensor cores (compute capability 8.9+) where the model's weights are on
-    a GPU."""
+    """fp8=True needs the weights (quantized at injection: no meta-device model) and FP8 tensor
+    cores (compute capability 8.9+) where the weights are on a GPU."""
+    if any(p.is_meta for p in model.parameters()):
+        raise RuntimeError(
+            f"inject_optimized_kernels(fp8=True): {prefix or 'the model'} has parameters on the "
+            "meta device (built empty, as from_pretrained and accelerate's init_empty_weights "
+            "do before loading); FP8 quantizes the weights at injection: inject after the "
+            "weights are loaded (fp8=False injects on an empty model too)"
+        )
     devices = {p.device for p in model.parameters() if p.is_cuda}
     for device in devices:
         capability = torch.cuda.get_device_capability(device)

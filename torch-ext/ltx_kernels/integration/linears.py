@@ -4,13 +4,16 @@ opt-in FP8 GEMMs of `inject_optimized_kernels(..., fp8=True)`.
 Fused projections ("fused_projections" in FUSIONS; "fused_qkv_mlp" for FLUX's single block). The
 projections a block applies to one input (q, k and v of a self-attention; a single-stream block's
 q, k, v and MLP up-projection) run as one GEMM over their concatenated weights. At injection the
-weights (and biases) are copied into one [sum of N, K] tensor, registered on the owning module as
-a non-persistent buffer, and each module's parameter is re-pointed at its row block
-(`param.data = view`): no second copy; the modules, their parameters (objects, values,
-requires_grad) and the state dict stay as they were, and in-place writes (load_state_dict) reach
-the fused tensor. Something that re-allocates a parameter (`model.to(...)`, `param.data = ...`)
-breaks the link: eager calls check it (data pointers, a few host ns) and re-fuse; compiled graphs
-read the fused buffer, which `.to()` moves alongside. A group whose modules are replaced (a peft
+weights (and biases) are copied into one [sum of N, K] tensor and each module's parameter is
+re-pointed at its row block (`param.data = block`): no second copy, and nothing but the parameters
+holds it (no module buffer), so whatever moves, casts, offloads (to memory or disk), saves or loads
+parameters one by one sees the modules' own tensors only; the modules, their parameters (objects,
+values, requires_grad) and the state dict stay as they were, and in-place writes (load_state_dict)
+reach the GEMM. Something that re-allocates a parameter (`model.to(...)`, offloading, loading into
+a model injected on the meta device, `param.data = ...`) breaks the link: eager calls check it
+(data pointers and the first block's storage, well under a microsecond) and re-fuse; compiled
+graphs concatenate the members' tensors (one copy of the weights per call: a graph cannot check
+when it runs that the blocks still share a storage). A group whose modules are replaced (a peft
 adapter the step cannot reproduce: below), hooked, or whose parameters need gradients (full
 fine-tuning) runs the modules one by one. A module is in at most one group: the first one named
 that fuses it (Injector.finish_model).
@@ -57,9 +60,10 @@ FP8_MODEL_DTYPE = torch.bfloat16
 #: same output SQNR against the float64 product at K = 2048 and 8192 (28.6 dB either way: the e4m3
 #: rounding of the operands dominates; benchmark_fp8.py). torchao's float8 inference default too.
 FP8_FAST_ACCUMULATION = True
-_FUSED_PREFIX = "_ltx_kernels_fused_"
 _GROUPS = "_ltx_kernels_fused_groups"
-_QUANTIZED_FROM = "_ltx_kernels_quantized_from"  # (the weight tensor, its version counter)
+# (the weight tensor, its version counter or None, whether load_state_dict wrote since)
+_QUANTIZED_FROM = "_ltx_kernels_quantized_from"
+_STALE_HOOK = "_ltx_kernels_stale_hook"  # the load_state_dict post-hook's handle
 
 
 class Fp8Rows(NamedTuple):
@@ -167,33 +171,59 @@ def fp8_linear_reason(linear) -> str | None:
 
 def to_fp8(linear: torch.nn.Linear) -> None:
     """Quantizes linear's weight per output channel, parks the original on the CPU, and makes the
-    module an Fp8Linear."""
+    module an Fp8Linear. (Normal tensors even under torch.inference_mode: the parked weight stays
+    writable by load_state_dict after it.)"""
     weight = linear.weight
-    weight_fp8, weight_scale = quantize_fp8(weight.detach())
-    linear.register_buffer("weight_fp8", weight_fp8, persistent=False)
-    linear.register_buffer("weight_scale", weight_scale, persistent=False)
-    weight.data = weight.data.to("cpu")  # frees the device copy (the buffers hold the GEMM's)
-    setattr(linear, _QUANTIZED_FROM, (weight, weight._version))
+    with torch.inference_mode(False):
+        weight_fp8, weight_scale = quantize_fp8(weight.detach())
+        linear.register_buffer("weight_fp8", weight_fp8, persistent=False)
+        linear.register_buffer("weight_scale", weight_scale, persistent=False)
+        weight.data = weight.data.to("cpu")  # frees the device copy (the buffers hold the GEMM's)
+    _mark_quantized(linear)
+    linear.__dict__[_STALE_HOOK] = linear.register_load_state_dict_post_hook(_mark_stale)
     linear.__class__ = Fp8Linear
 
 
-def refresh_fp8_weight(linear: Fp8Linear) -> None:
-    """Re-quantizes an Fp8Linear whose weight was written since (load_state_dict) or replaced
-    (load_state_dict(..., assign=True), `linear.weight = ...`)."""
+def _mark_quantized(linear) -> None:
+    """Records the weight the FP8 buffers were quantized from: the tensor, and its version counter
+    where it has one (a tensor made under torch.inference_mode has none: writes to it are seen
+    through load_state_dict only, _mark_stale)."""
     weight = linear.weight
-    source, version = getattr(linear, _QUANTIZED_FROM)
-    if weight is not source or weight._version != version:
+    try:
+        version = weight._version
+    except RuntimeError:  # ("Inference tensors do not track version counter")
+        version = None
+    linear.__dict__[_QUANTIZED_FROM] = (weight, version, False)
+
+
+def _mark_stale(linear, incompatible_keys) -> None:
+    """load_state_dict wrote into the module (in place, or replacing the weight with assign=True):
+    re-quantize at the next eager call."""
+    weight, version, _ = linear.__dict__[_QUANTIZED_FROM]
+    linear.__dict__[_QUANTIZED_FROM] = (weight, version, True)
+
+
+def refresh_fp8_weight(linear: Fp8Linear) -> None:
+    """Re-quantizes an Fp8Linear whose weight was written since (load_state_dict, or an in-place
+    write its version counter shows) or replaced (load_state_dict(..., assign=True),
+    `linear.weight = ...`)."""
+    weight = linear.weight
+    source, version, stale = linear.__dict__[_QUANTIZED_FROM]
+    if stale or weight is not source or (version is not None and weight._version != version):
         device = linear.weight_scale.device
-        linear.weight_fp8, linear.weight_scale = quantize_fp8(weight.detach().to(device))
-        setattr(linear, _QUANTIZED_FROM, (weight, weight._version))
+        with torch.inference_mode(False):
+            linear.weight_fp8, linear.weight_scale = quantize_fp8(weight.detach().to(device))
+        _mark_quantized(linear)
 
 
 def restore_from_fp8(linear: Fp8Linear) -> None:
     """The plain nn.Linear again, its original weight back on the module's device."""
     device = linear.weight_scale.device
-    linear.weight.data = linear.weight.data.to(device)
+    with torch.inference_mode(False):
+        linear.weight.data = linear.weight.data.to(device)
     del linear._buffers["weight_fp8"], linear._buffers["weight_scale"]
-    delattr(linear, _QUANTIZED_FROM)
+    del linear.__dict__[_QUANTIZED_FROM]
+    linear.__dict__.pop(_STALE_HOOK).remove()
     linear.__class__ = torch.nn.Linear
 
 
@@ -287,13 +317,12 @@ def lora_outputs(modules, x, owner=None, key: str = "") -> tuple | None:
         return None
     found = fused_group(owner, key, bases) if owner is not None else None
     if found is not None:
-        group, _ = found
+        group, _, tensors = found
         adapters, offset = [], 0
         for size, member_terms in zip(group.sizes, terms):
             adapters += [(*term, offset) for term in member_terms]
             offset += size
-        weight, bias = _fused(owner, key, "weight"), _fused(owner, key, "bias")
-        out = lora_linear(x, weight, bias, *_adapter_lists(adapters))
+        out = lora_linear(x, tensors["weight"], tensors["bias"], *_adapter_lists(adapters))
         return out.split(group.sizes, dim=-1)
     return tuple(
         lora_linear(
@@ -317,13 +346,15 @@ def _adapter_lists(adapters) -> tuple[list, list, list, list]:
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Group:
-    """Modules `names` of an owner fused on `attrs` (each a fused buffer, the members' tensors its
-    row blocks at `pointers`)."""
+    """Modules `names` of an owner fused on `attrs`: the members' tensors `attr` are consecutive
+    row blocks (of `sizes` rows) of one storage, read as one tensor by _fused."""
 
     names: tuple[str, ...]
     attrs: tuple[str, ...]
     sizes: tuple[int, ...]
-    pointers: dict = dataclasses.field(default_factory=dict)
+    # Whether a member's tensor was made under torch.inference_mode (a model built there): the
+    # tensor keeps no version counter when re-pointed, and a view of it raises.
+    no_views: bool = False
 
 
 def _fused_attrs(linears) -> tuple[str, ...] | None:
@@ -355,34 +386,34 @@ def fuse(owner: torch.nn.Module, key: str, names: tuple[str, ...]) -> bool:
     if attrs is None or not all(plain_tensor(m.weight) for m in linears):
         return False
     group = _Group(names, attrs, tuple(m.out_features for m in linears))
-    _link(owner, key, group, linears)
+    _link(group, linears)
     owner.__dict__.setdefault(_GROUPS, {})[key] = group
     return True
 
 
-def _link(owner, key: str, group: _Group, linears) -> None:
-    """(Re)builds the group's fused tensors from the members' current ones and points the members
-    at their row blocks."""
-    for attr in group.attrs:
-        parts = [getattr(m, attr) for m in linears]
-        if parts[0] is None:
-            continue
-        fused = torch.cat([p.detach() for p in parts])
-        owner.register_buffer(f"{_FUSED_PREFIX}{key}_{attr}", fused, persistent=False)
-        group.pointers[attr] = []
-        for m, block in zip(linears, fused.split(group.sizes)):
-            if attr in m._parameters:
-                m._parameters[attr].data = block
-            else:
-                m._buffers[attr] = block
-            group.pointers[attr].append(block.data_ptr())
+def _link(group: _Group, linears) -> None:
+    """Copies the members' current tensors into one new tensor per attribute and points each
+    member at its row block. Nothing else holds that tensor: the members' own tensors keep its
+    storage, so whatever moves, offloads, saves or frees them one by one sees nothing else.
+    (Normal tensors even under torch.inference_mode: the parameters stay writable after it.)"""
+    with torch.inference_mode(False):
+        for attr in group.attrs:
+            parts = [_tensor_of(m, attr) for m in linears]
+            if parts[0] is None:
+                continue
+            group.no_views = group.no_views or any(p.is_inference() for p in parts)
+            fused = torch.cat([p.detach() for p in parts])
+            for m, block in zip(linears, fused.split(group.sizes)):
+                if attr in m._parameters:
+                    m._parameters[attr].data = block
+                else:
+                    m._buffers[attr] = block
 
 
 def unfuse_all(owner: torch.nn.Module) -> None:
-    """Gives each member of owner's groups its own tensors again and drops the fused buffers."""
-    for key, group in owner.__dict__.pop(_GROUPS, {}).items():
+    """Gives each member of owner's groups its own storage again and forgets the groups."""
+    for group in owner.__dict__.pop(_GROUPS, {}).values():
         for attr in group.attrs:
-            owner._buffers.pop(f"{_FUSED_PREFIX}{key}_{attr}", None)
             for name in group.names:
                 member = base_linear(owner.get_submodule(name))
                 if attr in member._parameters and member._parameters[attr] is not None:
@@ -392,11 +423,15 @@ def unfuse_all(owner: torch.nn.Module) -> None:
 
 
 def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
-    """(group, members) when owner's group `key` can run as one GEMM now: its members (the base
-    layers of peft LoRA Linears; given, or looked up) are the fused modules, hook-free, and no
-    gradient is recorded for their parameters. Eager calls re-link a group whose members were
-    re-allocated. (Tensors are read from the members' tables, as in lora_terms: this runs on
-    every call of the projections.)"""
+    """(group, members, tensors) when owner's group `key` can run as one GEMM now: its members
+    (the base layers of peft LoRA Linears; given, or looked up) are the fused modules, hook-free,
+    and no gradient is recorded for their parameters; `tensors` maps each of group.attrs to the
+    members' tensors as one (None: a bias they do not have). Eager calls re-link a group whose
+    members were re-allocated since (`.to()`, offloading, loading into a model injected on the
+    meta device) and read the row blocks as one tensor; compiled graphs concatenate them (a graph
+    cannot check, when it runs, that the blocks are still those of one storage: one reading them
+    as one tensor would read past a parameter that offloading or `.to()` re-allocated). (Tensors
+    are read from the members' tables, as in lora_terms: this runs on every call.)"""
     group = owner.__dict__.get(_GROUPS, {}).get(key)
     if group is None:
         return None
@@ -405,27 +440,27 @@ def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
     kind = Fp8Linear if group.attrs[0] == "weight_fp8" else torch.nn.Linear
     if any(type(m) is not kind or has_hooks(m) for m in members):
         return None
-    if (  # (a bf16 group's fused weight is no parameter; FP8 has no gradients)
+    if (  # (FP8 has no gradients)
         kind is torch.nn.Linear
         and torch.is_grad_enabled()
         and any(p is not None and p.requires_grad for m in members for p in m._parameters.values())
     ):
         return None
     if torch.compiler.is_compiling():  # (traced once: the full check)
-        return (group, members) if _fused_attrs(members) == group.attrs else None
+        if _fused_attrs(members) != group.attrs:
+            return None
+        parts = {attr: [_tensor_of(m, attr) for m in members] for attr in group.attrs}
+        return group, members, {a: None if p[0] is None else torch.cat(p) for a, p in parts.items()}
     if kind is Fp8Linear:
         for m in members:
             refresh_fp8_weight(m)
-    linked = all(
-        _data_ptr(_tensor_of(m, attr)) == pointer
-        for attr, pointers in group.pointers.items()
-        for m, pointer in zip(members, pointers)
-    )
-    if not linked:  # re-allocated (or replaced) since: fuse again if they still can be
+    tensors = {attr: _row_blocks(group, members, attr) for attr in group.attrs}
+    if any(t is _UNLINKED for t in tensors.values()):  # re-allocated (or replaced) since
         if _fused_attrs(members) != group.attrs:
             return None
-        _link(owner, key, group, members)
-    return group, members
+        _link(group, members)
+        tensors = {attr: _row_blocks(group, members, attr) for attr in group.attrs}
+    return group, members, tensors
 
 
 def _tensor_of(module, name):
@@ -434,13 +469,31 @@ def _tensor_of(module, name):
     return t if t is not None else module._buffers.get(name)
 
 
-def _data_ptr(t):
-    return None if t is None else t.data_ptr()
+_UNLINKED = object()
 
 
-def _fused(owner: torch.nn.Module, key: str, attr: str):
-    """Group `key`'s fused tensor `attr` (None where the members have none: a bias)."""
-    return owner._buffers.get(f"{_FUSED_PREFIX}{key}_{attr}")
+def _row_blocks(group: _Group, members, attr: str):
+    """The members' tensors `attr` as one [sum of sizes, ...] tensor without a copy when they are
+    consecutive row blocks of one storage (as _link leaves them), None when none has one, else
+    _UNLINKED. (The first member's storage spanning them all proves it: live storages do not
+    overlap.)"""
+    parts = [_tensor_of(m, attr) for m in members]
+    first = parts[0]
+    if first is None:
+        return None if all(p is None for p in parts) else _UNLINKED
+    address, row_bytes = first.data_ptr(), first.nbytes // max(first.shape[0], 1)
+    for p, rows in zip(parts, group.sizes):
+        if p is None or not p.is_contiguous() or p.data_ptr() != address:
+            return _UNLINKED
+        address += rows * row_bytes
+    storage = first.untyped_storage()
+    if storage.data_ptr() + storage.nbytes() < address:
+        return _UNLINKED
+    shape = (sum(group.sizes), *first.shape[1:])
+    if group.no_views:  # (the storage read directly)
+        fused = torch.empty(0, dtype=first.dtype, device=first.device)
+        return fused.set_(storage, first.storage_offset(), shape, first.stride())
+    return first.as_strided(shape, first.stride())
 
 
 def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | None:
@@ -450,14 +503,13 @@ def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | 
     found = fused_group(owner, key, members)
     if found is None:
         return None
-    group, members = found
-    bias = _fused(owner, key, "bias")
+    group, members, tensors = found
     if group.attrs[0] == "weight_fp8":
         rows = x if isinstance(x, Fp8Rows) else fp8_rows(x)
-        weight, scale = _fused(owner, key, "weight_fp8"), _fused(owner, key, "weight_scale")
-        out = fp8_matmul(rows, weight, scale, bias, members[0].weight.dtype)
+        weight, scale = tensors["weight_fp8"], tensors["weight_scale"]
+        out = fp8_matmul(rows, weight, scale, tensors["bias"], members[0].weight.dtype)
     else:
-        out = F.linear(x, _fused(owner, key, "weight"), bias)
+        out = F.linear(x, tensors["weight"], tensors["bias"])
     return out.split(group.sizes, dim=-1)
 
 
