@@ -134,6 +134,12 @@ def parse_columns(parser, text: str, allowed) -> list:
     return columns
 
 
+def ratio_cell(value) -> str:
+    """A speedup for a table cell: "1.23x", or "-" when there is none (None or NaN: its reference
+    column was not asked for, or not measured yet)."""
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))

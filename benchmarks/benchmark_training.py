@@ -216,7 +216,8 @@ def main():
         spread = f"{min(row['rounds_ms']):.1f}-{max(row['rounds_ms']):.1f}"
         print(
             f"| {column} | {'on' if checkpointing else 'off'} | {row['ms']:.1f} | {spread} | "
-            f"{row['vs_eager']:.2f}x | {row['vs_blocks']:.2f}x | {row['peak_gib']:.2f} | "
+            f"{bench_utils.ratio_cell(row['vs_eager'])} | "
+            f"{bench_utils.ratio_cell(row['vs_blocks'])} | {row['peak_gib']:.2f} | "
             f"{row['grad_rel_l2']:.2e} | {row['first_step_s']:.1f} |"
         )
     get = lambda column, ckpt=False: rows.get((column, ckpt))  # noqa: E731

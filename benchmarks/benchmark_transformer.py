@@ -322,8 +322,8 @@ def context_parallel_main(parser, args):
             row["speedup_vs_1gpu_kernels"] = base[1] / ms if isinstance(base, tuple) else None
             row["rel_l2"] = rel_l2(out, eager[2]) if isinstance(eager, tuple) else None
             say(
-                f"| {column} | {ms:.2f} | {row['speedup_vs_1gpu_kernels'] or float('nan'):.2f}x |"
-                f" {first_s:.1f} | {row['rel_l2'] if row['rel_l2'] is not None else float('nan'):.2e} |",
+                f"| {column} | {ms:.2f} | {bench_utils.ratio_cell(row['speedup_vs_1gpu_kernels'])} "
+                f"| {first_s:.1f} | {_rel_l2_cell(row['rel_l2'])} |",
                 flush=True,
             )
         results.append(dict(tokens=tokens, columns=rows))
@@ -340,6 +340,34 @@ def context_parallel_main(parser, args):
             ),
         )
     dist.destroy_process_group()
+
+
+def table_header(vs_compile: bool) -> str:
+    """The markdown header of a model's table; the "vs compile" column only when the compile
+    column was asked for."""
+    cells = ["column", "ms/step", "vs eager", "first call (compile) s", "rel L2 vs eager"]
+    if vs_compile:
+        cells.insert(3, "vs compile")
+    return f"| {' | '.join(cells)} |\n|{'---|' * len(cells)}"
+
+
+def table_row(column: str, row: dict, vs_compile: bool) -> str:
+    """A column's row under table_header(vs_compile). A ratio whose reference was not asked for
+    (eager) or not measured yet (compile, asked for after this column) is "-"."""
+    cells = [
+        column,
+        f"{row['ms']:.2f}",
+        bench_utils.ratio_cell(row["speedup_vs_eager"]),
+        f"{row['first_call_s']:.1f}",
+        _rel_l2_cell(row["rel_l2"]),
+    ]
+    if vs_compile:
+        cells.insert(3, bench_utils.ratio_cell(row["speedup_vs_compile"]))
+    return f"| {' | '.join(cells)} |"
+
+
+def _rel_l2_cell(value) -> str:
+    return "-" if value is None else f"{value:.2e}"
 
 
 def main():
@@ -388,10 +416,8 @@ def main():
         model, call, tokens = model_case(args.model, tokens)
         rows = {}
         print(f"\n## {args.model}, {tokens} tokens", flush=True)
-        print(
-            "| column | ms/step | vs eager | vs compile | first call (compile) s | rel L2 vs eager |"
-        )
-        print("|---|---|---|---|---|---|", flush=True)
+        vs_compile = "compile" in columns
+        print(table_header(vs_compile), flush=True)
         for column in columns:
             measured = run_column(column, model, call, args.reps)
             if measured is None:
@@ -399,16 +425,10 @@ def main():
             first_s, ms, out = measured
             row = rows[column] = dict(ms=ms, first_call_s=first_s, out=out.float())
             eager = rows.get("eager")
-            row["speedup_vs_eager"] = eager["ms"] / ms if eager else float("nan")
-            row["speedup_vs_compile"] = (
-                rows["compile"]["ms"] / ms if "compile" in rows else float("nan")
-            )
-            row["rel_l2"] = rel_l2(row["out"], eager["out"]) if eager else float("nan")
-            print(
-                f"| {column} | {ms:.2f} | {row['speedup_vs_eager']:.2f}x | "
-                f"{row['speedup_vs_compile']:.2f}x | {first_s:.1f} | {row['rel_l2']:.2e} |",
-                flush=True,
-            )
+            row["speedup_vs_eager"] = eager["ms"] / ms if eager else None
+            row["speedup_vs_compile"] = rows["compile"]["ms"] / ms if "compile" in rows else None
+            row["rel_l2"] = rel_l2(row["out"], eager["out"]) if eager else None
+            print(table_row(column, row, vs_compile), flush=True)
         results.append(
             dict(
                 tokens=tokens,

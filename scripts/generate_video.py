@@ -59,10 +59,11 @@ one GPU (every rank alone). Compiling is per block there. Ring attention runs on
 that returns the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writes
 the outputs.
 
-Outputs: the video (--output; mp4 through diffusers' export_to_video, which needs imageio +
-imageio-ffmpeg or OpenCV, else an animated GIF beside it), LTX-2's audio (a .wav beside the video,
-muxed into the mp4 with imageio-ffmpeg's ffmpeg), a JSON of the results (--json) and, with
---compare, a PNG chart (--chart, needs matplotlib).
+Outputs: the video (--output: .mp4, .mov, .mkv, .avi or .gif, .mp4 when no extension is given;
+the extension and the folders are checked before the run; written by diffusers' export_to_video,
+which needs imageio + imageio-ffmpeg or OpenCV, else an animated GIF beside it), LTX-2's audio (a
+.wav beside the video, muxed into the mp4 with imageio-ffmpeg's ffmpeg), a JSON of the results
+(--json) and, with --compare, a PNG chart (--chart, needs matplotlib).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -90,6 +92,8 @@ import bench_utils  # noqa: E402  (configs/*.json, random_model, the torchao anc
 CONFIGS = ("baseline", "kernels", "compile", "kernels+compile")
 FP8_CONFIGS = ("kernels+fp8", "kernels+fp8+compile", "torchao-fp8+compile")
 CACHE_ROWS = ("cache", "kernels+cache")  # with --cache
+#: The --output extensions export_to_video writes (imageio: ffmpeg, or Pillow for .gif).
+VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".avi", ".gif")
 CONFIG_TITLES = {
     "kernels-1gpu": "Optimized kernels, 1 GPU",
     "baseline": "Baseline (diffusers eager)",
@@ -388,7 +392,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--output",
         type=Path,
         default=Path("ltx_video.mp4"),
-        help="video file (default: ltx_video.mp4)",
+        help=f"video file: {', '.join(VIDEO_SUFFIXES)}; .mp4 when it has no extension (default: "
+        "ltx_video.mp4)",
     )
     parser.add_argument("--no-video", action="store_true", help="do not write the video")
     parser.add_argument("--json", type=Path, default=None, help="results (default: <output>.json)")
@@ -500,9 +505,40 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--cpu-offload: needs a CUDA device")
     if args.tiny and args.weights == "hub":
         parser.error("--tiny builds a random model; it cannot be combined with --weights hub")
+    if not args.output.suffix:
+        args.output = args.output.with_name(args.output.name + ".mp4")
+    if not args.no_video and args.output.suffix.lower() not in VIDEO_SUFFIXES:
+        parser.error(
+            f"--output: {args.output}: unknown video extension {args.output.suffix!r}; use "
+            f"{', '.join(VIDEO_SUFFIXES)} (none: .mp4)"
+        )
     args.json = args.json or args.output.with_suffix(".json")
     args.chart = args.chart or args.output.with_name(args.output.stem + "_compare.png")
+    for option, path, written in (
+        ("--output", args.output, not args.no_video),
+        ("--json", args.json, True),
+        ("--chart", args.chart, args.compare),
+    ):
+        why = unwritable(path) if written else None
+        if why:
+            parser.error(f"{option}: cannot write {path}: {why}")
     return args
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (its missing folders created), or None."""
+    if path.is_dir():
+        return "it is a folder"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "the file is read-only"
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return None
 
 
 def resolve_checkpoint(args, error) -> None:
@@ -1058,7 +1094,19 @@ def write_chart(path: Path, rows: list[Row], title: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(rows)))
+    # The title spans the figure, each line wrapped to its width (set over the axes, a long first
+    # line ran off the right edge); constrained layout makes room for it.
+    width_in, fontsize = 8, 9
+    chars = int(width_in * 72 / (0.6 * fontsize))  # DejaVu Sans averages under 0.6 em a character
+    lines = [
+        wrapped
+        for line in title.splitlines()
+        for wrapped in textwrap.wrap(line, chars, break_on_hyphens=False) or [""]
+    ]
+    fig, ax = plt.subplots(
+        figsize=(width_in, 1.2 + 0.6 * len(rows) + 0.15 * len(lines)), layout="constrained"
+    )
+    fig.suptitle("\n".join(lines), fontsize=fontsize)
     labels = [CONFIG_TITLES[row.config] for row in rows][::-1]
     seconds = [row.total_s for row in rows][::-1]
     bars = ax.barh(
@@ -1073,10 +1121,8 @@ def write_chart(path: Path, rows: list[Row], title: str) -> bool:
         )
     ax.set_xlim(0, max(seconds) * 1.3)
     ax.set_xlabel("end-to-end seconds per video (lower is better)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # (no text cut off, whatever its length)
     plt.close(fig)
     return True
 
