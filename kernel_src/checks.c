@@ -89,8 +89,13 @@ static ltx_check_t eps_rule(float eps) {
 
 ltx_check_t ltx_check_rmsnorm(const ltx_rows_t* out, const ltx_rows_t* x, const void* weight,
                               ltx_dtype_t weight_dtype, int64_t hidden, float eps) {
-  LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
-  if (weight) LTX_RETURN_IF_FAILED(float_dtype("weight", weight_dtype));
+  LTX_RETURN_IF_FAILED(float_or_float64_dtype("x", x->dtype));
+  /* The weight: any model dtype; a float64 x (the C twin, in double) takes a float64 one. */
+  if (weight && x->dtype == LTX_FLOAT64)
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_UNSUPPORTED_DTYPE, "weight", weight_dtype, "x", x->dtype));
+  else if (weight)
+    LTX_RETURN_IF_FAILED(float_dtype("weight", weight_dtype));
   /* The output has the weight's dtype, x's without a weight (diffusers' RMSNorm). */
   if (weight)
     LTX_RETURN_IF_FAILED(
@@ -113,7 +118,8 @@ ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
   int i;
   if (!a) return malformed("args");
   t = a->x.dtype;
-  LTX_RETURN_IF_FAILED(float_dtype("x", t));
+  /* x: a model dtype, or float64 (the C twin, in double) unless out is FP8 */
+  LTX_RETURN_IF_FAILED(a->out_scale ? float_dtype("x", t) : float_or_float64_dtype("x", t));
   /* Modulation tensors: T (fp32 too with upcast), all of one dtype. */
   modulation[0] = &a->scale;
   modulation[1] = &a->shift;
@@ -257,8 +263,8 @@ ltx_check_t ltx_check_gated_residual(const ltx_rows_t* out, const ltx_rows_t* x,
                                      const ltx_rows_t* y, const ltx_rows_t* gate, int64_t hidden,
                                      int upcast) {
   const int64_t rows = ltx_num_rows(x);
-  LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
-  if (gate->data) LTX_RETURN_IF_FAILED(float_dtype("gate", gate->dtype));
+  LTX_RETURN_IF_FAILED(float_or_float64_dtype("x", x->dtype));
+  if (gate->data) LTX_RETURN_IF_FAILED(float_or_float64_dtype("gate", gate->dtype));
   LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "y", y->dtype, "x", x->dtype));
   LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", out->dtype, "x", x->dtype));
   if (upcast != 0 && upcast != 1) return malformed("upcast");
@@ -281,8 +287,8 @@ static const char* const kTensorCos[2] = {"tensors[0].cos", "tensors[1].cos"};
 static const char* const kTensorSin[2] = {"tensors[0].sin", "tensors[1].sin"};
 static const char* const kTensorWeight[2] = {"tensors[0].weight", "tensors[1].weight"};
 
-/* The rules of ltx_qk_norm_rope; float64_ok: T may also be float64 (the backward's C twin). */
-static ltx_check_t check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a, int float64_ok) {
+/* The rules of ltx_qk_norm_rope (and of its backward, with the gradients as out). */
+static ltx_check_t check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
   ltx_dtype_t t;
   const ltx_rope_tensor_t* table_tensor = NULL; /* the first tensor with cos/sin */
   int k;
@@ -295,8 +301,7 @@ static ltx_check_t check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a, int floa
   /* Dtypes: x and out of both tensors T; cos and sin one dtype for both tensors, T or fp32;
    * weights T or fp32. */
   t = a->tensors[0].x.dtype;
-  LTX_RETURN_IF_FAILED(float64_ok ? float_or_float64_dtype(kTensorX[0], t)
-                                  : float_dtype(kTensorX[0], t));
+  LTX_RETURN_IF_FAILED(float_or_float64_dtype(kTensorX[0], t));
   for (k = 0; k < a->num_tensors; ++k) {
     const ltx_rope_tensor_t* r = &a->tensors[k];
     LTX_RETURN_IF_FAILED(
@@ -354,7 +359,7 @@ static ltx_check_t check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a, int floa
 }
 
 ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
-  return check_qk_norm_rope(a, 0);
+  return check_qk_norm_rope(a);
 }
 
 static const char* const kGrad[2] = {"grad[0]", "grad[1]"};
@@ -365,7 +370,7 @@ ltx_check_t ltx_check_qk_norm_rope_backward(const ltx_qk_norm_rope_backward_args
   if (!a) return malformed("args");
   /* The forward's rules (out: the gradient dx), then each grad: x's dtype and rows; a weight
    * gradient needs the norm and its weight. */
-  LTX_RETURN_IF_FAILED(check_qk_norm_rope(&a->forward, 1));
+  LTX_RETURN_IF_FAILED(check_qk_norm_rope(&a->forward));
   if (a->chunk_rows < 1) return malformed("chunk_rows");
   for (k = 0; k < a->forward.num_tensors; ++k) {
     const ltx_rope_tensor_t* r = &a->forward.tensors[k];

@@ -101,22 +101,13 @@ static inline double ltx_compute_precision(ltx_dtype_t dtype, double v) {
   return dtype == LTX_FLOAT64 ? v : (double)(float)v;
 }
 
-/* v rounded as the op rounds an intermediate to `dtype`: to fp32 then `dtype`; unchanged in
- * float64. */
+/* v rounded as the op rounds an intermediate to `dtype` (a `.to(dtype)` of the PyTorch code): to
+ * fp32 then `dtype`; unchanged in float64. */
 static inline double ltx_round_double(ltx_dtype_t dtype, double v) {
   switch (dtype) {
     case LTX_FLOAT16: return ltx_half_to_float(ltx_float_to_half((float)v));
     case LTX_BFLOAT16: return ltx_bf16_to_float(ltx_float_to_bf16((float)v));
     case LTX_FLOAT32: return (float)v;
-    default: return v;
-  }
-}
-
-/* v rounded to `dtype` and widened back: models a `.to(dtype)` of the PyTorch code. */
-static inline float ltx_round_to(ltx_dtype_t dtype, float v) {
-  switch (dtype) {
-    case LTX_FLOAT16: return ltx_half_to_float(ltx_float_to_half(v));
-    case LTX_BFLOAT16: return ltx_bf16_to_float(ltx_float_to_bf16(v));
     default: return v;
   }
 }

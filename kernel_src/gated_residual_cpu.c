@@ -1,6 +1,7 @@
 /* Gated residual (portable C, the CPU backend) with the rounding points of
  * ltx_gated_residual_cuda (see ltx_kernels.h): out = round_T(x + R(y * gate)), or
- * round_T(x + y) without gate, elementwise in fp32. */
+ * round_T(x + y) without gate, elementwise in double rounded to fp32 where the CUDA kernel
+ * computes in fp32 (exactly its results), kept in double for a float64 x. */
 #include "cpu_utils.h"
 
 int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_t gate,
@@ -18,12 +19,12 @@ int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_
     const void* gate_row = has_gate ? ltx_row_ptr(&gate, row) : NULL;
     void* out_row = ltx_row_ptr(&out, row);
     for (i = 0; i < hidden; ++i) {
-      float update = ltx_load(y_row, act, i);
+      double update = ltx_load_double(y_row, act, i);
       if (has_gate) {
-        update *= ltx_load(gate_row, gate.dtype, i);
-        if (!upcast) update = ltx_round_to(act, update);
+        update *= ltx_load_double(gate_row, gate.dtype, i);
+        update = upcast ? ltx_compute_precision(act, update) : ltx_round_double(act, update);
       }
-      ltx_store(out_row, act, i, ltx_load(x_row, act, i) + update);
+      ltx_store_double(out_row, act, i, ltx_load_double(x_row, act, i) + update);
     }
   }
   return LTX_OK;

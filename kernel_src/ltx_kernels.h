@@ -61,7 +61,8 @@ typedef struct ltx_rows {
  *   fp16/bf16 weight: out = round_to(w.dtype, round_to(w.dtype, y) * w)
  *   fp32 weight:      out = y * w                                    (fp32 output)
  * out.dtype must be x.dtype without a weight and weight.dtype with one. `weight` (contiguous,
- * `hidden` elements) may be NULL. x and out must describe the same number of rows.
+ * `hidden` elements) may be NULL. x and out must describe the same number of rows. The C twin also
+ * takes x = LTX_FLOAT64 (computed in double), with a float64 weight.
  */
 int ltx_rmsnorm_cuda(ltx_rows_t out, ltx_rows_t x, const void* weight, ltx_dtype_t weight_dtype,
                      int64_t hidden, float eps, ltx_stream_t stream);
@@ -87,7 +88,8 @@ typedef struct ltx_vector {
  * - upcast = 1 emulates code that computes in fp32 and rounds once at the end (Wan:
  *   `(norm(x.float()) * (1 + scale) + shift).type_as(x)`). Modulation tensors, weights and biases
  *   may then be T or fp32.
- * Outputs (n, h, out) always have dtype T and are always rounded to T.
+ * Outputs (n, h, out) always have dtype T and are always rounded to T. Where an op's C twin takes
+ * T = LTX_FLOAT64, it computes in double instead of fp32 (R and round_T are then exact).
  */
 
 /*
@@ -122,7 +124,8 @@ typedef enum ltx_norm_kind {
  * NULL to skip it), never read. Dtypes: x, y, out, residual_out: T. upcast = 0: gate, scale, shift,
  * weight, bias are T too. upcast = 1: gate, scale and shift share one dtype, T or fp32; weight and
  * bias each T or fp32. With out_scale given, out is LTX_FLOAT8_E4M3: the rows of out are quantized
- * (FP8 outputs, above) and their scales written to out_scale.
+ * (FP8 outputs, above) and their scales written to out_scale. The C twin also takes
+ * T = LTX_FLOAT64 (computed in double) when out is not FP8.
  */
 typedef struct ltx_norm_modulate_args {
   ltx_rows_t out;          /* n after modulation */
@@ -205,7 +208,8 @@ int ltx_norm_backward_cpu(const ltx_norm_backward_args_t* args, int64_t chunk_be
 
 /*
  * Gated residual: out = round_T(x + R(y * gate)), or round_T(x + y) when gate.data is NULL.
- * Dtypes: x, y, out: T; gate: T (upcast = 0) or T/fp32 (upcast = 1).
+ * Dtypes: x, y, out: T; gate: T (upcast = 0) or T/fp32 (upcast = 1). The C twin also takes
+ * T = LTX_FLOAT64 (computed in double).
  */
 int ltx_gated_residual_cuda(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_t gate,
                             int64_t hidden, int upcast, ltx_stream_t stream);
@@ -229,7 +233,8 @@ int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_
  *     o[i]        = v[i]        * c[i]  - v[i+half] * s[i]
  *     o[i+half]   = v[i+half]   * c[i'] + v[i]      * s[i']   (i' = i + half, or i at rot_dim half)
  *   out = round_T(o)
- * x, out: T (both tensors the same T); cos, sin: T or fp32 (one dtype); weight: T or fp32.
+ * x, out: T (both tensors the same T); cos, sin: T or fp32 (one dtype); weight: T or fp32. The C
+ * twin also takes T = LTX_FLOAT64 (computed in double).
  */
 typedef struct ltx_rope_tensor {
   ltx_rows_t out, x;

@@ -1,19 +1,28 @@
 /* RMSNorm and/or rotary embedding of q/k rows (portable C, the CPU backend), with the rounding
  * points of ltx_qk_norm_rope_cuda (see ltx_kernels.h). A row holds `heads` heads of `head_dim`
  * contiguous elements; the norm spans the whole row (sum of squares accumulated in double), the
- * rotation is per head with that head's cos/sin row, in fp32 from the normalized values rounded
- * to T. Each rotation pair is read before it is written, so out may alias x. */
+ * rotation is per head with that head's cos/sin row, from the normalized values rounded to T.
+ * Elementwise math in double, each operation rounded to fp32 where the CUDA kernel computes in
+ * fp32 (exactly its results), kept in double for float64 tensors. Each rotation pair is read
+ * before it is written, so out may alias x. */
 #include "cpu_utils.h"
 
 /* Element i of the row before its rounding to T: x * rstd * w (torch.nn.RMSNorm, weight
  * optional) when normalizing, x otherwise. */
-static float normalized_element(const void* x_row, ltx_dtype_t act, const ltx_vector_t* weight,
-                                int normalize, float rstd, int64_t i) {
-  float v = ltx_load(x_row, act, i);
+static double normalized_element(const void* x_row, ltx_dtype_t act, const ltx_vector_t* weight,
+                                 int normalize, double rstd, int64_t i) {
+  double v = ltx_load_double(x_row, act, i);
   if (!normalize) return v;
-  v *= rstd;
-  if (weight->data) v *= ltx_load(weight->data, weight->dtype, i);
+  v = ltx_compute_precision(act, v * rstd);
+  if (weight->data)
+    v = ltx_compute_precision(act, v * ltx_load_double(weight->data, weight->dtype, i));
   return v;
+}
+
+/* One rotated element v * c + u * s, each product and the sum as computed for T. */
+static double rotated(ltx_dtype_t act, double v, double c, double u, double s) {
+  return ltx_compute_precision(
+      act, ltx_compute_precision(act, v * c) + ltx_compute_precision(act, u * s));
 }
 
 int ltx_qk_norm_rope_cpu(const ltx_qk_norm_rope_args_t* args, int tensor, int64_t row_begin,
@@ -39,19 +48,19 @@ int ltx_qk_norm_rope_cpu(const ltx_qk_norm_rope_args_t* args, int tensor, int64_
     const void* x_row = ltx_row_ptr(&t->x, row);
     void* out_row = ltx_row_ptr(&t->out, row);
     const void *cos_row, *sin_row;
-    float rstd = 0.f;
+    double rstd = 0.0;
     if (a->normalize) {
       double sumsq = 0.0;
       for (i = 0; i < row_length; ++i) {
-        const double v = ltx_load(x_row, act, i);
+        const double v = ltx_load_double(x_row, act, i);
         sumsq += v * v;
       }
-      rstd = (float)(1.0 / sqrt(sumsq / (double)row_length + (double)a->eps));
+      rstd = ltx_compute_precision(act, 1.0 / sqrt(sumsq / (double)row_length + (double)a->eps));
     }
     if (!rotate) { /* norm only (or a copy): one rounding to T */
       for (i = 0; i < row_length; ++i)
-        ltx_store(out_row, act, i,
-                  normalized_element(x_row, act, &t->weight, a->normalize, rstd, i));
+        ltx_store_double(out_row, act, i,
+                         normalized_element(x_row, act, &t->weight, a->normalize, rstd, i));
       continue;
     }
     cos_row = ltx_row_ptr(&t->cos, row);
@@ -67,16 +76,16 @@ int ltx_qk_norm_rope_cpu(const ltx_qk_norm_rope_args_t* args, int tensor, int64_
         const int64_t hi = a->interleaved ? 2 * i + 1 : i + half;
         const int64_t hi_table = a->rot_dim == a->head_dim ? hi : i;
         /* v rounded to T (a no-op without normalization: x already is T) */
-        const float v_lo = ltx_round_to(
+        const double v_lo = ltx_round_double(
             act, normalized_element(x_row, act, &t->weight, a->normalize, rstd, base + lo));
-        const float v_hi = ltx_round_to(
+        const double v_hi = ltx_round_double(
             act, normalized_element(x_row, act, &t->weight, a->normalize, rstd, base + hi));
-        const float o_lo = v_lo * ltx_load(cos_row, table, cos_base + lo) -
-                           v_hi * ltx_load(sin_row, table, sin_base + lo);
-        const float o_hi = v_hi * ltx_load(cos_row, table, cos_base + hi_table) +
-                           v_lo * ltx_load(sin_row, table, sin_base + hi_table);
-        ltx_store(out_row, act, base + lo, o_lo);
-        ltx_store(out_row, act, base + hi, o_hi);
+        const double o_lo = rotated(act, v_lo, ltx_load_double(cos_row, table, cos_base + lo),
+                                    -v_hi, ltx_load_double(sin_row, table, sin_base + lo));
+        const double o_hi = rotated(act, v_hi, ltx_load_double(cos_row, table, cos_base + hi_table),
+                                    v_lo, ltx_load_double(sin_row, table, sin_base + hi_table));
+        ltx_store_double(out_row, act, base + lo, o_lo);
+        ltx_store_double(out_row, act, base + hi, o_hi);
       }
     }
   }

@@ -3,7 +3,9 @@ gradient of a float64 evaluation of the op's formula (`ltx_kernels.reference`, d
 PyTorch in float64) on fresh random inputs, in every dtype, for every broadcast form of the
 modulation tensors, odd hidden sizes, row-strided views and empty tensors; only the gradients
 asked for are computed; opcheck (with its autograd and AOT tests), torch.compile(fullgraph=True) of
-forward + backward, second derivatives that raise naming the op, and CUDA-graph capture of forward + backward."""
+forward + backward, second derivatives (create_graph=True) against the float64 double backward,
+and CUDA-graph capture of forward + backward. (gradcheck and gradgradcheck in float64:
+test_gradcheck.py.)"""
 
 import pytest
 import torch
@@ -12,7 +14,6 @@ import ltx_kernels
 from fused_helpers import BROADCASTS, DTYPES, FRAMES, make_modulation
 from helpers import capture_graph, make_activation
 from ltx_kernels import reference
-from ltx_kernels._op_names import FUSED_BACKWARD_OPS
 
 # Relative L2 error of each gradient against the float64 evaluation. fp32: the backward computes
 # in fp32 (reductions over up to a few thousand terms); fp16/bf16: the gradient is rounded to the
@@ -20,6 +21,11 @@ from ltx_kernels._op_names import FUSED_BACKWARD_OPS
 # roundings of 2^-11 / 2^-8 that add up in quadrature (seen on the CPU: at most 2.2e-7, 8e-4,
 # 8.4e-3 over every case and three seeds).
 GRAD_TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Relative L2 error of the second derivatives (create_graph=True, differentiated again) against
+# the float64 double backward: the first derivatives' roundings carried through (seen on the CPU:
+# at most 2.9e-7, 1.5e-3, 1.3e-2 over every case and three seeds; the largest, linear_gelu's gelu''
+# at the pre-activation rounded to the dtype).
+SECOND_TOLERANCE = {torch.float32: 1e-6, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 B, S, D = 2, 6, 37  # odd hidden size; S divisible by FRAMES
 HEADS, HEAD_DIM = 3, 16
 
@@ -33,9 +39,10 @@ def _x_for(kind, x):
     return x.unflatten(1, (FRAMES, -1)) if kind == "frames" else x
 
 
-def cases(op, dtype, device, S=S):
+def cases(op, dtype, device, S=S, D=D, num_heads=HEADS, head_dim=HEAD_DIM):
     """(id, args, kwargs) of `op` covering its input forms, at sequence length S (a multiple of
-    FRAMES); every float tensor may require grad."""
+    FRAMES), hidden size D and, for rope and qk_rmsnorm_rope, num_heads heads of head_dim (even);
+    every float tensor may require grad."""
     x = make_activation((B, S, D), dtype, device, "row_strided")
     y = _rand(B, S, D, dtype=dtype, device=device)
     weight = _rand(D, dtype=dtype, device=device, std=0.3).add_(1)
@@ -71,13 +78,14 @@ def cases(op, dtype, device, S=S):
         gate = make_modulation("unbind6", B, S, D, torch.float32, device, 1)[0]
         out += [("upcast", (x, y, gate), {"upcast": True}), ("no_gate", (x, y, None), {})]
     elif op in ("rope", "qk_rmsnorm_rope"):
-        tokens = make_activation((B, S, HEADS * HEAD_DIM), dtype, device, "row_strided")
-        heads = tokens.unflatten(2, (HEADS, HEAD_DIM))  # row-strided tokens, contiguous heads
-        other = _rand(B, S, HEADS, HEAD_DIM, dtype=dtype, device=device)
-        angle = torch.rand(S, HEAD_DIM, device=device) * 6.3
+        width = num_heads * head_dim
+        tokens = make_activation((B, S, width), dtype, device, "row_strided")
+        heads = tokens.unflatten(2, (num_heads, head_dim))  # row-strided tokens, contiguous heads
+        other = _rand(*heads.shape, dtype=dtype, device=device)
+        angle = torch.rand(S, head_dim, device=device) * 6.3
         cos, sin = angle.cos(), angle.sin()
-        full = torch.rand(B, S, HEADS * HEAD_DIM, device=device) * 6.3
-        half_angle = torch.rand(S, HEAD_DIM // 2, device=device) * 6.3
+        full = torch.rand(B, S, width, device=device) * 6.3
+        half_angle = torch.rand(S, head_dim // 2, device=device) * 6.3
         if op == "rope":
             out += [
                 ("per_head_table", (heads, cos, sin, True), {}),
@@ -87,9 +95,9 @@ def cases(op, dtype, device, S=S):
                 ("x_dtype_table", (heads, cos.to(dtype), sin.to(dtype), True), {}),
             ]
         else:
-            wd = _rand(HEADS * HEAD_DIM, dtype=dtype, device=device, std=0.3).add_(1)
-            wh = _rand(HEAD_DIM, dtype=dtype, device=device, std=0.3).add_(1)
-            tokens_k = _rand(B, S, HEADS * HEAD_DIM, dtype=dtype, device=device)
+            wd = _rand(width, dtype=dtype, device=device, std=0.3).add_(1)
+            wh = _rand(head_dim, dtype=dtype, device=device, std=0.3).add_(1)
+            tokens_k = _rand(B, S, width, dtype=dtype, device=device)
             out += [
                 ("ltx", (tokens, tokens_k, wd, wd.float(), full.cos(), full.sin()), {}),
                 ("no_rope", (tokens, tokens_k, wd, None, None, None), {}),
@@ -357,32 +365,85 @@ def test_inductor_dynamic_shapes_do_not_recompile_in_training():
         weight.grad = None
 
 
-@pytest.mark.parametrize("op", sorted(FUSED_BACKWARD_OPS))
-def test_second_derivatives_raise_naming_the_backward_op(device, op):
-    """create_graph=True: the first derivatives come from the fused backward op and equal those
-    without create_graph; differentiating them again raises, naming that op (never a silently
-    missing second derivative). rope is linear in x: its gradient does not depend on x (no graph,
-    as ATen's linear ops give)."""
-    args = cases(op, torch.float32, device)[0][1]
-    # x and the next tensor (gated_residual: y and gate, on which dy depends; rope: x alone, the
-    # tables stay constant)
-    which = {"rope": {0}, "gated_residual": {0, 1, 2}}.get(op, {0, 1})
-    args = _requiring_grad(args, which=which)
-    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    grads = _output_grads(op, args, {})
-    first = torch.autograd.grad(
-        _loss(getattr(ltx_kernels, op)(*args), grads), tensors, create_graph=True
-    )
-    plain = torch.autograd.grad(_loss(getattr(ltx_kernels, op)(*args), grads), tensors)
-    for a, b in zip(first, plain):
-        assert torch.equal(a.detach(), b)
-    if op == "rope":
-        assert not first[0].requires_grad
-        return
+def _first_and_second(fn, args, kwargs, grads, probes):
+    """First derivatives of <fn(*args), grads> with create_graph=True, and the second: the
+    gradients of <first, probes> with respect to the inputs that require grad and to grads."""
+    inputs = [t for t in _tensors(args) if t.requires_grad]
+    outputs = fn(*args, **kwargs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    loss = sum((o.to(g.dtype) * g).sum() for o, g in zip(outputs, grads))
+    first = torch.autograd.grad(loss, inputs, create_graph=True)
+    again = sum((f.to(p.dtype) * p).sum() for f, p in zip(first, probes))
+    second = torch.autograd.grad(again, inputs + grads, allow_unused=True)
+    return first, [torch.zeros_like(t) if g is None else g for g, t in zip(second, inputs + grads)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_second_derivatives_match_float64(op, dtype, device):
+    """create_graph=True gives first derivatives that are differentiable again (a differentiable
+    evaluation of the VJP, not the fused backward ops, whose outputs are not), in every input form:
+    they are within the gradient tolerance of the float64 ones, and their gradients with respect
+    to every input and to the output gradients are those of the float64 double backward of
+    reference.<op> (rope's and qk_rmsnorm_rope's tables constant, as the fused path takes them)."""
+    tables = {"rope": {1, 2}, "qk_rmsnorm_rope": {4, 5}}.get(op, set())
+    for case, args, kwargs in cases(op, dtype, device):
+        args = _requiring_grad(args, which=set(range(len(args))) - tables)
+        grads = [g.requires_grad_() for g in _output_grads(op, args, kwargs)]
+        inputs = [t for t in _tensors(args) if t.requires_grad]
+        probes = [torch.randn(t.shape, dtype=torch.float64, device=device) for t in inputs]
+        first, second = _first_and_second(getattr(ltx_kernels, op), args, kwargs, grads, probes)
+        args64 = _map_tensors(
+            args, lambda _, t: t.detach().double().requires_grad_(t.requires_grad)
+        )
+        grads64 = [g.detach().double().requires_grad_() for g in grads]
+        first64, second64 = _first_and_second(
+            getattr(reference, op),
+            args64,
+            {**kwargs, "compute_dtype": torch.float64, "round_output": False},
+            grads64,
+            probes,
+        )
+        for index, (got, want) in enumerate(zip(first, first64, strict=True)):
+            what = f"{op}[{case}] {dtype} create_graph first derivative {index}"
+            assert got.requires_grad, f"{what}: not differentiable"
+            assert _rel_l2(got, want) <= GRAD_TOLERANCE[dtype], f"{what}: {_rel_l2(got, want):.3g}"
+        for index, (got, want) in enumerate(zip(second, second64, strict=True)):
+            what = f"{op}[{case}] {dtype} second derivative {index}"
+            assert torch.isfinite(got).all(), f"{what}: non-finite"
+            error = _rel_l2(got, want)
+            assert error <= SECOND_TOLERANCE[dtype], f"{what}: relative L2 {error:.3g}"
+
+
+def test_create_graph_gradients_are_partial_derivatives():
+    """A backward with create_graph=True returns the node's own gradients, the partial derivatives
+    at its inputs, as without: an x computed from the weight, on the reference VJP (an rmsnorm
+    weight of another dtype than x), once also got the weight's gradient through x."""
+    w = (1 + 0.3 * torch.randn(8)).requires_grad_()
+    weight = w.half()
+    x = torch.randn(3, 8) * weight.float()
+    out = ltx_kernels.rmsnorm(x, weight)
+    g = torch.randn(3, 8).half()
+    plain = torch.autograd.grad(out, (x, weight), g, retain_graph=True)
+    again = torch.autograd.grad(out, (x, weight), g, create_graph=True)
+    for a, b in zip(again, plain):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+
+
+def test_backward_ops_differentiated_directly_raise(device):
+    """The backward ops themselves compute first derivatives only: differentiating one called
+    directly raises, naming it (second derivatives come from the forward op's create_graph=True)."""
+    x, dout = (torch.randn(2, 8, device=device, requires_grad=True) for _ in range(2))
+    cos, sin = torch.randn(2, 8, device=device), torch.randn(2, 8, device=device)
+    with pytest.raises(RuntimeError, match="ltx_kernels.rope_backward is not differentiable"):
+        torch.ops.ltx_kernels.rope_backward(dout, cos, sin).sum().backward()
     with pytest.raises(
-        RuntimeError, match=f"ltx_kernels.{FUSED_BACKWARD_OPS[op]} is not differentiable"
+        RuntimeError, match="ltx_kernels.norm_modulate_backward is not differentiable"
     ):
-        torch.autograd.grad(sum((g * g).sum() for g in first if g.requires_grad), tensors)
+        outputs = torch.ops.ltx_kernels.norm_modulate_backward(
+            dout, None, x, None, None, None, None, None, None, 1e-6, False, [True] + [False] * 6
+        )
+        outputs[0].sum().backward()
 
 
 @pytest.mark.gpu

@@ -189,10 +189,10 @@ def test_upcast_fp32_operands(device, op):
 
 
 def _fused_function(op, kwargs):
-    """op's forward as its float64 reference (the norm ops' forward C twin has no float64 path)
-    with norm_modulate_backward as its backward, called as autograd_ops.cpp calls it (h saved, every
-    gradient asked for), so gradcheck checks the backward op's C twin (its float64 path) against
-    finite differences."""
+    """op's forward as its float64 reference with norm_modulate_backward as its backward, called
+    as autograd_ops.cpp calls it (h saved, every gradient asked for), so gradcheck checks the
+    backward op's C twin (its float64 path) alone against finite differences (the op itself, its
+    forward C twin in float64 too: test_gradcheck.py)."""
     schema = getattr(ops, op).default._schema
     names = [a.name for a in schema.arguments if not a.kwarg_only]
     residual = "y" in names
@@ -309,19 +309,30 @@ def test_autograd_runs_the_fused_backward(device, op):
     assert "aten::rsqrt" not in seen.names, sorted(seen.names)
 
 
-def test_second_derivatives_raise_naming_the_op(device):
-    # create_graph=True through an add_ op: the first derivatives are the fused backward's; they
-    # cannot be differentiated again, and saying so names the backward op (never a silent zero).
+def test_create_graph_takes_a_differentiable_evaluation(device):
+    # create_graph=True through an add_ op: the first derivatives come from the reference VJP at
+    # the saved h and the residual's part in ATen (differentiable again; values against float64:
+    # test_autograd.py, test_gradcheck.py), not from the fused op, whose outputs are not
+    # differentiable (differentiated directly, it raises naming itself); without create_graph from
+    # the fused op alone. Both agree.
     x, y = (torch.randn(2, 6, 16, device=device, requires_grad=True) for _ in range(2))
     scale, shift, gate = make_modulation("B1D", 2, 6, 16, torch.float32, device, 3)
     h, n = ltx_kernels.add_rmsnorm_modulate(x, y, scale, shift, gate)
-    gx, gy = torch.autograd.grad(n.sum() + (h * h).sum(), (x, y), create_graph=True)
-    want = torch.autograd.grad(n.sum() + (h * h).sum(), (x, y))
-    assert torch.equal(gx.detach(), want[0]) and torch.equal(gy.detach(), want[1])
+    loss = n.sum() + (h * h).sum()
+    with OpNames() as seen:
+        want = torch.autograd.grad(loss, (x, y), retain_graph=True)
+    assert "ltx_kernels::norm_modulate_backward" in seen.names, sorted(seen.names)
+    with OpNames() as seen:
+        gx, gy = torch.autograd.grad(loss, (x, y), create_graph=True)
+    assert "ltx_kernels::norm_modulate_backward" not in seen.names, sorted(seen.names)
+    assert _rel_l2(gx, want[0]) <= 1e-6 and _rel_l2(gy, want[1]) <= 1e-6
+    assert all(g is not None for g in torch.autograd.grad((gx * gx).sum(), (x, y)))
+    grad_out = torch.randn_like(x, requires_grad=True)
+    dx = ops.norm_modulate_backward(*_backward(grad_out=grad_out, h=x))[0]
     with pytest.raises(
         RuntimeError, match="ltx_kernels.norm_modulate_backward is not differentiable"
     ):
-        torch.autograd.grad((gx * gx).sum(), x)
+        dx.sum().backward()
 
 
 @pytest.mark.parametrize("layer_norm", [False, True])

@@ -386,8 +386,20 @@ def _case(op, device, **changes):
 def test_errors_name_the_argument(device, op):
     c = _case(op, device)
     x, scale = c.x, c.scale
-    _raises(_case(op, device, x=x.double()), "x must be float32, float16 or bfloat16, got Double")
-    _raises(_case(op, device, x=x.int()), "x must be float32, float16 or bfloat16, got Int")
+    if device == "cpu":  # float64 runs the C twin in double (gradcheck: test_gradcheck.py)
+        names = ("x", "y", "scale", "shift", "gate", "weight", "bias")
+        double = {n: getattr(c, n).double() for n in names if getattr(c, n) is not None}
+        assert _case(op, device, **double).run()[1].dtype == torch.float64
+        _raises(
+            _case(op, device, x=x.double(), y=None if c.y is None else c.y.double()),
+            "scale must have x's dtype Double",
+        )
+    else:
+        _raises(_case(op, device, x=x.double()), "x is float64, which only the CPU backend takes")
+    _raises(
+        _case(op, device, x=x.int()),
+        r"x must be float32, float16, bfloat16 or \(CPU\) float64, got Int",
+    )
     _raises(
         _case(op, device, x=x.transpose(1, 2).contiguous().transpose(1, 2)),
         "x must have a contiguous last dimension",

@@ -98,6 +98,19 @@ def test_input_modified_in_place_raises():
         out.float().sum().backward()
 
 
+def test_create_graph_raises():
+    """A recomputed output is not in the graph: a backward with create_graph=True (second
+    derivatives) would lose the part through it, so it raises naming the op instead."""
+    model, _, call = _with_and_without("ltx", lora=True)
+    out = output_of(call(model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(
+        RuntimeError,
+        match=r"backward with create_graph=True \(recompute_norms\).*second derivatives",
+    ):
+        torch.autograd.grad(out.float().sum(), params, create_graph=True)
+
+
 @pytest.mark.parametrize(
     "layer_norm, upcast", [(False, False), (True, False), (True, True)], ids=["rms", "layer", "wan"]
 )

@@ -127,7 +127,12 @@ def test_gated_residual_errors(device):
         with pytest.raises(RuntimeError, match=f"ltx_kernels.gated_residual: {pattern}"):
             op(*args, **kwargs)
 
-    raises("x must be float32, float16 or bfloat16, got Double", x.double(), x.double(), None)
+    if device == "cpu":  # float64 runs the C twin in double (gradcheck: test_gradcheck.py)
+        assert op(x.double(), x.double(), gate.double()).dtype == torch.float64
+        raises("gate must have x's dtype Double", x.double(), x.double(), gate)
+    else:
+        raises("x is float64, which only the CPU backend takes", x.double(), x.double(), None)
+    raises(r"x must be float32, float16, bfloat16 or \(CPU\) float64, got Int", x.int(), x.int())
     raises("x must have a contiguous last dimension", x.transpose(0, 2), x.transpose(0, 2), None)
     raises("x must have at least 1 dimension", x[0, 0, 0], x[0, 0, 0], None)
     raises("y must have x's shape", x, x[:, :5], gate)
@@ -406,7 +411,11 @@ def test_linear_gelu_errors(device):
         with pytest.raises(RuntimeError, match=f"ltx_kernels.linear_gelu: {pattern}"):
             ltx_kernels.linear_gelu(*args)
 
-    raises("x must be float32, float16 or bfloat16, got Double", x.double(), weight.double(), None)
+    if device == "cpu":  # float64 on the CPU (gradcheck: test_gradcheck.py)
+        assert ltx_kernels.linear_gelu(x.double(), weight.double(), None).dtype == torch.float64
+    else:
+        raises("x is float64, which only the CPU backend takes", x.double(), weight.double(), None)
+    raises(r"x must be float32, float16, bfloat16 or \(CPU\) float64, got Int", x.int(), weight)
     raises(r"weight must have shape \[N, K\] with K = x.shape\[-1\]", x, weight[:, :63], bias)
     raises(r"weight must have shape \[N, K\] with K = x.shape\[-1\]", x, weight[0], bias)
     raises(r"bias must have shape \[N\]", x, weight, bias[:31])

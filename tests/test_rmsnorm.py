@@ -132,9 +132,21 @@ def test_64bit_offsets(device):
 def test_errors_name_the_argument(device):
     x = torch.randn(4, 64, device=device)
     rms = ltx_kernels.rmsnorm
-    with pytest.raises(RuntimeError, match="x must be float32, float16 or bfloat16, got Double"):
-        rms(x.double())
-    with pytest.raises(RuntimeError, match="x must be float32, float16 or bfloat16, got Int"):
+    if device == "cpu":  # float64 runs the C twin in double (gradcheck: test_gradcheck.py)
+        assert rms(x.double(), torch.ones(64, dtype=torch.float64)).dtype == torch.float64
+        with pytest.raises(
+            RuntimeError, match="ltx_kernels.rmsnorm: weight must have x's dtype Double, got Float"
+        ):
+            rms(x.double(), torch.ones(64))
+    else:
+        with pytest.raises(
+            RuntimeError,
+            match="ltx_kernels.rmsnorm: x is float64, which only the CPU backend takes",
+        ):
+            rms(x.double())
+    with pytest.raises(
+        RuntimeError, match=r"x must be float32, float16, bfloat16 or \(CPU\) float64, got Int"
+    ):
         rms(x.int())
     with pytest.raises(RuntimeError, match="x must have a contiguous last dimension"):
         rms(x.t())

@@ -231,7 +231,14 @@ def test_rope_errors(device):
         with pytest.raises(RuntimeError, match=f"ltx_kernels.rope: {pattern}"):
             ltx_kernels.rope(*args)
 
-    raises("x must be float32, float16 or bfloat16, got Double", x.double(), cos, sin)
+    if device == "cpu":  # float64 runs the C twin in double (fp32 tables too; test_gradcheck.py)
+        assert ltx_kernels.rope(x.double(), cos, sin).dtype == torch.float64
+        raises(
+            "cos must be Double or float32, got BFloat16", x.double(), cos.to(bf16), sin.to(bf16)
+        )
+    else:
+        raises("x is float64, which only the CPU backend takes", x.double(), cos, sin)
+    raises(r"x must be float32, float16, bfloat16 or \(CPU\) float64, got Int", x.int(), cos, sin)
     raises("x must have a contiguous last dimension", x.transpose(1, 2), cos[:, :12], sin[:, :12])
     raises("x must have at least 1 dimension", x[0, 0, 0], cos, sin)
     raises("cos and sin must have the same shape", x, cos, sin[:1])
@@ -466,10 +473,32 @@ def test_qk_errors(device):
         with pytest.raises(RuntimeError, match=f"ltx_kernels.qk_rmsnorm_rope: {pattern}"):
             ltx_kernels.qk_rmsnorm_rope(*args)
 
+    if device == "cpu":  # float64 runs the C twin in double (gradcheck: test_gradcheck.py)
+        out = ltx_kernels.qk_rmsnorm_rope(q.double(), k.double(), w.double(), None, cos, sin)
+        assert out[0].dtype == out[1].dtype == torch.float64
+        raises(
+            "q_weight must be Double or float32, got BFloat16",
+            q.double(),
+            k.double(),
+            w,
+            None,
+            cos,
+            sin,
+        )
+    else:
+        raises(
+            "q is float64, which only the CPU backend takes",
+            q.double(),
+            k.double(),
+            None,
+            None,
+            None,
+            None,
+        )
     raises(
-        "q must be float32, float16 or bfloat16, got Double",
-        q.double(),
-        k.double(),
+        r"q must be float32, float16, bfloat16 or \(CPU\) float64, got Int",
+        q.int(),
+        k.int(),
         None,
         None,
         None,

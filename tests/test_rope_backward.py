@@ -174,10 +174,10 @@ def test_empty(device, op):
 # gradcheck on the C twin's float64 path, opcheck, errors, autograd wiring
 # ------------------------------------------------------------------------------------------------
 def _fused_function(op):
-    """op's forward as its float64 reference (the forward C twin has no float64 path) with its
-    fused backward op (rope_backward or qk_rmsnorm_rope_backward), called as autograd_ops.cpp
-    calls it, as its backward: gradcheck checks the backward op's C twin (float64) against finite
-    differences."""
+    """op's forward as its float64 reference with its fused backward op (rope_backward or
+    qk_rmsnorm_rope_backward), called as autograd_ops.cpp calls it, as its backward: gradcheck
+    checks the backward op's C twin (float64) alone against finite differences (the op itself,
+    its forward C twin in float64 too: test_gradcheck.py)."""
 
     class Fused(torch.autograd.Function):
         @staticmethod

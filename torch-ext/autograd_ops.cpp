@@ -12,11 +12,17 @@
 // Inputs the fused kernels do not take (CUDA rows above their limit, an rmsnorm weight of another
 // dtype than x, RoPE tables that require grad) take the VJP of the op's reference instead
 // (reference_vjp, defined by _autograd.py). Only the gradients autograd asks for are computed.
-// The backward ops and the FP8 ops record a node that raises when differentiated, naming the op:
-// so does a second derivative (create_graph=True) through a fused backward.
+// A backward with create_graph=True (second derivatives: gradgradcheck, gradient penalties) runs
+// in grad mode and returns gradients that are differentiable again: instead of the fused backward
+// ops, whose outputs are not, it evaluates the same VJP with differentiable ops (the norm ops:
+// reference_vjp of the plain norm at the saved h and the residual's linear part in ATen; rope,
+// qk_rmsnorm_rope: reference_vjp; gelu, geglu: ATen's GELU derivative; linear_gelu and lora_linear
+// are ATen already). The first-order backward (grad mode off) is the fused path alone.
+// The backward ops and the FP8 ops record a node that raises when differentiated, naming the op.
 // Training memory: within recompute_scope (integration/recompute.py), a norm output or a LoRA
 // projection's output that lora_linear or qk_rmsnorm_rope saves is saved as the call that gives it
 // again (the section "Outputs recomputed in backward" below).
+#include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -90,25 +96,33 @@ bool needs(AutogradContext* ctx, int i) {
   return ctx->needs_input_grad(__builtin_popcountll(defined & ((int64_t{1} << i) - 1)));
 }
 
-// The VJP of the op's reference (Python, _autograd.reference_vjp) at the saved inputs, for the
-// tensors of `inputs` (in the Function's order) whose gradients are asked for; the Function's
-// other (non-tensor) arguments get none.
-variable_list reference_vjp(AutogradContext* ctx, const char* op, const variable_list& inputs,
-                            const variable_list& grads, int64_t num_other_arguments, double eps,
-                            bool upcast, bool across_heads, bool interleaved) {
+// The op reference_vjp (_autograd.reference_vjp): the gradients of op's tensors `inputs` (its
+// _autograd.TENSOR_ORDER; undefined: absent) whose bit is set in `wanted`, for the gradients of its
+// outputs; differentiable in grad mode (create_graph=True).
+std::vector<Tensor> call_reference_vjp(const char* op, const variable_list& inputs,
+                                       const variable_list& grads, int64_t wanted, double eps,
+                                       bool upcast, bool across_heads, bool interleaved) {
   static const auto vjp =
       find_op<std::vector<Tensor>(c10::string_view, const c10::List<OptTensor>&,
                                   const c10::List<OptTensor>&, int64_t, double, bool, bool, bool)>(
           "reference_vjp");
   c10::List<OptTensor> saved, out_grads;
-  int64_t wanted = 0;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    saved.push_back(optional(inputs[i]));
-    if (needs(ctx, static_cast<int>(i))) wanted |= int64_t{1} << i;
-  }
+  for (const Tensor& t : inputs) saved.push_back(optional(t));
   for (const Tensor& g : grads) out_grads.push_back(optional(g));
+  return vjp.call(op, saved, out_grads, wanted, eps, upcast, across_heads, interleaved);
+}
+
+// The VJP of the op's reference at the saved inputs, for the tensors of `inputs` (in the
+// Function's order) whose gradients are asked for; the Function's other (non-tensor) arguments get
+// none.
+variable_list reference_vjp(AutogradContext* ctx, const char* op, const variable_list& inputs,
+                            const variable_list& grads, int64_t num_other_arguments, double eps,
+                            bool upcast, bool across_heads, bool interleaved) {
+  int64_t wanted = 0;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (needs(ctx, static_cast<int>(i))) wanted |= int64_t{1} << i;
   const std::vector<Tensor> computed =
-      vjp.call(op, saved, out_grads, wanted, eps, upcast, across_heads, interleaved);
+      call_reference_vjp(op, inputs, grads, wanted, eps, upcast, across_heads, interleaved);
   variable_list result(inputs.size() + num_other_arguments);
   for (size_t i = 0; i < inputs.size(); ++i)
     if ((wanted >> i) & 1) result[i] = computed[i];
@@ -189,10 +203,17 @@ Tensor saved_or_recomputed(AutogradContext* ctx, const char* key, const Tensor& 
 }
 
 // The input a Function saved with saved_or_recomputed (the recomputed output is laid out as the
-// original).
+// original). A recomputed output is not in the graph: a backward with create_graph=True, whose
+// gradients must reach the input's producer, raises instead.
 Tensor restored(AutogradContext* ctx, const char* key, const Tensor& saved, const char* op) {
   const auto found = ctx->saved_data.find(key);
   if (saved.defined() || found == ctx->saved_data.end()) return saved;
+  TORCH_CHECK(
+      !at::GradMode::is_enabled(), "ltx_kernels.", op,
+      " backward with create_graph=True (recompute_norms): an input recomputed instead of "
+      "saved is not connected to the graph, so its second derivatives would be lost. "
+      "Inject with ops excluding 'recompute_norms' (or LTX_KERNELS_DISABLE=recompute_norms) "
+      "to differentiate twice.");
   const auto parts = found->second.toTupleRef().elements();
   const auto call = c10::static_intrusive_pointer_cast<Recompute>(parts[0].toCapsule());
   return call->run(op).as_strided(parts[1].toIntVector(), parts[2].toIntVector(), parts[3].toInt());
@@ -274,6 +295,8 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     for (int i = 0; i < kNormInputs; ++i) wanted[i] = needs(ctx, i);
     if (!grad_n.defined())  // only h's gradient: the norm's inputs get none
       wanted[kScale] = wanted[kShift] = wanted[kWeight] = wanted[kBias] = false;
+    if (at::GradMode::is_enabled())  // create_graph=True
+      return differentiable_backward(kind, saved, grad_n, grad_h, wanted, eps, upcast);
     if (!norm || !grad_n.defined()) {  // x's gradient is h's
       if (wanted[kX]) result[kX] = grad_h;
       wanted[kX] = false;
@@ -299,6 +322,47 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
         std::get<4>(computed), std::get<5>(computed), std::get<6>(computed)};
     for (int i = 0; i < kNormInputs; ++i)
       if (wanted[i]) result[i] = gradients[i];
+    return result;
+  }
+
+  // create_graph=True: the gradients as differentiable functions of the output gradients and the
+  // saved tensors. The norm's part is the VJP of the plain norm op's reference at the saved h
+  // (reference_vjp); for the add_ ops h is this node's output, so the second derivatives reach x,
+  // y and gate through it. Then the residual's linear part, in ATen: dh = dh_norm + grad_h,
+  // dx = dh, dy = dh * gate, dgate = dh * y summed to gate's shape (in fp32, float64 for float64
+  // tensors, rounded once to the input's dtype).
+  static variable_list differentiable_backward(int64_t kind, const variable_list& saved,
+                                               const Tensor& grad_n, const Tensor& grad_h,
+                                               const std::array<bool, kNormInputs>& wanted,
+                                               double eps, bool upcast) {
+    variable_list result(kNormInputs + 3);
+    const bool want_h = wanted[kX] || wanted[kY] || wanted[kGate];
+    Tensor dh = grad_h;
+    if (kind != kGatedResidual && grad_n.defined()) {
+      const int64_t plain = kind == kAddRmsnormModulate     ? kRmsnormModulate
+                            : kind == kAddLayernormModulate ? kLayernormModulate
+                                                            : kind;
+      int64_t mask = want_h ? 1 : 0;  // (bit kX: h, in x's place)
+      for (int i = kScale; i < kNormInputs; ++i)
+        if (wanted[i]) mask |= int64_t{1} << i;
+      if (mask == 0) return result;
+      const std::vector<Tensor> computed =
+          call_reference_vjp(kNames[plain],
+                             {saved[kX], Tensor(), Tensor(), saved[kScale], saved[kShift],
+                              saved[kWeight], saved[kBias]},
+                             {grad_n}, mask, eps, upcast, false, false);
+      for (int i = kScale; i < kNormInputs; ++i)
+        if (wanted[i]) result[i] = computed[i];
+      if (want_h) dh = dh.defined() ? dh.add(computed[kX]) : computed[kX];
+    }
+    if (!want_h || !dh.defined()) return result;
+    const Tensor &y = saved[kY], &gate = saved[kGate];
+    const at::ScalarType c = dh.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    if (wanted[kX]) result[kX] = dh;
+    if (wanted[kY])
+      result[kY] = gate.defined() ? dh.to(c).mul(gate.to(c)).to(dh.scalar_type()) : dh;
+    if (wanted[kGate])
+      result[kGate] = at::sum_to(dh.to(c).mul(y.to(c)), gate.sym_sizes()).to(gate.scalar_type());
     return result;
   }
 
@@ -383,9 +447,16 @@ struct RopeFunction : public torch::autograd::Function<RopeFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const bool interleaved = ctx->saved_data["interleaved"].toBool();
-    const variable_list saved = ctx->get_saved_variables();
-    if (ctx->saved_data["reference"].toBool())
+    variable_list saved = ctx->get_saved_variables();
+    if (ctx->saved_data["reference"].toBool() || at::GradMode::is_enabled()) {
+      // (create_graph=True: x is not saved, but rope is linear, its VJP the same at any x: zeros
+      // stand in for it)
+      if (!saved[0].defined()) {
+        if (!grads[0].defined()) return variable_list(4);
+        saved[0] = at::zeros_like(grads[0]);
+      }
       return reference_vjp(ctx, "rope", saved, grads, 1, 0.0, false, false, interleaved);
+    }
     variable_list result(4);
     if (grads[0].defined() && needs(ctx, 0)) {
       static const auto op =
@@ -443,7 +514,7 @@ struct QkFunction : public torch::autograd::Function<QkFunction> {
     variable_list saved = ctx->get_saved_variables();
     saved[0] = restored(ctx, "q", saved[0], "qk_rmsnorm_rope");
     saved[1] = restored(ctx, "k", saved[1], "qk_rmsnorm_rope");
-    if (ctx->saved_data["reference"].toBool())
+    if (ctx->saved_data["reference"].toBool() || at::GradMode::is_enabled())  // (create_graph)
       return reference_vjp(ctx, "qk_rmsnorm_rope", saved, grads, 3, eps, false, across_heads,
                            interleaved);
     variable_list result(9);
@@ -481,7 +552,9 @@ std::tuple<Tensor, Tensor> qk_rmsnorm_rope_op(const Tensor& q, const Tensor& k,
 }
 
 // ------------------------------------------------------------------------------------------------
-// GELU and GEGLU (x saved; the fused backward op recomputes the activation's derivative).
+// GELU and GEGLU (x saved; the fused backward op recomputes the activation's derivative; under
+// create_graph=True ATen's, differentiable: gelu_backward with the fused op's rounding points,
+// GEGLU's dh = dout * gelu(g), dg = gelu'(g) * (dout * h)).
 struct ActivationFunction : public torch::autograd::Function<ActivationFunction> {
   using Signature = Tensor(const Tensor&, c10::string_view);
 
@@ -504,9 +577,18 @@ struct ActivationFunction : public torch::autograd::Function<ActivationFunction>
     static const auto gelu_backward = find_op<Backward>("gelu_backward");
     static const auto geglu_backward = find_op<Backward>("geglu_backward");
     const std::string approximate = ctx->saved_data["approximate"].toStringRef();
-    const auto& op = ctx->saved_data["geglu"].toBool() ? geglu_backward : gelu_backward;
-    return {op.call(grads[0].contiguous(), ctx->get_saved_variables()[0], approximate), Tensor(),
-            Tensor()};
+    const bool geglu = ctx->saved_data["geglu"].toBool();
+    const Tensor x = ctx->get_saved_variables()[0];
+    if (at::GradMode::is_enabled()) {  // create_graph=True
+      if (!geglu) return {at::gelu_backward(grads[0], x, approximate), Tensor(), Tensor()};
+      const std::vector<Tensor> halves = x.chunk(2, -1);  // hidden, gate
+      return {at::cat({grads[0].mul(at::gelu(halves[1], approximate)),
+                       at::gelu_backward(grads[0].mul(halves[0]), halves[1], approximate)},
+                      -1),
+              Tensor(), Tensor()};
+    }
+    const auto& op = geglu ? geglu_backward : gelu_backward;
+    return {op.call(grads[0].contiguous(), x, approximate), Tensor(), Tensor()};
   }
 };
 
@@ -633,8 +715,8 @@ std::string op_name(const c10::OperatorHandle& op) {
 
 std::string not_differentiable_message(const c10::OperatorHandle& op) {
   return op_name(op) +
-         " is not differentiable: the fused backward ops compute first derivatives only "
-         "(create_graph=True gives gradients that cannot be differentiated again)";
+         " is not differentiable: the fused backward ops compute first derivatives only (for "
+         "second derivatives differentiate the forward op with create_graph=True)";
 }
 
 std::string fp8_message(const c10::OperatorHandle& op) {

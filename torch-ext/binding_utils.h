@@ -104,6 +104,10 @@ inline void check_float(const char* op, const char* name, const at::Tensor& t, b
       ", got ", t.scalar_type());
 }
 
+// A float64 activation: the ops whose C twin takes it (cpu_float64 above) take float64 operands
+// (weights, modulation, tables) only with it (their launcher rules say which).
+inline bool is_float64(const at::Tensor& x) { return x.scalar_type() == at::kDouble; }
+
 inline void check_activation(const char* op, const char* name, const at::Tensor& t,
                              bool cpu_float64 = false) {
   LTX_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a 0-d tensor");

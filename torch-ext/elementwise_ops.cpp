@@ -8,11 +8,12 @@ using namespace ltx_binding;
 at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
                           const std::optional<at::Tensor>& gate, bool upcast) {
   const char* op = "ltx_kernels.gated_residual";
-  check_activation(op, "x", x);
-  check_like_x(op, "y", y, x);
+  check_activation(op, "x", x, /*cpu_float64=*/true);
+  check_like_x(op, "y", y, x, is_float64(x));
   const ltx_rows_t x_rows = rows_of(op, "x", x), y_rows = rows_of(op, "y", y);
   const ltx_rows_t gate_rows =
-      gate ? rows_of(op, "gate", broadcast_operand(op, "gate", *gate, x, x.sizes())) : no_rows();
+      gate ? rows_of(op, "gate", broadcast_operand(op, "gate", *gate, x, x.sizes(), is_float64(x)))
+           : no_rows();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const ltx_rows_t out_rows = rows_of(op, "out", out);
   const int64_t hidden = x.size(-1);

@@ -39,11 +39,11 @@ std::vector<int64_t> output_shape(const at::Tensor& x, int64_t out_features) {
 }  // namespace
 
 // linear_gelu: one cuBLASLt GEMM with its GELU(-tanh) + bias epilogue, reached through
-// at::_addmm_activation.
+// at::_addmm_activation. float64 on the CPU (gradcheck runs on this code: addmm, then the GELU).
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   const char* op = "ltx_kernels.linear_gelu";
-  check_linear(op, x, weight, bias);
+  check_linear(op, x, weight, bias, /*cpu_float64=*/true);
   const int64_t in_features = x.size(-1), out_features = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, in_features});
   // The fused path only where cuBLASLt takes it: contiguous, 16-byte aligned operands with

@@ -8,9 +8,9 @@ using namespace ltx_binding;
 
 at::Tensor rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
   const char* op = "ltx_kernels.rmsnorm";
-  check_activation(op, "x", x);
+  check_activation(op, "x", x, /*cpu_float64=*/true);
   const int64_t hidden = x.size(-1);
-  const ltx_vector_t w = optional_vector(op, "weight", weight, x, hidden);
+  const ltx_vector_t w = optional_vector(op, "weight", weight, x, hidden, is_float64(x));
   // Of weight's dtype when there is a weight (x's otherwise), as diffusers' RMSNorm returns.
   at::Tensor out =
       at::empty(x.sizes(), x.options().dtype(weight ? weight->scalar_type() : x.scalar_type()));
@@ -30,36 +30,39 @@ at::Tensor rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
 
 // An optional per-row operand (scale, shift, gate) broadcast to x, described per row.
 static ltx_rows_t optional_rows(const char* op, const char* name,
-                                const std::optional<at::Tensor>& t, const at::Tensor& x) {
+                                const std::optional<at::Tensor>& t, const at::Tensor& x,
+                                bool cpu_float64) {
   if (!t) return no_rows();
-  return rows_of(op, name, broadcast_operand(op, name, *t, x, x.sizes()));
+  return rows_of(op, name, broadcast_operand(op, name, *t, x, x.sizes(), cpu_float64));
 }
 
 // rmsnorm_modulate, layernorm_modulate, their add_ twins and the FP8-output forms of the four: one
 // launcher. Returns (h, n, n_scale): h is undefined without y; with fp8, n is float8_e4m3fn and
 // n_scale its fp32 row scales (x.shape[:-1]), else n has x's dtype and n_scale is undefined.
+// float64 (the C twin, in double) for gradcheck: not the FP8 forms (no backward to check).
 static std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_modulate(
     const char* op, ltx_norm_kind_t kind, const at::Tensor& x, const std::optional<at::Tensor>& y,
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
     const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, double eps, bool upcast, bool fp8 = false) {
-  check_activation(op, "x", x);
+  check_activation(op, "x", x, /*cpu_float64=*/!fp8);
+  const bool float64 = !fp8 && is_float64(x);
   const int64_t hidden = x.size(-1);
   ltx_norm_modulate_args_t args{};
   args.x = rows_of(op, "x", x);
   args.y = args.gate = args.residual_out = no_rows();
-  args.scale = optional_rows(op, "scale", scale, x);
-  args.shift = optional_rows(op, "shift", shift, x);
+  args.scale = optional_rows(op, "scale", scale, x, float64);
+  args.shift = optional_rows(op, "shift", shift, x, float64);
   at::Tensor h;
   if (y) {
-    check_like_x(op, "y", *y, x);
+    check_like_x(op, "y", *y, x, float64);
     args.y = rows_of(op, "y", *y);
-    args.gate = optional_rows(op, "gate", gate, x);
+    args.gate = optional_rows(op, "gate", gate, x, float64);
     h = at::empty(x.sizes(), x.options());
     args.residual_out = rows_of(op, "h", h);
   }
-  args.weight = optional_vector(op, "weight", weight, x, hidden);
-  args.bias = optional_vector(op, "bias", bias, x, hidden);
+  args.weight = optional_vector(op, "weight", weight, x, hidden, float64);
+  args.bias = optional_vector(op, "bias", bias, x, hidden, float64);
   args.norm = kind;
   args.hidden = hidden;
   args.eps = static_cast<float>(eps);

@@ -116,12 +116,13 @@ static RopeRows rotation_rows(const at::Tensor& x, int64_t max_row = INT64_MAX) 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                 bool interleaved) {
   const char* op = "ltx_kernels.rope";
-  check_activation(op, "x", x);
+  check_activation(op, "x", x, /*cpu_float64=*/true);
   const RopeRows layout = rotation_rows(x);
-  const int64_t rot_dim = rope_tables_width(op, cos, sin, x, layout.head_dim);
+  const int64_t rot_dim = rope_tables_width(op, cos, sin, x, layout.head_dim, is_float64(x));
   at::Tensor out = at::empty(x.sizes(), x.options());
   ltx_qk_norm_rope_args_t args = qk_norm_rope_args(layout, rot_dim, false, interleaved, 0.0);
-  args.tensors[0] = rope_tensor(op, "x", x, out, cos, sin, std::nullopt, layout, rot_dim);
+  args.tensors[0] =
+      rope_tensor(op, "x", x, out, cos, sin, std::nullopt, layout, rot_dim, is_float64(x));
   args.num_tensors = 1;
   const int64_t row_len = layout.heads * layout.head_dim;
   run_launcher(
@@ -137,12 +138,13 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 }
 
 // The rows of qk_rmsnorm_rope (and its backward): checks q and k (and their weights) and cuts them
-// into heads, one head per launcher row or (across_heads) a token's heads per row.
+// into heads, one head per launcher row or (across_heads) a token's heads per row. q may be float64
+// on the CPU; k and the weights where cpu_float64 says (the forward: with a float64 q).
 static RopeRows qk_rows(const char* op, const at::Tensor& q, const at::Tensor& k,
                         const std::optional<at::Tensor>& q_weight,
                         const std::optional<at::Tensor>& k_weight, bool across_heads,
                         bool cpu_float64) {
-  check_activation(op, "q", q, cpu_float64);
+  check_activation(op, "q", q, /*cpu_float64=*/true);
   check_activation(op, "k", k, cpu_float64);
   check_same_device(op, "k", k, "q", q);
   RopeRows layout;
@@ -177,14 +179,15 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& sin, double eps,
                                                    bool across_heads, bool interleaved) {
   const char* op = "ltx_kernels.qk_rmsnorm_rope";
-  const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, false);
+  const bool float64 = is_float64(q);
+  const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, float64);
   const int64_t row_len = layout.heads * layout.head_dim;
-  const int64_t rot_dim = rope_tables_width(op, cos, sin, q, layout.head_dim);
+  const int64_t rot_dim = rope_tables_width(op, cos, sin, q, layout.head_dim, float64);
   at::Tensor q_out = at::empty(q.sizes(), q.options());
   at::Tensor k_out = at::empty(k.sizes(), k.options());
   ltx_qk_norm_rope_args_t args = qk_norm_rope_args(layout, rot_dim, true, interleaved, eps);
-  args.tensors[0] = rope_tensor(op, "q", q, q_out, cos, sin, q_weight, layout, rot_dim);
-  args.tensors[1] = rope_tensor(op, "k", k, k_out, cos, sin, k_weight, layout, rot_dim);
+  args.tensors[0] = rope_tensor(op, "q", q, q_out, cos, sin, q_weight, layout, rot_dim, float64);
+  args.tensors[1] = rope_tensor(op, "k", k, k_out, cos, sin, k_weight, layout, rot_dim, float64);
   args.num_tensors = 2;
   // The pool splits the q rows, then the k rows.
   const int64_t q_rows = q.numel() / std::max<int64_t>(row_len, 1);

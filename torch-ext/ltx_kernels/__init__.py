@@ -59,7 +59,8 @@ def _library():
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim, matching diffusers' `RMSNorm` (rounding and output dtype).
 
-    x: [..., hidden] float32/float16/bfloat16 with a contiguous last dim (rows may be strided).
+    x: [..., hidden] float32/float16/bfloat16 with a contiguous last dim (rows may be strided);
+    on the CPU also float64, computed in double (for gradcheck), with a float64 weight.
     weight: None (no scale, nothing allocated) or [hidden] in any of those dtypes, on x's device.
     Returns a new contiguous tensor of x's shape, of weight's dtype (x's dtype without weight);
     see `ltx_kernels.reference.rmsnorm` for the exact rounding rule.
@@ -70,7 +71,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
 # ------------------------------------------------------------------------------------------------
 # Fused ops for diffusion transformer blocks. Common rules:
 # - x (and y) are float32/float16/bfloat16 [..., D] with a contiguous last dim; rows may be strided
-#   (chunks of a fused projection, [B, S, D] slices) and are never copied.
+#   (chunks of a fused projection, [B, S, D] slices) and are never copied. On the CPU also float64,
+#   computed in double (for gradcheck; the other tensors float64, or fp32 where the op takes fp32).
 # - scale, shift and gate broadcast to x: [D], [B, 1, D], [B, T, D] (per token), strided chunk or
 #   unbind views of a [B, 1, 6, D] modulation tensor, [B, F, 1, D] against x viewed as
 #   [B, F, S/F, D]. None skips that step.

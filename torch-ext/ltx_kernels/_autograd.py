@@ -1,19 +1,22 @@
-"""The reference VJP of the ops, for the inputs their fused backward kernels do not take.
+"""The reference VJP of the ops, for the inputs their fused backward kernels do not take and for
+second derivatives.
 
 Autograd of every op is registered in C++ (torch-ext/autograd_ops.cpp, the Autograd dispatch key):
 a call under autograd records one node whose backward calls the op's fused backward op
 (_op_names.FUSED_BACKWARD_OPS; linear_gelu's runs ATen's gelu_backward and cuBLAS GEMMs), so no
 op is ever differentiated silently wrong and a call costs no Python. The FP8 ops and the backward
-ops record a node that raises when differentiated, naming the op (so does a second derivative,
-create_graph=True, through a fused backward).
+ops record a node that raises when differentiated, naming the op.
 
 What the fused kernels do not take goes to `reference_vjp`, which that C++ calls through the op
 `reference_vjp` defined here (CompositeImplicitAutograd, so it traces under torch.compile): CUDA
 rows above the kernels' limit (8192 elements), an rmsnorm weight of another dtype than x (mixed
 precision), RoPE tables that require grad. It is the vector-Jacobian product of
 `ltx_kernels.reference.<op>` (fp32 math with the forward's rounding points; float64 inputs in
-float64), every broadcast form reduced back to the input's shape, only the gradients asked for;
-under create_graph=True it is differentiable again.
+float64), every broadcast form reduced back to the input's shape, only the gradients asked for.
+Under create_graph=True it is differentiable again, so a backward with create_graph=True (second
+derivatives) takes it instead of the fused backward ops (whose outputs are not differentiable):
+the norm ops' at their saved h (the plain norm op's VJP, the residual's part in C++), rope's and
+qk_rmsnorm_rope's (gelu and geglu take ATen's GELU derivative there).
 """
 
 from __future__ import annotations
@@ -52,13 +55,18 @@ def reference_vjp(op, inputs, grad_outputs, wanted, eps, upcast, across_heads, i
     keywords = {"upcast": upcast} if any(a.name == "upcast" for a in schema.arguments) else {}
     names = TENSOR_ORDER[op]
     want = [bool((wanted >> i) & 1) and t is not None for i, t in enumerate(inputs)]
-    # create_graph=True (double backward) runs this in grad mode: differentiate through the
-    # inputs themselves, so the returned gradients stay connected to the graph.
+    # create_graph=True (double backward) runs this in grad mode: differentiate at aliases of the
+    # inputs (views), so the returned gradients stay connected to the graph, and are the partial
+    # derivatives at each input, not through its history (the add_ ops' h is the output of the node
+    # calling this, which depends on scale; an x computed from weight). A wanted input that does
+    # not require grad is a stand-in on which the VJP does not depend (rope's x).
     create_graph = torch.is_grad_enabled()
     tensors = {}
     for name, t, w in zip(names, inputs, want):
-        if t is not None and not create_graph:
+        if t is not None and (not create_graph or (w and not t.requires_grad)):
             t = t.detach().requires_grad_(w)
+        elif t is not None and w:
+            t = t.view_as(t)
         tensors[name] = t
     scalars = {"eps": eps, "across_heads": across_heads, "interleaved": interleaved}
     values = [tensors[n] if n in tensors else scalars[n] for n in positional]
