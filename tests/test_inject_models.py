@@ -204,3 +204,65 @@ def test_group_offload_to_disk_after_injection(model, offload_type, tmp_path):
         expected = call(stock)
         for _ in range(2):  # (the second call loads the groups from disk again)
             assert_matches_eager(expected, call(injected), torch.bfloat16, "disk offload")
+
+
+@pytest.mark.parametrize(
+    "model",
+    models(
+        "ltx",
+        "ltx2",
+        "flux",
+        "wan",
+        "skyreels_v2",
+        "chronoedit",
+        "wan_animate",
+        "sd35",
+        "hunyuan_video",
+        "hunyuan_video15",
+    ),
+)
+def test_injected_model_deepcopies(model):
+    # copy.deepcopy of an injected model (an EMA or reference copy) gives an injected model of its
+    # own weights with the same outputs. (Wan's processors held the module of diffusers' q/k/v
+    # helpers, which deepcopy cannot copy: "cannot pickle 'module' object".)
+    tiny = model.build(torch.float32)
+    call = caller(model.inputs(torch.float32))
+    _, injected, _ = eager_and_injected(tiny, call)
+    copy = clone(tiny)
+    with torch.no_grad():
+        assert torch.equal(output_of(call(copy)), output_of(injected))
+    assert count_ltx_ops(lambda: call(copy)) == count_ltx_ops(lambda: call(tiny))
+    params = dict(tiny.named_parameters())
+    for name, p in copy.named_parameters():
+        assert p.data_ptr() != params[name].data_ptr(), name
+
+
+@pytest.mark.parametrize("model", models(*ALL_FAMILIES))
+def test_patched_class_builds_stock_models_and_pickles(model, tmp_path):
+    """type(model) of an injected model is the patched subclass: building from it
+    (from_config, from_pretrained, a call) gives a stock model that injection then patches (it
+    gave a patched instance without injection's state: forward raised AttributeError, injection
+    said 'already injected'); torch.save / torch.load round-trips the injected model (it raised
+    PicklingError: the same-named subclass is not what pickle finds under that name), which
+    runs as it did and can be restored."""
+    tiny = model.build(torch.float32)
+    call = caller(model.inputs(torch.float32))
+    stock_class = type(tiny)
+    _, injected, _ = eager_and_injected(tiny, call)
+    patched = type(tiny)
+    if patched is not stock_class:  # (Wan's and SD3's model classes are not patched, their blocks)
+        assert patched._ltx_kernels_original_class is stock_class
+        for fresh in (patched.from_config(tiny.config), patched(**tiny.config)):
+            assert type(fresh) is stock_class
+            fresh.load_state_dict(tiny.state_dict())
+            ltx_kernels.inject_optimized_kernels(fresh.eval(), verbose=False)
+            with torch.no_grad():
+                assert torch.equal(output_of(call(fresh)), output_of(injected))
+    path = tmp_path / "model.pt"
+    torch.save(tiny, path)
+    loaded = torch.load(path, weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in tiny.modules()]
+    with torch.no_grad():
+        assert torch.equal(output_of(call(loaded)), output_of(injected))
+    assert count_ltx_ops(lambda: call(loaded)) == count_ltx_ops(lambda: call(tiny))
+    assert ltx_kernels.remove_optimized_kernels(loaded) > 0 and type(loaded) is stock_class

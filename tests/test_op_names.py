@@ -72,3 +72,25 @@ def test_fusions_are_the_ops_and_the_named_fusions():
     fusions = ("fused_projections", "fused_qkv_mlp", "recompute_norms", "ulysses_attention")
     assert FUSIONS == (*OPS, *fusions)
     assert set(OPS) <= set(ltx_kernels.__all__)
+
+
+def test_a_meta_operand_among_real_ones_raises():
+    # A call with one tensor on the meta device (a weight or RoPE table never loaded) dispatches to
+    # the op's fake, its Meta kernel: that returned uninitialized memory of x's device (a wrong
+    # output, silently); it raises, naming the op, as the C++ ops do for two real devices.
+    checked = []
+    for op, args in smoke_inputs("cpu").items():
+        second = [i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, list))][1:]
+        if not second:  # one tensor: all on the meta device is a legitimate (shape) call
+            continue
+        args = list(args)
+        i = second[0]
+        to_meta = lambda t: t.to("meta")
+        args[i] = [to_meta(t) for t in args[i]] if isinstance(args[i], list) else to_meta(args[i])
+        with pytest.raises(
+            RuntimeError,
+            match=rf"ltx_kernels\.{op}: all tensors must be on the same device, got cpu, meta",
+        ):
+            getattr(ltx_kernels, op)(*args)
+        checked.append(op)
+    assert len(checked) >= 12, checked

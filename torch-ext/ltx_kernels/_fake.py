@@ -3,7 +3,10 @@ without touching data. The fake of op <op> is the function `<op>` of this module
 registers them. Each mirrors its C++ op: same output shapes, dtypes and (contiguous) strides, and
 the same shape checks, as torch._check errors."""
 
+import functools
+
 import torch
+import torch.utils._pytree as pytree
 
 from ._op_namespace import add_op_namespace_prefix
 
@@ -11,7 +14,30 @@ from ._op_namespace import add_op_namespace_prefix
 def register(names) -> None:
     """Registers the fake of every op in `names` (all of them: ltx_kernels.OPS)."""
     for name in names:
-        torch.library.register_fake(add_op_namespace_prefix(name))(globals()[name])
+        torch.library.register_fake(add_op_namespace_prefix(name))(_on_one_device(name))
+
+
+def _on_one_device(name: str):
+    """The fake of op `name` behind the C++ op's check that every tensor is on one device.
+    register_fake also makes a fake the op's Meta kernel, which a real call dispatches to when one
+    of its tensors is on the meta device (a weight or table never loaded): unchecked, that call
+    returned uninitialized memory of x's device instead of an error."""
+    fake = globals()[name]
+
+    @functools.wraps(fake)
+    def checked(*args, **kwargs):
+        leaves = pytree.tree_leaves((args, kwargs))
+        devices = {str(t.device) for t in leaves if isinstance(t, torch.Tensor)}
+        torch._check(
+            len(devices) <= 1,
+            lambda: (
+                f"ltx_kernels.{name}: all tensors must be on the same device, got "
+                f"{', '.join(sorted(devices))}"
+            ),
+        )
+        return fake(*args, **kwargs)
+
+    return checked
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6):

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
+import pickle
+import sys
 from collections import Counter, defaultdict
 
 import torch
@@ -303,6 +306,11 @@ _PATCHED_CLASSES: dict = {}
 
 
 def _patched_class(cls: type, forward) -> type:
+    """The same-named subclass of `cls` whose forward is `forward`, one per (cls, forward). Only
+    injection makes its instances: calling it (`type(model).from_config(...)`,
+    `from_pretrained`, `type(block)(...)`) builds a stock `cls`, which injection can then patch;
+    pickle and copy.deepcopy, which find a class by its module and name (the original's), rebuild
+    a patched instance through _unpickle_patched."""
     key = (cls, forward)
     if key not in _PATCHED_CLASSES:
         subclass = type(
@@ -311,6 +319,8 @@ def _patched_class(cls: type, forward) -> type:
             {
                 "forward": forward,
                 _ORIGINAL_CLASS: cls,
+                "__new__": _construct_original,
+                "__reduce_ex__": _reduce_patched,
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
                 "__doc__": f"{cls.__name__} running on ltx_kernels fused ops (`{forward.__module__}`).",
@@ -319,6 +329,35 @@ def _patched_class(cls: type, forward) -> type:
         _share_block_metadata(cls, subclass)
         _PATCHED_CLASSES[key] = subclass
     return _PATCHED_CLASSES[key]
+
+
+def _construct_original(cls, *args, **kwargs):
+    """A patched class called as a constructor: the original class's instance (not one of cls, so
+    Python runs no __init__ of cls on it)."""
+    return getattr(cls, _ORIGINAL_CLASS)(*args, **kwargs)
+
+
+def _reduce_patched(self, protocol):
+    """Pickling and copying a patched module: its original class, where its forward is (the
+    module and the name of the module attribute holding it: a patch forward may be a wrapper,
+    which pickle cannot find by its own name), and its state."""
+    cls = type(self)
+    module = sys.modules[cls.forward.__module__]
+    name = next((k for k, v in vars(module).items() if v is cls.forward), None)
+    if name is None:
+        raise pickle.PicklingError(
+            f"ltx_kernels: cannot pickle the injected {cls.__name__}: its forward is not an "
+            f"attribute of {module.__name__}; remove_optimized_kernels first"
+        )
+    original = getattr(cls, _ORIGINAL_CLASS)
+    return _unpickle_patched, (original, module.__name__, name), self.__getstate__()
+
+
+def _unpickle_patched(original: type, module_name: str, name: str) -> torch.nn.Module:
+    """An empty instance of original's patched class whose forward is `name` of module
+    `module_name` (its state set after)."""
+    forward = getattr(importlib.import_module(module_name), name)
+    return object.__new__(_patched_class(original, forward))
 
 
 def _share_block_metadata(cls: type, subclass: type) -> None:

@@ -254,7 +254,8 @@ def lora_terms(module, x) -> list | None:
     [(lora_A weight, lora_B weight, scaling)] for one active vanilla adapter; None where
     lora_linear would not compute what peft computes (several active adapters, DoRA or another
     variant, a lora bias, dropout in effect, hooks, weights of another dtype than x's or tensor
-    subclasses): the module then runs itself. (Submodules and parameters are read from their
+    subclasses) or would need the scaling on the host (a tensor: enable_lora_hotswap): the module
+    then runs itself. (Submodules and parameters are read from their
     modules' tables: nn.Module.__getattr__ costs about a microsecond of host time a lookup, and
     this runs on every projection.)"""
     if not is_peft_lora(module):
@@ -285,15 +286,18 @@ def lora_terms(module, x) -> list | None:
     ):
         return None
     down_weight, up_weight = down._parameters["weight"], up._parameters["weight"]
+    scaling = module.scaling[name]
     if (
-        down._parameters["bias"] is not None
+        isinstance(scaling, torch.Tensor)  # (hotswap: a tensor, so that swapping adapters does
+        # not recompile; as a float it would cost a device sync per call, an .item() under compile)
+        or down._parameters["bias"] is not None
         or up._parameters["bias"] is not None
         or not (plain_tensor(down_weight) and plain_tensor(up_weight))
         or down_weight.dtype != x.dtype
         or up_weight.dtype != x.dtype
     ):
         return None
-    return [(down_weight, up_weight, float(module.scaling[name]))]
+    return [(down_weight, up_weight, float(scaling))]
 
 
 def _linear_of_x(linear, x) -> bool:

@@ -116,8 +116,12 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
     parallel_cross_attention = False
 
     def __init__(self, attn):
-        # The module of the q/k/v projection helpers, found once here (not traceable per call).
-        self.projection_helpers = _projection_helpers(attn)
+        # The q/k/v projection helpers of attn's module, found once here (not traceable per call).
+        # The functions, not their module: copy.deepcopy and pickle take functions by reference,
+        # and cannot copy a module object.
+        helpers = _projection_helpers(attn)
+        self.get_qkv_projections = helpers._get_qkv_projections
+        self.get_added_kv_projections = helpers._get_added_kv_projections
 
     def __call__(
         self,
@@ -127,8 +131,6 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        helpers = self.projection_helpers
-
         def attend_query(key, value, attn_mask, parallel_config):  # heads-shaped k/v -> [B, S, C]
             out = attend(
                 self, query.flatten(2), key.flatten(2), value.flatten(2), attn.heads, attn_mask,
@@ -146,15 +148,13 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         if encoder_hidden_states is None and not attn.fused_projections:
             query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
         else:  # (hidden_states may be Fp8Rows: to_q takes them)
-            query, key, value = helpers._get_qkv_projections(
-                attn, hidden_states, encoder_hidden_states
-            )
+            query, key, value = self.get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         query, key = qk_norm_rope(self.ops, attn, query, key, rotary_emb)
         value = _heads(attn, value)
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:  # I2V
-            key_img, value_img = helpers._get_added_kv_projections(attn, encoder_hidden_states_img)
+            key_img, value_img = self.get_added_kv_projections(attn, encoder_hidden_states_img)
             key_img = _heads(attn, attn.norm_added_k(key_img))
             cross_parallel = self._parallel_config if self.parallel_cross_attention else None
             hidden_states_img = attend_query(key_img, _heads(attn, value_img), None, cross_parallel)
