@@ -760,6 +760,9 @@ def _load_into_empty_model(subject):
     if subject.injected:
         ltx_kernels.inject_optimized_kernels(empty, verbose=False, **subject.inject_options)
     empty.load_state_dict(state, assign=True)
+    # Then to the device, as from_pretrained does: the buffers a model builds at construction and
+    # does not save (Wan's RoPE tables) were built on the CPU and are moved there.
+    empty.to(subject.setup.device)
     subject.model = subject.call = subject.target = empty.eval()
     subject.pipe = _pipeline_class(subject.family)(empty)
 
