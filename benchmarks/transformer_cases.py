@@ -52,7 +52,7 @@ class Case:
     shapes: tuple[int, ...]  # latent token counts it runs (the first: the default)
     inputs: Callable  # (model, tokens, generator) -> the forward's keyword arguments, on the
     # generator's device
-    family: str  # what inject_optimized_kernels maps it as (the README table's row)
+    family: str  # what inject_optimized_kernels maps it as (its row of the README's models table)
 
 
 def _randn(generator, *shape):
