@@ -126,10 +126,11 @@ def _source_tree() -> dict:
 
 
 def op_names_listed(module=op_table) -> set:
-    """Every op name _op_names.py lists: its string constants, tuples and tables of names."""
+    """Every op name _op_names.py lists: its constants named *_OP and *_OPS (names, tuples and
+    tables of names; OPS itself)."""
     names = set()
     for key, value in vars(module).items():
-        if key.startswith("_"):
+        if not (key == "OPS" or key.endswith(("_OP", "_OPS"))):
             continue
         if isinstance(value, str):
             names.add(value)
