@@ -40,6 +40,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_utils  # noqa: E402
 
+from ltx_kernels import _op_names  # noqa: E402  (the op list; no build needed)
+
 BF16 = torch.bfloat16
 LTX_SHAPES = [(2, 2688, 2048), (2, 8064, 2048)]
 WAN_SHAPE = (1, 32760, 5120)
@@ -71,18 +73,13 @@ WAN_FFN_DIM = 13824
 WAN_EPS = 1e-6
 LINEAR_GELU_SHAPE = (2 * 2688, 2048, 4 * 2048)  # M (tokens), K (dim), N (LTX FFN inner dim)
 
-OPS = (
-    "rmsnorm_modulate",
-    "add_rmsnorm_modulate",
-    "layernorm_modulate",
-    "add_layernorm_modulate",
-    "gated_residual",
-    "rope",
-    "qk_rmsnorm_rope",
-    "gelu",
-    "geglu",
-    "linear_gelu",
-)
+# The ops benchmarked here: the op list (_op_names.OPS, so that a new op needs its case in
+# build_case), less those benchmarked elsewhere.
+BENCHMARKED_ELSEWHERE = {
+    "rmsnorm": "benchmark_rmsnorm.py",
+    "lora_linear": "benchmark_training.py (the LoRA step)",
+}
+OPS = tuple(op for op in _op_names.OPS if op not in BENCHMARKED_ELSEWHERE)
 COLUMNS = ("eager", "torch.compile", "ltx_kernels")
 OURS = "ltx_kernels"
 

@@ -32,8 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils  # noqa: E402
-from benchmark_transformer import configured  # noqa: E402
-from transformer_cases import LTX_GRIDS  # noqa: E402
+from transformer_cases import LTX_GRIDS, configured  # noqa: E402
 
 COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels")
 # Also accepted by --columns: the kernel columns without lora_linear (peft's LoRA layers as they

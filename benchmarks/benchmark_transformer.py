@@ -54,81 +54,6 @@ import transformer_cases  # noqa: E402
 import ltx_kernels  # noqa: E402
 from ltx_kernels.integration import FUSIONS  # noqa: E402
 
-COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels", "compile", "compile+kernels")
-FP8_COLUMNS = (
-    "kernels+fp8",
-    "blocks+kernels+fp8",
-    "compile+kernels+fp8",
-    "torchao-fp8+blocks",
-    "torchao-fp8+compile",
-)
-
-
-def model_case(name: str, tokens: int | None):
-    """(model, call, tokens) of a whole model (transformer_cases) or of the FLUX block pair, at
-    `tokens` (the model's default shape when None)."""
-    if name == "flux-pair":
-        return (*flux_pair_case(tokens or 4096), tokens or 4096)
-    return transformer_cases.build(name, tokens)
-
-
-class FluxBlockPair(torch.nn.Module):
-    """One FLUX.1 double-stream block followed by one single-stream block."""
-
-    def __init__(self):
-        super().__init__()
-        from diffusers.models.transformers.transformer_flux import (
-            FluxSingleTransformerBlock,
-            FluxTransformerBlock,
-        )
-
-        self.double_block = FluxTransformerBlock(
-            dim=3072, num_attention_heads=24, attention_head_dim=128
-        )
-        self.single_block = FluxSingleTransformerBlock(
-            dim=3072, num_attention_heads=24, attention_head_dim=128
-        )
-
-    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
-        encoder_hidden_states, hidden_states = self.double_block(
-            hidden_states=hidden_states,
-            encoder_hidden_states=encoder_hidden_states,
-            temb=temb,
-            image_rotary_emb=image_rotary_emb,
-        )
-        encoder_hidden_states, hidden_states = self.single_block(
-            hidden_states=hidden_states,
-            encoder_hidden_states=encoder_hidden_states,
-            temb=temb,
-            image_rotary_emb=image_rotary_emb,
-        )
-        return hidden_states
-
-
-def flux_rotary(image_side: int, text: int, device):
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-    rows, cols = torch.meshgrid(torch.arange(image_side), torch.arange(image_side), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
-    ids = torch.cat([torch.zeros(text, 3, dtype=img_ids.dtype), img_ids]).to(device).float()
-    return FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(ids)
-
-
-def flux_pair_case(tokens: int = 4096, text: int = 512):
-    side = int(round(tokens**0.5))
-    assert side * side == tokens, "flux-pair: --tokens must be a square (image side in patches)"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = FluxBlockPair().to(torch.bfloat16).eval()
-    g = torch.Generator("cuda").manual_seed(0)
-    args = (
-        torch.randn(1, tokens, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
-        torch.randn(1, text, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
-        torch.randn(1, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
-        flux_rotary(side, text, "cuda"),
-    )
-    return model, lambda m: m(*args)
-
 
 def time_step(fn, reps: int):
     """(compile/first-call seconds, median ms per call)."""
@@ -163,53 +88,8 @@ def graph_step(fn, reps: int):
     return capture_s, statistics.median(times_ms), out
 
 
-def uncompile_blocks(model):
-    for module in model.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            module._compiled_call_impl = None
-
-
-@contextlib.contextmanager
-def configured(column, model):
-    """The model set up as `column` ("+"-separated: kernels, fp8, torchao-fp8, compiled whole or
-    per block, and no_<fusion> to inject without one of FUSIONS, e.g. kernels+no_lora_linear);
-    yields what to call, or None when the model has no repeated blocks to compile. Undone on exit."""
-    parts = set(column.split("+"))
-    injected = "kernels" in parts
-    without = {p.removeprefix("no_") for p in parts if p.startswith("no_")}
-    with contextlib.ExitStack() as undo:
-        if injected:
-            ops = set(FUSIONS) - without
-            ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8="fp8" in parts, ops=ops)
-            undo.callback(ltx_kernels.remove_optimized_kernels, model)
-        if "torchao-fp8" in parts:
-            undo.enter_context(bench_utils.torchao_fp8_rowwise(model))
-        yield from _compiled(parts, model)
-
-
-#: torch.compile's mode for the compiled columns (--compile-mode), None: the default.
-COMPILE_MODE = None
-
-
-def _compiled(parts, model):
-    torch._dynamo.reset()
-    try:
-        if "compile" in parts:
-            yield torch.compile(model, fullgraph=True, mode=COMPILE_MODE)
-        elif "blocks" in parts:
-            if not getattr(model, "_repeated_blocks", None):
-                yield None
-            else:
-                model.compile_repeated_blocks(fullgraph=True, mode=COMPILE_MODE)
-                yield model
-        else:
-            yield model
-    finally:
-        uncompile_blocks(model)
-
-
 def run_column(column, model, call, reps):
-    with configured(column, model) as target:
+    with transformer_cases.configured(column, model) as target:
         return None if target is None else time_step(lambda: call(target), reps)
 
 
@@ -227,7 +107,7 @@ def context_parallel_columns(args, tokens, rank, world):
     measured = {}
 
     def build():
-        model, call, _ = model_case(args.model, tokens)
+        model, call, _ = transformer_cases.model_case(args.model, tokens)
         if backend:
             model.set_attention_backend(backend)
         return model, call
@@ -240,7 +120,7 @@ def context_parallel_columns(args, tokens, rank, world):
 
     def one_gpu_then_stock(model, call):
         for column in ("eager", "kernels"):
-            with configured(column, model) as target:
+            with transformer_cases.configured(column, model) as target:
                 attempt(f"1 GPU {column}", lambda: call(target))
                 if args.graph and column == "kernels":
                     attempt("1 GPU kernels, CUDA graph", lambda: call(target), graph_step)
@@ -378,8 +258,8 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument(
         "--columns",
-        default=",".join(COLUMNS),
-        help=f"comma-separated, from {', '.join(COLUMNS + FP8_COLUMNS)}",
+        default=",".join(transformer_cases.COLUMNS),
+        help=f"comma-separated, from {', '.join(transformer_cases.COLUMNS + transformer_cases.FP8_COLUMNS)}",
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument(
@@ -402,9 +282,10 @@ def main():
     args = parser.parse_args()
     if args.context_parallel:
         return context_parallel_main(parser, args)
-    columns = bench_utils.parse_columns(parser, args.columns, COLUMNS + FP8_COLUMNS)
-    global COMPILE_MODE
-    COMPILE_MODE = args.compile_mode
+    columns = bench_utils.parse_columns(
+        parser, args.columns, transformer_cases.COLUMNS + transformer_cases.FP8_COLUMNS
+    )
+    transformer_cases.COMPILE_MODE = args.compile_mode
     tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [None])
     env = bench_utils.environment()
     print(
@@ -413,7 +294,7 @@ def main():
     )
     results = []
     for tokens in tokens_list:
-        model, call, tokens = model_case(args.model, tokens)
+        model, call, tokens = transformer_cases.model_case(args.model, tokens)
         rows = {}
         print(f"\n## {args.model}, {tokens} tokens", flush=True)
         vs_compile = "compile" in columns

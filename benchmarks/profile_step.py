@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils  # noqa: E402
-import benchmark_transformer as bt  # noqa: E402
-from benchmark_transformer import configured  # noqa: E402
+import transformer_cases  # noqa: E402
+from transformer_cases import configured  # noqa: E402
 
 CATEGORIES = (  # first match wins; names are lower-cased CUDA kernel names
     ("attention", ("flash", "fmha", "attention", "cudnn", "attn")),
@@ -135,9 +135,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument(
-        "--model", choices=(*bt.transformer_cases.CASES, "flux-pair"), default="ltx"
-    )
+    parser.add_argument("--model", choices=(*transformer_cases.CASES, "flux-pair"), default="ltx")
     parser.add_argument("--tokens", type=int, default=None, help="the model's default shape")
     parser.add_argument("--columns", default="eager,kernels,compile,compile+kernels")
     parser.add_argument("--steps", type=int, default=3)
@@ -146,11 +144,11 @@ def main():
     parser.add_argument("--cprofile", action="store_true", help="host functions by time")
     args = parser.parse_args()
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
-    allowed = bt.COLUMNS + bt.FP8_COLUMNS
+    allowed = transformer_cases.COLUMNS + transformer_cases.FP8_COLUMNS
     unknown = set(columns) - set(allowed)
     if unknown:
         parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(allowed)}")
-    model, call, tokens = bt.model_case(args.model, args.tokens)
+    model, call, tokens = transformer_cases.model_case(args.model, args.tokens)
     print(
         f"# {args.model}, {tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}"
     )

@@ -1,7 +1,10 @@
 """Full-size diffusers transformers for the whole-model benchmarks: each model family at its real
 config (configs/*.json, random weights, bf16) with the inputs its pipeline gives one denoising step
-at a typical resolution. `case(name, shape)` -> (model, call): `call(model)` runs one step;
-`call(model, mask=False)` the same without the text mask (LTX-Video, for context parallelism).
+at a typical resolution. `build(name, tokens)` -> (model, call, tokens): `call(model)` runs one
+step; `call(model, mask=False)` the same without the text mask (LTX-Video, for context
+parallelism). `model_case` also builds the FLUX block pair ("flux-pair"). The columns
+benchmark_transformer.py, profile_step.py and benchmark_training.py time are set up by
+`configured(column, model)` (kernels, FP8, torchao, compiled whole or per block).
 
 Shapes (latent tokens; the text lengths are the pipelines' own):
   ltx             LTXPipeline, LTX-Video 2B (0.9.1): batch 2 (CFG), 128 text tokens (one padded);
@@ -27,12 +30,17 @@ Shapes (latent tokens; the text lengths are the pipelines' own):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 import bench_utils
+import ltx_kernels
+import step_inputs
+from ltx_kernels.integration import FUSIONS
 
 DTYPE = torch.bfloat16
 
@@ -52,35 +60,27 @@ class Case:
     shapes: tuple[int, ...]  # latent token counts it runs (the first: the default)
     inputs: Callable  # (model, tokens, generator) -> the forward's keyword arguments, on the
     # generator's device
-    family: str  # what inject_optimized_kernels maps it as (the README table's row)
+    family: str  # what inject_optimized_kernels maps it as (its row of the README's models table)
 
 
 def _randn(generator, *shape):
     return torch.randn(*shape, generator=generator, device=generator.device).to(DTYPE)
 
 
-def _text_mask(generator, batch: int, length: int, valid: int):
-    """All valid but the first sample, valid for its first `valid` tokens (a padded prompt)."""
-    mask = torch.ones(batch, length, dtype=torch.bool, device=generator.device)
-    mask[0, valid:] = False
-    return mask
-
-
 def ltx_inputs(model, tokens, generator, per_token=False):
     frames, height, width = LTX_GRIDS[tokens]
     tokens = frames * height * width
-    batch, text = 2, 128
-    config = model.config
-    inputs = dict(
-        hidden_states=_randn(generator, batch, tokens, config.in_channels),
-        encoder_hidden_states=_randn(generator, batch, text, config.caption_channels),
-        timestep=torch.full((batch,), 500.0, device=generator.device),
-        encoder_attention_mask=_text_mask(generator, batch, text, 40),
-        num_frames=frames,
+    batch, device = 2, generator.device
+    inputs = step_inputs.ltx_video(
+        model.config,
+        functools.partial(_randn, generator),
+        batch=batch,
+        frames=frames,
         height=height,
         width=width,
-        rope_interpolation_scale=(8 / 25, 32, 32),
-        return_dict=False,
+        text=128,
+        mask=step_inputs.text_mask(batch, 128, 40, device),
+        device=device,
     )
     if per_token:  # LTXConditionPipeline with a first-frame image condition
         first_frame = torch.arange(tokens, device=generator.device) < height * width
@@ -101,41 +101,21 @@ def ltx_inputs(model, tokens, generator, per_token=False):
 
 # 121 frames of 768x512 at 24 fps: 16 x 16 x 24 latent tokens, 126 audio latents, 1024 text tokens.
 def ltx2_inputs(model, tokens, generator):
-    config = model.config
     frames, height, width = LTX_GRIDS[tokens]
-    tokens = frames * height * width
-    batch, text, audio = 2, 1024, 126
-    projected = not config.use_prompt_embeddings  # 2.3+: the text comes in each stream's width
-    video_text = config.num_attention_heads * config.attention_head_dim
-    audio_text = config.audio_num_attention_heads * config.audio_attention_head_dim
-    timestep = torch.full((batch,), 500.0, device=generator.device)
-    first_frame = torch.arange(tokens, device=generator.device) < height * width
-    mask = _text_mask(generator, batch, text, 300).float()
-    inputs = dict(
-        hidden_states=_randn(generator, batch, tokens, config.in_channels),
-        audio_hidden_states=_randn(generator, batch, audio, config.audio_in_channels),
-        encoder_hidden_states=_randn(
-            generator, batch, text, video_text if projected else config.caption_channels
-        ),
-        audio_encoder_hidden_states=_randn(
-            generator, batch, text, audio_text if projected else config.caption_channels
-        ),
-        timestep=timestep[:, None] * ~first_frame,  # image-to-video: per-token video timesteps
-        audio_timestep=timestep,
-        sigma=timestep / 1000,
-        encoder_attention_mask=mask,
-        audio_encoder_attention_mask=mask,
-        num_frames=frames,
+    return step_inputs.ltx2(
+        model.config,
+        functools.partial(_randn, generator),
+        batch=2,
+        frames=frames,
         height=height,
         width=width,
-        audio_num_frames=audio,
-        fps=24.0,
-        use_cross_timestep=config.cross_attn_mod,
-        return_dict=False,
+        audio_frames=126,
+        text=1024,
+        valid_text=300,
+        timestep=torch.full((2,), 500.0, device=generator.device),
+        image_to_video=True,
+        device=generator.device,
     )
-    if getattr(config, "use_keyframes_abs_pos_embedding", False):
-        inputs["video_keyframes_mask"] = first_frame[None, :, None].expand(batch, -1, 1).float()
-    return inputs
 
 
 # Token grids: 81 frames 480x832 -> 21 x 60 x 104 latents (VAE 4x temporal, 8x spatial), 2x2 patches.
@@ -145,44 +125,41 @@ WAN_GRIDS = {32760: (21, 30, 52)}
 def wan_inputs(model, tokens, generator):
     frames, height, width = WAN_GRIDS[tokens]
     patch = model.config.patch_size
-    return dict(
-        hidden_states=_randn(
-            generator, 1, model.config.in_channels, frames, height * patch[1], width * patch[2]
-        ),
-        timestep=torch.tensor([500.0], device=generator.device),
-        encoder_hidden_states=_randn(generator, 1, 512, model.config.text_dim),
-        return_dict=False,
+    return step_inputs.wan(
+        model.config,
+        functools.partial(_randn, generator),
+        batch=1,
+        frames=frames,
+        height=height * patch[1],
+        width=width * patch[2],
+        text=512,
+        timestep=lambda: torch.tensor([500.0], device=generator.device),
     )
 
 
 def flux_inputs(model, tokens, generator):
-    side, text = int(round(tokens**0.5)), 512
-    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    img_ids = (
-        torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(generator.device)
-    )
-    config = model.config
-    return dict(
-        hidden_states=_randn(generator, 1, tokens, config.in_channels),
-        encoder_hidden_states=_randn(generator, 1, text, config.joint_attention_dim),
-        pooled_projections=_randn(generator, 1, config.pooled_projection_dim),
-        timestep=torch.tensor([0.5], device=generator.device, dtype=DTYPE),
-        img_ids=img_ids.to(DTYPE),
-        txt_ids=torch.zeros(text, 3, device=generator.device, dtype=DTYPE),
-        guidance=torch.tensor([3.5], device=generator.device),
-        return_dict=False,
+    side = int(round(tokens**0.5))
+    return step_inputs.flux(
+        model.config,
+        functools.partial(_randn, generator),
+        batch=1,
+        height=side,
+        width=side,
+        text=512,
+        timestep=lambda: torch.tensor([0.5], device=generator.device, dtype=DTYPE),
+        ids_dtype=DTYPE,
+        device=generator.device,
     )
 
 
 def sd3_inputs(model, tokens, generator):
-    config = model.config
-    side = int(round(tokens**0.5)) * config.patch_size
-    return dict(
-        hidden_states=_randn(generator, 2, config.in_channels, side, side),
-        encoder_hidden_states=_randn(generator, 2, 77 + 256, config.joint_attention_dim),
-        pooled_projections=_randn(generator, 2, config.pooled_projection_dim),
-        timestep=torch.tensor([500.0, 500.0], device=generator.device),
-        return_dict=False,
+    return step_inputs.sd3(
+        model.config,
+        functools.partial(_randn, generator),
+        batch=2,
+        side=int(round(tokens**0.5)) * model.config.patch_size,
+        text=77 + 256,
+        timestep=lambda: torch.tensor([500.0, 500.0], device=generator.device),
     )
 
 
@@ -192,18 +169,23 @@ HUNYUAN15_GRIDS = {49290: (31, 30, 53), 25440: (16, 30, 53)}
 
 def hunyuan15_inputs(model, tokens, generator):
     frames, height, width = HUNYUAN15_GRIDS[tokens]
-    config = model.config
-    return dict(
-        hidden_states=_randn(generator, 1, config.in_channels, frames, height, width),
-        timestep=torch.tensor([500.0], device=generator.device, dtype=DTYPE),
-        encoder_hidden_states=_randn(generator, 1, 1000, config.text_embed_dim),
-        encoder_attention_mask=_text_mask(generator, 1, 1000, 120).to(DTYPE),
-        encoder_hidden_states_2=_randn(generator, 1, 256, config.text_embed_2_dim),
-        encoder_attention_mask_2=_text_mask(generator, 1, 256, 20).to(DTYPE),
-        image_embeds=torch.zeros(
-            1, 729, config.image_embed_dim, device=generator.device, dtype=DTYPE
+    device = generator.device
+    return step_inputs.hunyuan_video15(
+        model.config,
+        functools.partial(_randn, generator),
+        batch=1,
+        frames=frames,
+        height=height,
+        width=width,
+        text=1000,
+        text_2=256,
+        image_tokens=729,
+        image=lambda *shape: torch.zeros(*shape, device=device, dtype=DTYPE),
+        timestep=torch.tensor([500.0], device=device, dtype=DTYPE),
+        masks=(
+            step_inputs.text_mask(1, 1000, 120, device).to(DTYPE),
+            step_inputs.text_mask(1, 256, 20, device).to(DTYPE),
         ),
-        return_dict=False,
     )
 
 
@@ -250,3 +232,125 @@ def build(name: str, tokens: int | None = None, seed: int = 0, device="cuda", **
         return m(**kwargs)[0]
 
     return model, call, tokens
+
+
+def model_case(name: str, tokens: int | None):
+    """(model, call, tokens) of a whole model (transformer_cases) or of the FLUX block pair, at
+    `tokens` (the model's default shape when None)."""
+    if name == "flux-pair":
+        return (*flux_pair_case(tokens or 4096), tokens or 4096)
+    return build(name, tokens)
+
+
+class FluxBlockPair(torch.nn.Module):
+    """One FLUX.1 double-stream block followed by one single-stream block."""
+
+    def __init__(self):
+        super().__init__()
+        from diffusers.models.transformers.transformer_flux import (
+            FluxSingleTransformerBlock,
+            FluxTransformerBlock,
+        )
+
+        self.double_block = FluxTransformerBlock(
+            dim=3072, num_attention_heads=24, attention_head_dim=128
+        )
+        self.single_block = FluxSingleTransformerBlock(
+            dim=3072, num_attention_heads=24, attention_head_dim=128
+        )
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        encoder_hidden_states, hidden_states = self.double_block(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            temb=temb,
+            image_rotary_emb=image_rotary_emb,
+        )
+        encoder_hidden_states, hidden_states = self.single_block(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            temb=temb,
+            image_rotary_emb=image_rotary_emb,
+        )
+        return hidden_states
+
+
+def flux_rotary(image_side: int, text: int, device):
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    rows, cols = torch.meshgrid(torch.arange(image_side), torch.arange(image_side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
+    ids = torch.cat([torch.zeros(text, 3, dtype=img_ids.dtype), img_ids]).to(device).float()
+    return FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(ids)
+
+
+def flux_pair_case(tokens: int = 4096, text: int = 512):
+    side = int(round(tokens**0.5))
+    assert side * side == tokens, "flux-pair: --tokens must be a square (image side in patches)"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = FluxBlockPair().to(torch.bfloat16).eval()
+    g = torch.Generator("cuda").manual_seed(0)
+    args = (
+        torch.randn(1, tokens, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, text, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, 3072, generator=g, device="cuda", dtype=torch.bfloat16),
+        flux_rotary(side, text, "cuda"),
+    )
+    return model, lambda m: m(*args)
+
+
+# The columns of benchmark_transformer.py and profile_step.py: how the model is set up (configured).
+COLUMNS = ("eager", "kernels", "blocks", "blocks+kernels", "compile", "compile+kernels")
+FP8_COLUMNS = (
+    "kernels+fp8",
+    "blocks+kernels+fp8",
+    "compile+kernels+fp8",
+    "torchao-fp8+blocks",
+    "torchao-fp8+compile",
+)
+
+
+def uncompile_blocks(model):
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+
+
+@contextlib.contextmanager
+def configured(column, model):
+    """The model set up as `column` ("+"-separated: kernels, fp8, torchao-fp8, compiled whole or
+    per block, and no_<fusion> to inject without one of FUSIONS, e.g. kernels+no_lora_linear);
+    yields what to call, or None when the model has no repeated blocks to compile. Undone on exit."""
+    parts = set(column.split("+"))
+    injected = "kernels" in parts
+    without = {p.removeprefix("no_") for p in parts if p.startswith("no_")}
+    with contextlib.ExitStack() as undo:
+        if injected:
+            ops = set(FUSIONS) - without
+            ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8="fp8" in parts, ops=ops)
+            undo.callback(ltx_kernels.remove_optimized_kernels, model)
+        if "torchao-fp8" in parts:
+            undo.enter_context(bench_utils.torchao_fp8_rowwise(model))
+        yield from _compiled(parts, model)
+
+
+#: torch.compile's mode for the compiled columns (--compile-mode), None: the default.
+COMPILE_MODE = None
+
+
+def _compiled(parts, model):
+    torch._dynamo.reset()
+    try:
+        if "compile" in parts:
+            yield torch.compile(model, fullgraph=True, mode=COMPILE_MODE)
+        elif "blocks" in parts:
+            if not getattr(model, "_repeated_blocks", None):
+                yield None
+            else:
+                model.compile_repeated_blocks(fullgraph=True, mode=COMPILE_MODE)
+                yield model
+        else:
+            yield model
+    finally:
+        uncompile_blocks(model)

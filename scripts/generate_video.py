@@ -36,13 +36,13 @@ audio (relative L2); the rows that keep bf16 numerics (kernels, compile) give th
 FP8 rows are read against.
 
 Caches (--cache first-block|pyramid-attention-broadcast): diffusers' cache on the transformer,
-added after the kernels (inject first, then cache, as the README says), configured below
+added after the kernels (inject first, then cache, as docs/injection.md says), configured below
 (CACHE_CONFIGS); with --compare it adds the rows "Baseline + cache" (stock diffusers with the same
 cache, the peer to compare with) and "Optimized kernels + cache". The latent drift and PSNR of a
 cached row include what the cache skips. LTX-Video only (Family.no_cache says why not LTX-2).
 
 FP8 (--fp8, or the --compare configurations kernels+fp8 and kernels+fp8+compile): the kernels with
-inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (README "FP8"; a model without an FP8
+inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (docs/fp8.md; a model without an FP8
 path, LTX-2 for now, stays bf16 and the row's note says so). torchao-fp8+compile is
 the path a user would pick instead: torchao's float8 dynamic rowwise quantization of every Linear
 of the transformer (torchao from PyPI), compiled; torchao replaces the weights, the bf16 ones wait

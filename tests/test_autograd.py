@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from fused_helpers import BROADCASTS, DTYPES, FRAMES, make_modulation
-from helpers import capture_graph, make_activation
+from helpers import BROADCASTS, DTYPES, FRAMES, capture_graph, make_activation, make_modulation
 from ltx_kernels import reference
 
 # Relative L2 error of each gradient against the float64 evaluation. fp32: the backward computes

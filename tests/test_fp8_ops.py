@@ -13,8 +13,14 @@ import torch
 import ltx_kernels
 from ltx_kernels import reference
 
-from fused_helpers import BROADCASTS, DTYPES, LAYOUTS
-from helpers import assert_compiles_once, capture_graph, make_activation
+from helpers import (
+    BROADCASTS,
+    DTYPES,
+    LAYOUTS,
+    assert_compiles_once,
+    capture_graph,
+    make_activation,
+)
 from test_norm_modulate import OPS as NORM_OPS
 from test_norm_modulate import make_case
 

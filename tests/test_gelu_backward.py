@@ -13,17 +13,20 @@ import torch.nn.functional as F
 import ltx_kernels
 from ltx_kernels._op_namespace import ops
 
-from fused_helpers import (
+from helpers import (
     DTYPES,
     LAYOUTS,
     assert_new_contiguous,
     assert_rounds_within,
+    capture_graph,
     gelu_range,
+    make_activation,
+    OpNames,
+    poison_allocator,
     rows_hidden_cases,
     skip_big_on_cpu,
     varied_rows,
 )
-from helpers import OpNames, capture_graph, make_activation, poison_allocator
 
 APPROXIMATE = ["none", "tanh"]
 

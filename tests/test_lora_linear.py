@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from fused_helpers import DTYPES
-from helpers import capture_graph, make_activation
+from helpers import DTYPES, capture_graph, make_activation
 from inject_helpers import (
     REL_L2_TOLERANCE,
     caller,

@@ -13,8 +13,7 @@ from ltx_kernels import reference
 from ltx_kernels._op_names import FUSED_BACKWARD_OPS
 from ltx_kernels._op_namespace import ops
 
-from fused_helpers import BROADCASTS, DTYPES, FRAMES, make_modulation
-from helpers import OpNames, make_activation
+from helpers import BROADCASTS, DTYPES, FRAMES, make_activation, make_modulation, OpNames
 
 NORM_OPS = [op for op, bwd in FUSED_BACKWARD_OPS.items() if bwd == "norm_modulate_backward"]
 # Relative L2 error of each gradient against the float64 VJP: the kernel computes in fp32 and

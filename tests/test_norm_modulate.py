@@ -13,19 +13,22 @@ import torch
 import ltx_kernels
 from ltx_kernels import reference
 
-from fused_helpers import (
+from helpers import (
     BROADCASTS,
     DTYPES,
     FRAMES,
     LAYOUTS,
+    assert_compiles_once,
     assert_new_contiguous,
     assert_rounds_within,
+    capture_graph,
+    make_activation,
     make_modulation,
+    poison_allocator,
     rows_hidden_cases,
     skip_big_on_cpu,
     varied_rows,
 )
-from helpers import assert_compiles_once, capture_graph, make_activation, poison_allocator
 
 OPS = ["rmsnorm_modulate", "layernorm_modulate", "add_rmsnorm_modulate", "add_layernorm_modulate"]
 # model: upcast=False, every operand in x's dtype (LTX-Video, FLUX). upcast: upcast=True with

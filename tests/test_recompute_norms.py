@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from fused_helpers import DTYPES
+from helpers import DTYPES
 from inject_helpers import OpCounter, caller, clone, output_of
 from ltx_kernels import OPS
 from ltx_kernels.integration import FUSIONS

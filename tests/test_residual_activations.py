@@ -11,25 +11,23 @@ import torch.nn.functional as F
 import ltx_kernels
 from ltx_kernels import reference
 
-from fused_helpers import (
+from helpers import (
     BROADCASTS,
     DTYPES,
     FRAMES,
     LAYOUTS,
-    assert_new_contiguous,
-    assert_rounds_within,
-    make_modulation,
-    rows_hidden_cases,
-    skip_big_on_cpu,
-    gelu_range,
-    varied_rows,
-)
-from helpers import (
     MANTISSA_BITS,
     assert_compiles_once,
+    assert_new_contiguous,
+    assert_rounds_within,
     capture_graph,
+    gelu_range,
     make_activation,
+    make_modulation,
     poison_allocator,
+    rows_hidden_cases,
+    skip_big_on_cpu,
+    varied_rows,
 )
 
 PRECISIONS = ["model", "upcast", "upcast_fp32"]  # as in test_norm_modulate.py

@@ -14,16 +14,19 @@ import torch
 import ltx_kernels
 from ltx_kernels import reference
 
-from fused_helpers import (
+from helpers import (
     DTYPES,
     LAYOUTS,
+    assert_compiles_once,
     assert_new_contiguous,
     assert_rounds_within,
+    capture_graph,
+    make_activation,
+    poison_allocator,
     rows_hidden_cases,
     skip_big_on_cpu,
     varied_rows,
 )
-from helpers import assert_compiles_once, capture_graph, make_activation, poison_allocator
 
 # Even widths; 110, 770 and 5126 have an odd number of pairs (55, 385, 2563): scalar tails.
 ROPE_HIDDEN = [110, 770, 1536, 2048, 3072, 5120, 5126]

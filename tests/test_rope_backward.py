@@ -15,8 +15,7 @@ import ltx_kernels
 from ltx_kernels import reference
 from ltx_kernels._op_namespace import ops
 
-from fused_helpers import DTYPES, assert_rounds_within, varied_rows
-from helpers import OpNames, make_activation
+from helpers import DTYPES, assert_rounds_within, make_activation, OpNames, varied_rows
 from test_rope import MODES, QK_TABLES, TABLE_DTYPES, make_qk, norm_weight, tables_for
 
 # Relative L2 error of qk_rmsnorm_rope's gradients against the float64 VJP: fp32 math rounded once

@@ -5,11 +5,15 @@ models (test_inject_models.py, test_training.py) take."""
 
 import dataclasses
 import functools
+import sys
+from pathlib import Path
 from typing import Callable
 
 import pytest
 
 pytest.importorskip("diffusers", reason="diffusers is not installed")
+# benchmarks/step_inputs.py: the one input builder per family, shared with the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from ltx_kernels.integration import FUSIONS  # noqa: E402
 

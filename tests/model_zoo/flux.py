@@ -4,6 +4,7 @@ ltx_kernels ops one injected forward runs."""
 import torch
 from diffusers import FluxTransformer2DModel
 
+import step_inputs
 from inject_helpers import randomize_norms
 from ltx_kernels.integration import FUSIONS
 
@@ -62,11 +63,7 @@ def tiny_model(dtype, **config):
     return randomize_norms(FluxTransformer2DModel(**{**TINY, **config}).to(dtype).eval())
 
 
-def image_ids(height, width, device="cpu"):
-    rows, cols = torch.meshgrid(
-        torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij"
-    )
-    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+image_ids = step_inputs.image_ids
 
 
 def tiny_block(kind: str, dtype):
@@ -91,13 +88,18 @@ def tiny_block(kind: str, dtype):
 
 
 def tiny_inputs(dtype, batch=2):
-    return dict(
-        hidden_states=torch.randn(batch, HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype),
-        encoder_hidden_states=torch.randn(batch, TEXT, TINY["joint_attention_dim"], dtype=dtype),
-        pooled_projections=torch.randn(batch, TINY["pooled_projection_dim"], dtype=dtype),
-        timestep=torch.rand(batch, dtype=dtype),
-        img_ids=image_ids(HEIGHT, WIDTH),
-        # Text positions that differ, so text rows of the RoPE tables matter (FLUX uses zeros).
-        txt_ids=torch.randint(0, 8, (TEXT, 3)).float(),
-        return_dict=False,
+    """step_inputs.flux with a random timestep and text positions that differ, so the text rows of
+    the RoPE tables matter (FLUX uses zeros)."""
+    inputs = step_inputs.flux(
+        TINY,
+        lambda *shape: torch.randn(*shape, dtype=dtype),
+        batch=batch,
+        height=HEIGHT,
+        width=WIDTH,
+        text=TEXT,
+        timestep=lambda: torch.rand(batch, dtype=dtype),
+        ids_dtype=torch.float32,
+        device="cpu",
     )
+    inputs["txt_ids"] = torch.randint(0, 8, (TEXT, 3)).float()
+    return inputs

@@ -6,6 +6,7 @@ FramePack (HunyuanVideo's blocks) with the same config."""
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel
 
+import step_inputs
 from inject_helpers import randomize_norms
 from ltx_kernels.integration import FUSIONS
 
@@ -122,28 +123,35 @@ def tiny_inputs(dtype, v15=False, variant=None, batch=2, frames=2, size=4):
     """One forward's keyword arguments; a text sample is padded. HunyuanVideo variants:
     None (T2V), "latent_concat", "token_replace"; HunyuanVideo-1.5: None (t2v), "i2v"."""
     torch.manual_seed(1)
+    timestep = torch.tensor([500.0]).expand(batch).to(dtype)
+    if v15:  # the model reorders the text valid-first: [image, text_2, text, padding]
+        image = torch.randn if variant == "i2v" else torch.zeros  # t2v: all-zero image tokens
+        return step_inputs.hunyuan_video15(
+            HUNYUAN_VIDEO_15,
+            lambda *shape: torch.randn(*shape, dtype=dtype),
+            batch=batch,
+            frames=frames,
+            height=size,
+            width=size,
+            text=TEXT,
+            text_2=4,
+            image_tokens=3,
+            image=lambda *shape: image(*shape, dtype=dtype),
+            timestep=timestep,
+            masks=(_text_mask(batch, TEXT, 0, 4), _text_mask(batch, 4, 1, 2)),
+        )
     channels = 9 if variant == "latent_concat" else 4
     inputs = dict(
         hidden_states=torch.randn(batch, channels, frames, size, size, dtype=dtype),
-        timestep=torch.tensor([500.0]).expand(batch).to(dtype),
+        timestep=timestep,
         encoder_hidden_states=torch.randn(batch, TEXT, 16, dtype=dtype),
         encoder_attention_mask=_text_mask(batch, TEXT, 0, 4),
+        pooled_projections=torch.randn(batch, 8, dtype=dtype),
+        guidance=None
+        if variant == "latent_concat"
+        else torch.tensor([3500.0]).expand(batch).to(dtype),
         return_dict=False,
     )
-    if v15:  # the model reorders the text valid-first: [image, text_2, text, padding]
-        image = torch.randn if variant == "i2v" else torch.zeros  # t2v: all-zero image tokens
-        inputs.update(
-            encoder_hidden_states_2=torch.randn(batch, 4, 8, dtype=dtype),
-            encoder_attention_mask_2=_text_mask(batch, 4, 1, 2),
-            image_embeds=image(batch, 3, 12, dtype=dtype),
-        )
-    else:
-        inputs.update(
-            pooled_projections=torch.randn(batch, 8, dtype=dtype),
-            guidance=None
-            if variant == "latent_concat"
-            else torch.tensor([3500.0]).expand(batch).to(dtype),
-        )
     return inputs
 
 

@@ -4,6 +4,7 @@ ltx_kernels ops one injected forward runs; the inputs of the full-size transform
 import torch
 from diffusers import LTXVideoTransformer3DModel
 
+import step_inputs
 from inject_helpers import block_op_counts, randomize_norms
 
 TINY = dict(
@@ -39,29 +40,26 @@ def tiny_model(dtype, **config):
 
 
 def tiny_inputs(dtype, device="cpu", batch=2, per_token=False):
-    """per_token: one timestep per token, as LTXConditionPipeline (LTX-Video 0.9.5 to 0.9.8) passes
-    it (conditioning tokens at 0), so the blocks' modulation is [B, S, 6, D]."""
-    hidden = torch.randn(
-        batch, FRAMES * HEIGHT * WIDTH, TINY["in_channels"], dtype=dtype, device=device
+    """step_inputs.ltx_video with random timesteps. per_token: one timestep per token, as
+    LTXConditionPipeline (LTX-Video 0.9.5 to 0.9.8) passes it (conditioning tokens at 0), so the
+    blocks' modulation is [B, S, 6, D]."""
+    inputs = step_inputs.ltx_video(
+        TINY,
+        lambda *shape: torch.randn(*shape, dtype=dtype, device=device),
+        batch=batch,
+        frames=FRAMES,
+        height=HEIGHT,
+        width=WIDTH,
+        text=TEXT,
+        mask=step_inputs.text_mask(batch, TEXT, TEXT - 2, device),
+        device=device,
     )
-    text = torch.randn(batch, TEXT, TINY["caption_channels"], dtype=dtype, device=device)
-    mask = torch.ones(batch, TEXT, dtype=torch.bool, device=device)
-    mask[0, TEXT - 2 :] = False
     timestep = torch.randint(0, 1000, (batch,), device=device)
     if per_token:
         timestep = torch.randint(0, 1000, (batch, FRAMES * HEIGHT * WIDTH), device=device)
         timestep[:, : HEIGHT * WIDTH] = 0  # the first frame: conditioning tokens
-    return dict(
-        hidden_states=hidden,
-        encoder_hidden_states=text,
-        timestep=timestep,
-        encoder_attention_mask=mask,
-        num_frames=FRAMES,
-        height=HEIGHT,
-        width=WIDTH,
-        rope_interpolation_scale=(8 / 25, 32, 32),
-        return_dict=False,
-    )
+    inputs["timestep"] = timestep
+    return inputs
 
 
 def expected_counts(disabled=None, per_token=False):
@@ -76,22 +74,17 @@ def expected_counts(disabled=None, per_token=False):
 
 
 def full_inputs(batch, frames, height, width, device, dtype=torch.bfloat16, text=128):
-    """Inputs of the full-size transformer (LTXVideoTransformer3DModel())."""
+    """Inputs of the full-size transformer (LTXVideoTransformer3DModel()): step_inputs.ltx_video,
+    every sample's prompt padded from its middle."""
     generator = torch.Generator(device).manual_seed(0)
-    hidden = torch.randn(
-        batch, frames * height * width, 128, generator=generator, device=device, dtype=dtype
-    )
-    prompt = torch.randn(batch, text, 4096, generator=generator, device=device, dtype=dtype)
-    mask = torch.ones(batch, text, dtype=torch.bool, device=device)
-    mask[:, text // 2 :] = False
-    return dict(
-        hidden_states=hidden,
-        encoder_hidden_states=prompt,
-        timestep=torch.full((batch,), 500.0, device=device),
-        encoder_attention_mask=mask,
-        num_frames=frames,
+    return step_inputs.ltx_video(
+        dict(in_channels=128, caption_channels=4096),
+        lambda *shape: torch.randn(*shape, generator=generator, device=device, dtype=dtype),
+        batch=batch,
+        frames=frames,
         height=height,
         width=width,
-        rope_interpolation_scale=(8 / 25, 32, 32),
-        return_dict=False,
+        text=text,
+        mask=step_inputs.text_mask(batch, text, text // 2, device, samples=slice(None)),
+        device=device,
     )

@@ -6,6 +6,7 @@ ltx_kernels ops one injected forward runs; the release configs at full size."""
 import torch
 from diffusers import LTX2VideoTransformer3DModel
 
+import step_inputs
 from inject_helpers import randomize_norms
 from ltx_kernels.integration import FUSIONS
 
@@ -117,56 +118,33 @@ def inputs(
     full=False,
     device="cpu",
 ):
-    """One forward's keyword arguments; a text sample is padded. variant: None (text-to-video);
-    "i2v": per-token video timesteps [B, S] with the first frame's tokens at 0 (the conditioning
-    image, as LTX2ImageToVideoPipeline passes them) and, for 2.5, the keyframe mask on them;
-    "stg": spatio-temporal guidance at block 1, perturbing the second sample.
+    """One forward's keyword arguments (step_inputs.ltx2, as benchmarks/transformer_cases.py's),
+    random timesteps; a text sample is padded. variant: None (text-to-video); "i2v": per-token
+    video timesteps [B, S] with the first frame's tokens at 0 (the conditioning image, as
+    LTX2ImageToVideoPipeline passes them) and, for 2.5, the keyframe mask on them; "stg":
+    spatio-temporal guidance at block 1, perturbing the second sample.
     full: the full-size model's widths (TINY's otherwise)."""
-    sizes = config(release, full)
-    flags = RELEASES[release]
     generator = torch.Generator(device).manual_seed(1)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator, device=device).to(dtype)
 
-    tokens = frames * height * width
     timestep = torch.rand(batch, generator=generator, device=device) * 1000
-    mask = torch.ones(batch, text, device=device)
-    mask[0, text - 2 :] = 0
-    # 2.3+ project the text outside the transformer: it comes in each stream's width
-    caption = sizes["caption_channels"]
-    projected = not flags["use_prompt_embeddings"]
-    video_text = (
-        sizes["num_attention_heads"] * sizes["attention_head_dim"] if projected else caption
-    )
-    audio_text = (
-        sizes["audio_num_attention_heads"] * sizes["audio_attention_head_dim"]
-        if projected
-        else caption
-    )
-    kwargs = dict(
-        hidden_states=randn(batch, tokens, sizes["in_channels"]),
-        audio_hidden_states=randn(batch, audio_frames, sizes["audio_in_channels"]),
-        encoder_hidden_states=randn(batch, text, video_text),
-        audio_encoder_hidden_states=randn(batch, text, audio_text),
-        timestep=timestep,
-        sigma=timestep / 1000,
-        encoder_attention_mask=mask,
-        audio_encoder_attention_mask=mask,
-        num_frames=frames,
+    kwargs = step_inputs.ltx2(
+        config(release, full),
+        randn,
+        batch=batch,
+        frames=frames,
         height=height,
         width=width,
-        audio_num_frames=audio_frames,
-        fps=24.0,
-        use_cross_timestep=flags["cross_attn_mod"],  # the pipelines' default (2.3+ behaviour)
-        return_dict=False,
+        audio_frames=audio_frames,
+        text=text,
+        valid_text=text - 2,
+        timestep=timestep,
+        image_to_video=variant == "i2v",
+        device=device,
     )
-    if variant == "i2v":
-        first_frame = torch.arange(tokens, device=device) < height * width
-        kwargs.update(timestep=timestep[:, None] * ~first_frame, audio_timestep=timestep)
-        if flags.get("use_keyframes_abs_pos_embedding"):
-            kwargs["video_keyframes_mask"] = first_frame[None, :, None].expand(batch, -1, 1).float()
-    elif variant == "stg":
+    if variant == "stg":
         kwargs.update(
             spatio_temporal_guidance_blocks=[1],
             perturbation_mask=torch.tensor([1.0, 0.0], device=device).to(dtype),

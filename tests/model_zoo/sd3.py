@@ -5,6 +5,7 @@ injected forward runs."""
 import torch
 from diffusers import SD3Transformer2DModel
 
+import step_inputs
 from inject_helpers import randomize_norms
 from ltx_kernels.integration import FUSIONS
 
@@ -72,11 +73,12 @@ def tiny_model(dtype, **config):
 
 
 def tiny_inputs(dtype, batch=2):
-    size = TINY["sample_size"]
-    return dict(
-        hidden_states=torch.randn(batch, TINY["in_channels"], size, size, dtype=dtype),
-        encoder_hidden_states=torch.randn(batch, TEXT, TINY["joint_attention_dim"], dtype=dtype),
-        pooled_projections=torch.randn(batch, TINY["pooled_projection_dim"], dtype=dtype),
-        timestep=torch.randint(0, 1000, (batch,)),
-        return_dict=False,
+    """step_inputs.sd3 with random timesteps."""
+    return step_inputs.sd3(
+        TINY,
+        lambda *shape: torch.randn(*shape, dtype=dtype),
+        batch=batch,
+        side=TINY["sample_size"],
+        text=TEXT,
+        timestep=lambda: torch.randint(0, 1000, (batch,)),
     )

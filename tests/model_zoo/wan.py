@@ -6,6 +6,7 @@ copied) with the same config."""
 import torch
 from diffusers import WanTransformer3DModel
 
+import step_inputs
 from inject_helpers import block_op_counts, randomize_norms
 
 TINY = dict(
@@ -150,12 +151,15 @@ def tiny_animate_inputs(dtype, batch=2):
 def tiny_inputs(dtype, variant="t2v", batch=2):
     """variant: t2v, i2v, ti2v (Wan 2.2: a timestep per token) or diffusion_forcing (SkyReels-V2:
     a timestep per frame, temb [B, 6, S, D], a causal self-attention mask)."""
-    text = 512 if variant == "i2v" else 12  # I2V splits the context at 512 - image tokens
-    inputs = dict(
-        hidden_states=torch.randn(batch, 4, FRAMES, HEIGHT, WIDTH, dtype=dtype),
-        timestep=torch.randint(0, 1000, (batch,)),
-        encoder_hidden_states=torch.randn(batch, text, 16, dtype=dtype),
-        return_dict=False,
+    inputs = step_inputs.wan(
+        TINY,
+        lambda *shape: torch.randn(*shape, dtype=dtype),
+        batch=batch,
+        frames=FRAMES,
+        height=HEIGHT,
+        width=WIDTH,
+        text=512 if variant == "i2v" else 12,  # I2V splits the context at 512 - image tokens
+        timestep=lambda: torch.randint(0, 1000, (batch,)),
     )
     if variant == "i2v":
         inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, I2V["image_dim"], dtype=dtype)
