@@ -30,19 +30,16 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, adaln, linears, recompute, steps
+from . import adaln, linears, recompute, steps
+from .attention import attend
+from .diffusers_compat import rope_bshd
+from .injector import FusedAttnProcessor
 from .module_checks import has_hooks
 
 
 # ------------------------------------------------------------------------------------------------
 # Attention
 # ------------------------------------------------------------------------------------------------
-def _diffusers_rope(x, cos_sin):
-    from diffusers.models.embeddings import apply_rotary_emb
-
-    return apply_rotary_emb(x, cos_sin, sequence_dim=1)
-
-
 def _rope_rows(cos_sin, text_len: int, total: int):
     """(text rows, image rows) of FLUX's [S_txt + S_img, Dh] cos/sin tables, as views; None when
     the tables are absent or in another form (RoPE is then applied after the concatenation)."""
@@ -120,8 +117,6 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
         one), before any output projection: [B, S_txt + S, H*Dh]. A single block whose fused
         q/k/v/MLP GEMM projected them calls it directly (what __call__ does past its
         projections)."""
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         encoder_query, encoder_key, encoder_value = encoder_qkv
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
         joint = attn.added_kv_proj_dim is not None
@@ -136,7 +131,7 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
             query,
             key,
             image_rope,
-            _diffusers_rope,
+            rope_bshd,
             across_heads=False,
         )
         if joint:
@@ -151,7 +146,7 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
                 encoder_query,
                 encoder_key,
                 text_rope,
-                _diffusers_rope,
+                rope_bshd,
                 across_heads=False,
             )
             query = torch.cat([encoder_query, query], dim=1)
@@ -165,19 +160,14 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
                 query,
                 key,
                 image_rotary_emb,
-                _diffusers_rope,
+                rope_bshd,
                 across_heads=False,
             )
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+        hidden_states = attend(
+            self, query, key, value, mask=attention_mask, parallel_config=self._parallel_config
         )
-        return hidden_states.flatten(2, 3).to(query.dtype)
+        return hidden_states.flatten(2, 3)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ norm1 and norm2 emit their output as FP8 rows for attn1's q/k/v and the FF, the 
 its output as FP8 rows for the down projection; attn2's text K/V stay bf16.
 
 Under diffusers' context parallelism attn2 attends to the whole text, attn1 under Ulysses runs
-ulysses_attention (context_parallel.py), and the patched model's `_cp_plan` also splits per-token
+ulysses_attention (attention.py), and the patched model's `_cp_plan` also splits per-token
 timesteps ([B, S], LTXConditionPipeline).
 """
 
@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, recompute, steps
+from . import recompute, steps
+from .attention import attend
+from .diffusers_compat import lora_scaled
 from .linears import self_cross_ff_fp8_linears
-from .context_parallel import attend, gather_cross_attention_inputs, split_token_timesteps
+from .context_parallel import gather_cross_attention_inputs, split_token_timesteps
+from .injector import FusedAttnProcessor
 
 
 def _diffusers_rope(x, cos_sin):
@@ -81,8 +84,12 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
             _diffusers_rope,
             across_heads=True,
         )
-        hidden_states = attend(self, query, key, value, attn.heads, attention_mask, parallel_config)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = attend(
+            self,
+            *(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)),
+            mask=attention_mask,
+            parallel_config=parallel_config,
+        ).flatten(2)
         hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         return attn.to_out[1](hidden_states)
 
@@ -196,15 +203,7 @@ def _model_forward(
     return Transformer2DModelOutput(sample=output)
 
 
-def _lora_scaled(forward):
-    try:
-        from diffusers.utils.peft_utils import apply_lora_scale
-    except ImportError:  # older diffusers: scale_lora_layers inside forward, not supported here
-        return forward
-    return apply_lora_scale("attention_kwargs")(forward)
-
-
-model_forward = _lora_scaled(_model_forward)
+model_forward = lora_scaled(_model_forward)
 
 
 #: The block's Linears that run in FP8 with fp8=True.

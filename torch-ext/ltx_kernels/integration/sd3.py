@@ -9,7 +9,7 @@ Per block, for the image stream (and the text stream unless context_pre_only):
   FF up-projection + GELU-tanh         -> linear_gelu (also under forward chunking)
   x + gate * ff                        -> gated_residual
 Attention (SD3.5, qk_norm="rms_norm"): the per-head diffusers RMSNorm of q, k, added q, added k on
-the [B, H, S, Dh] view -> rmsnorm; F.scaled_dot_product_attention is called as SD3 does.
+the [B, H, S, Dh] view -> rmsnorm; F.scaled_dot_product_attention is called as SD3 does (attention.attend with sdpa=True).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from . import FusedAttnProcessor, recompute, steps
+from . import recompute, steps
+from .attention import attend
+from .injector import FusedAttnProcessor
 
 
 def _split_heads(x, heads: int, head_dim: int):
@@ -66,11 +67,10 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
             key = torch.cat([key, context_key], dim=2)
             value = torch.cat([value, context_value], dim=2)
 
-        hidden_states = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=0.0, is_causal=False
+        hidden_states = attend(  # [B, H, S, Dh] views -> [B, S, H, Dh], SDPA as SD3 calls it
+            self, *(t.transpose(1, 2) for t in (query, key, value)), sdpa=True
         )
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim)
 
         if encoder_hidden_states is not None:
             hidden_states, encoder_hidden_states = (

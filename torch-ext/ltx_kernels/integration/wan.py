@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from . import FusedAttnProcessor, recompute, steps
-from .context_parallel import attend
+from . import recompute, steps
+from .attention import attend
+from .injector import FusedAttnProcessor
 from .linears import self_cross_ff_fp8_linears
 
 # Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
@@ -108,7 +109,7 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
 class WanKernelsAttnProcessor(FusedAttnProcessor):
     """`WanAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature; backend and
     parallel config are copied from the replaced processor and passed where diffusers passes
-    them (context_parallel.attend: self-attention under Ulysses runs ulysses_attention). The
+    them (attention.attend: self-attention under Ulysses runs ulysses_attention). The
     q/k/v projections are the attention module's own module's helpers."""
 
     # Whether cross-attention (and I2V's image context) also gets the parallel config: Wan's
@@ -132,11 +133,9 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         def attend_query(key, value, attn_mask, parallel_config):  # heads-shaped k/v -> [B, S, C]
-            out = attend(
-                self, query.flatten(2), key.flatten(2), value.flatten(2), attn.heads, attn_mask,
-                parallel_config,
-            )  # fmt: skip
-            return out.type_as(query)
+            return attend(
+                self, query, key, value, mask=attn_mask, parallel_config=parallel_config
+            ).flatten(2)
 
         encoder_hidden_states_img = None
         if attn.add_k_proj is not None:
