@@ -151,10 +151,12 @@ def _model_forward(
     attention_kwargs: dict[str, Any] | None = None,
     return_dict: bool = True,
 ):
-    """`LTXVideoTransformer3DModel.forward` (diffusers 0.36-0.42) with the output norm fused."""
-    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+    """`LTXVideoTransformer3DModel.forward` (diffusers 0.36-0.42) with the output norm fused. The
+    lines marked `# ours:` differ from diffusers'; every other line is diffusers' code as it is
+    (reformatted, its docstring left out)."""
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput  # ours:
 
-    # One table for the batch unless the samples have their own positions (video_coords).
+    # ours: one table for the batch unless the samples have their own positions (video_coords)
     positions = hidden_states if video_coords is not None else hidden_states[:1]
     image_rotary_emb = self.rope(
         positions, num_frames, height, width, rope_interpolation_scale, video_coords
@@ -194,7 +196,7 @@ def _model_forward(
 
     scale_shift_values = self.scale_shift_table[None, None] + embedded_timestep[:, :, None]
     shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
-    hidden_states = steps.norm_modulate(
+    hidden_states = steps.norm_modulate(  # ours: norm_out, then * (1 + scale) + shift, one pass
         self._ltx_kernels_ops, self.norm_out, hidden_states, scale, shift
     )
     output = self.proj_out(hidden_states)

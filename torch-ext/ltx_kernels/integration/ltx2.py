@@ -566,8 +566,10 @@ def _model_forward(
     video_keyframes_mask: torch.Tensor | None = None,
     return_dict: bool = True,
 ):
-    """`LTX2VideoTransformer3DModel.forward` (diffusers 0.42.1) with the output norms fused."""
-    from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput
+    """`LTX2VideoTransformer3DModel.forward` (diffusers 0.42.1) with the output norms fused. The
+    lines marked `# ours:` differ from diffusers'; every other line is diffusers' code as it is
+    (reformatted, its docstring left out; REPRODUCED checks the diffusers side)."""
+    from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput  # ours:
 
     # Determine timestep for audio.
     audio_timestep = audio_timestep if audio_timestep is not None else timestep
@@ -619,7 +621,9 @@ def _model_forward(
 
     # 2.1. Mark tokens whose latent encodes a single pixel frame (causal first frame, generated keyframe slots).
     if self.config.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
-        if video_keyframes_mask.shape[1] != hidden_states.shape[1]:  # under context parallelism
+        # ours: this rank's chunk of the mask under context parallelism (the plan cannot split
+        # an optional input)
+        if video_keyframes_mask.shape[1] != hidden_states.shape[1]:
             video_keyframes_mask = shard_sequence(video_keyframes_mask, 1, self._parallel_config)
         marker = (video_keyframes_mask > 0).to(dtype=hidden_states.dtype)
         hidden_states = hidden_states + marker * self.keyframes_abs_pos_embedding.to(
@@ -788,10 +792,11 @@ def _model_forward(
                 all_perturbed=block_all_perturbed,
             )
 
-    # 6. Output layers: LayerNorm + modulation of each stream in one pass
-    ops = self._ltx_kernels_ops
+    # 6. Output layers (including unpatchification)
+    ops = self._ltx_kernels_ops  # ours:
     scale_shift_values = self.scale_shift_table[None, None] + embedded_timestep[:, :, None]
     shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
+    # ours: LayerNorm + modulation in one pass (diffusers: norm_out, then * (1 + scale) + shift)
     hidden_states = steps.norm_modulate(ops, self.norm_out, hidden_states, scale, shift)
     output = self.proj_out(hidden_states)
 
@@ -799,7 +804,7 @@ def _model_forward(
         self.audio_scale_shift_table[None, None] + audio_embedded_timestep[:, :, None]
     )
     audio_shift, audio_scale = audio_scale_shift_values[:, :, 0], audio_scale_shift_values[:, :, 1]
-    audio_hidden_states = steps.norm_modulate(
+    audio_hidden_states = steps.norm_modulate(  # ours: the same for the audio
         ops, self.audio_norm_out, audio_hidden_states, audio_scale, audio_shift
     )
     audio_output = self.audio_proj_out(audio_hidden_states)
