@@ -2,14 +2,16 @@
 LTX-Video, LTX-2, FLUX.1, Wan 2.x, SD3/SD3.5 and HunyuanVideo/HunyuanVideo-1.5 onto the fused ops,
 `remove_optimized_kernels` undoes it.
 
-The package, by floor (a module imports only from the floors below it):
+The package, by floor (a module imports from the floors below it; steps.py, linears.py and
+recompute.py still take the op wrappers and the library loader from the package face above):
 - face: this file, the public functions and FAMILIES;
 - families: one file per model family (ltx, ltx2, flux, wan, sd3, hunyuan) and adaln.py (the
   AdaLN modules they share), each a table PATCHERS of class name -> patch function;
 - shared steps: steps.py (one "ours or diffusers'" decision per fused step), attention.py (the
   attention seam), context_parallel.py, recompute.py, linears.py (fused and FP8 projections);
 - core: injector.py (FUSIONS, the report, the Injector the patchers apply patches through, the
-  patched classes), diffusers_compat.py (the diffusers helpers and version guard), module_checks.py.
+  patched classes), diffusers_compat.py (the diffusers helpers the families share, and the version guard each
+  family declares as REPRODUCED), module_checks.py.
 
 Which ops are used: `ops=` (default: all of FUSIONS, which is ltx_kernels.OPS and the fusions
 injector.py lists) minus the comma-separated names in the environment variable

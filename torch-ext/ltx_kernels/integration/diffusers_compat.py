@@ -1,17 +1,19 @@
-"""The diffusers code the families share: the version guard of the code our patches reproduce
-(fingerprints), diffusers' LoRA scaling of a model forward, and diffusers' RoPE as the fused steps
-call it. No diffusers import at import time (it is imported when a patch first runs).
+"""The diffusers code the families share: the version guard of the code our patches reproduce,
+diffusers' LoRA scaling of a model forward, and diffusers' RoPE as the fused steps call it. No
+diffusers import at import time (it is imported when a patch first runs).
 
-Version guard: a family declares, as REPRODUCED, the fingerprint of every diffusers function its
-patches reproduce ("Class.method" -> fingerprint of the diffusers version it was written
-against); a patcher patches a class only where `reproduces(cls, method, REPRODUCED)`, and
-otherwise reports `differs(...)`, so another diffusers version or a subclass that changed the
-code runs it unpatched instead of silently losing the change.
+Version guard: every family declares REPRODUCED, a `Reproduced`: the diffusers modules its classes
+come from, and the fingerprint of every diffusers function a patch of it reproduces ("Class.method"
+-> the fingerprint of that code in DIFFUSERS_VERSION). A patcher patches a class only where
+`REPRODUCED.unpatched(cls, method)` is None; otherwise the class runs its own code, reported with
+the reason: another diffusers version or a fork whose code differs (it would silently lose its
+change), or a same-named class from another module (a user's fork).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -61,18 +63,38 @@ def fingerprint(function) -> str | None:
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
-def reproduces(cls: type, method: str, reproduced: dict) -> bool:
-    """Whether cls.method is the diffusers code a patch of it reproduces: its fingerprint is the
-    one `reproduced` (a family's REPRODUCED) records for "Class.method"."""
-    return fingerprint(getattr(cls, method)) == reproduced.get(f"{cls.__name__}.{method}")
+@dataclasses.dataclass(frozen=True)
+class Reproduced:
+    """A family's diffusers code: `modules` (the diffusers modules its classes come from) and `code`
+    ("Class.method" -> fingerprint of the DIFFUSERS_VERSION code its patch reproduces)."""
+
+    family: str
+    modules: frozenset[str]
+    code: dict[str, str]
+
+    def unpatched(self, cls: type, method: str) -> str | None:
+        """None where cls.method may be patched (cls from one of the modules, its method the code
+        the patch reproduces); otherwise why it runs unpatched (for the report)."""
+        key = f"{cls.__name__}.{method}"
+        if key in self.code and fingerprint(getattr(cls, method)) != self.code[key]:
+            return (
+                f"{key} ({cls.__module__}) is not the diffusers {DIFFUSERS_VERSION} code the "
+                "fused one reproduces; it runs unpatched"
+            )
+        if cls.__module__ not in self.modules:
+            return (
+                f"class from {cls.__module__}, not a diffusers {self.family} module; left unpatched"
+            )
+        return None
+
+    def is_stock(self, processor) -> bool:
+        """Whether an attention processor runs the diffusers code our processor reproduces."""
+        return self.unpatched(type(processor), "__call__") is None
 
 
-def differs(cls: type, method: str) -> str:
-    """The report's reason for a class whose `method` is not the code its patch reproduces."""
-    return (
-        f"{cls.__name__}.{method} ({cls.__module__}) is not the diffusers {DIFFUSERS_VERSION} "
-        "code the fused one reproduces; it runs unpatched"
-    )
+def diffusers_modules(*names: str) -> frozenset[str]:
+    """The modules `diffusers.models.<name>` (e.g. "normalization", "transformers.transformer_wan")."""
+    return frozenset(f"diffusers.models.{name}" for name in names)
 
 
 def lora_scaled(forward):

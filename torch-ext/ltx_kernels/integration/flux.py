@@ -32,7 +32,7 @@ import torch
 
 from . import adaln, linears, recompute, steps
 from .attention import attend
-from .diffusers_compat import rope_bshd
+from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
 from .module_checks import has_hooks
 
@@ -324,17 +324,39 @@ DOUBLE_FP8_LINEARS = (
 SINGLE_FP8_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
 
 
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
+REPRODUCED = Reproduced(
+    "FLUX",
+    diffusers_modules("transformers.transformer_flux"),
+    {
+        "FluxTransformerBlock.forward": "ea4a84124122e8f7",
+        "FluxSingleTransformerBlock.forward": "b1d5042d7e994482",
+        "FluxAttnProcessor.__call__": "84ba590b98a5f55b",
+    },
+)
+
+
 def _patch_attention(name: str, attn, kind: str, injector) -> bool:
     """Gives attn our processor unless it runs a custom one; True when it did."""
     if not injector.has_stock_processor(
-        name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code"
+        name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code", REPRODUCED.is_stock
     ):
         return False
     injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
     return True
 
 
+def _reproduces(name: str, block, injector) -> bool:
+    """Whether block's forward is the diffusers code ours reproduces; otherwise reported."""
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip(type(block).__name__, name, reason)
+    return reason is None
+
+
 def patch_double_block(name: str, block, injector) -> None:
+    if not _reproduces(name, block, injector):
+        return
     injector.swap_forward(name, block, double_block_forward, "FluxTransformerBlock")
     injector.fp8_linears(name, block, DOUBLE_FP8_LINEARS)
     if _patch_attention(f"{name}.attn", block.attn, DOUBLE_ATTN, injector):
@@ -347,6 +369,8 @@ def patch_double_block(name: str, block, injector) -> None:
 
 
 def patch_single_block(name: str, block, injector) -> None:
+    if not _reproduces(name, block, injector):
+        return
     injector.swap_forward(name, block, single_block_forward, "FluxSingleTransformerBlock")
     injector.fp8_linears(name, block, SINGLE_FP8_LINEARS)
     if _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector):

@@ -38,14 +38,25 @@ import torch.nn.functional as F
 
 from . import recompute, steps
 from .attention import attend, padded_key_lengths
-from .diffusers_compat import rope_bshd
+from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
 
-# Modules whose blocks and processors have exactly the semantics below; FramePack
-# (transformer_hunyuan_video_framepack.py) imports transformer_hunyuan_video's.
-_HUNYUAN_MODULES = frozenset(
-    f"diffusers.models.transformers.{name}"
-    for name in ("transformer_hunyuan_video", "transformer_hunyuan_video15")
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced); FramePack
+#: (transformer_hunyuan_video_framepack.py) imports transformer_hunyuan_video's blocks.
+REPRODUCED = Reproduced(
+    "HunyuanVideo",
+    diffusers_modules(
+        "transformers.transformer_hunyuan_video", "transformers.transformer_hunyuan_video15"
+    ),
+    {
+        "HunyuanVideoTransformerBlock.forward": "9cbe883692b53bf5",
+        "HunyuanVideoSingleTransformerBlock.forward": "3c49d97d8a76da0b",
+        "HunyuanVideo15TransformerBlock.forward": "9cbe883692b53bf5",
+        "HunyuanVideoPatchEmbed.forward": "cc038fb47212815d",
+        "HunyuanVideo15PatchEmbed.forward": "cc038fb47212815d",
+        "HunyuanVideoAttnProcessor2_0.__call__": "6d78c997f1d3d454",
+        "HunyuanVideo15AttnProcessor2_0.__call__": "9525039276556a04",
+    },
 )
 
 
@@ -296,14 +307,10 @@ V15_ATTN = "HunyuanVideo-1.5 Attention (q/k norm + RoPE on image)"
 PATCH_EMBED = "HunyuanVideo patch embedding (contiguous output)"
 
 
-def _is_hunyuan(obj) -> bool:
-    return type(obj).__module__ in _HUNYUAN_MODULES
-
-
 def _patch_attention(name: str, attn, kind: str, injector, v15: bool = False) -> None:
     stock = "HunyuanVideo15AttnProcessor2_0" if v15 else "HunyuanVideoAttnProcessor2_0"
     if injector.has_stock_processor(
-        name, attn, stock, kind, "LoRA/IP adapters or user code", is_stock=_is_hunyuan
+        name, attn, stock, kind, "LoRA/IP adapters or user code", is_stock=REPRODUCED.is_stock
     ):
         processor = HunyuanVideo15KernelsAttnProcessor if v15 else HunyuanVideoKernelsAttnProcessor
         injector.set_processor(name, attn, processor(), kind)
@@ -327,13 +334,9 @@ def _block_patcher(forward, attn_kind: str, v15: bool = False):
 
     def patch(name: str, block, injector) -> None:
         kind = type(block).__name__
-        if not _is_hunyuan(block):
-            injector.skip(
-                kind,
-                name,
-                f"class from {type(block).__module__}, not a diffusers HunyuanVideo module; "
-                "left unpatched",
-            )
+        reason = REPRODUCED.unpatched(type(block), "forward")
+        if reason:
+            injector.skip(kind, name, reason)
             return
         if forward is None:
             injector.skip(
@@ -351,7 +354,10 @@ def _block_patcher(forward, attn_kind: str, v15: bool = False):
 
 
 def patch_embed(name: str, module, injector) -> None:
-    if _is_hunyuan(module):
+    reason = REPRODUCED.unpatched(type(module), "forward")
+    if reason:
+        injector.skip(PATCH_EMBED, name, reason)
+    else:
         injector.swap_forward(name, module, patch_embed_forward, PATCH_EMBED, required=False)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from . import recompute, steps
 from .attention import attend
-from .diffusers_compat import lora_scaled
+from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 from .linears import self_cross_ff_fp8_linears
 from .context_parallel import gather_cross_attention_inputs, split_token_timesteps
 from .injector import FusedAttnProcessor
@@ -212,7 +212,23 @@ model_forward = lora_scaled(_model_forward)
 FP8_LINEARS = self_cross_ff_fp8_linears("ff")
 
 
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
+REPRODUCED = Reproduced(
+    "LTX-Video",
+    diffusers_modules("transformers.transformer_ltx"),
+    {
+        "LTXVideoTransformerBlock.forward": "a758b6f1ea788030",
+        "LTXVideoAttnProcessor.__call__": "0e15ffdea54d47e4",
+        "LTXVideoTransformer3DModel.forward": "bc16618faa9376c7",
+    },
+)
+
+
 def patch_block(name: str, block, injector) -> None:
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip("LTXVideoTransformerBlock", name, reason)
+        return
     injector.swap_forward(name, block, block_forward, "LTXVideoTransformerBlock")
     injector.fp8_linears(name, block, FP8_LINEARS)
     for attn_name, kind in (
@@ -226,6 +242,7 @@ def patch_block(name: str, block, injector) -> None:
             "LTXVideoAttnProcessor",
             kind,
             "LoRA/IP adapters or user code",
+            is_stock=REPRODUCED.is_stock,
         ):
             injector.set_processor(f"{name}.{attn_name}", attn, LTXKernelsAttnProcessor(), kind)
             if attn_name == "attn1":
@@ -236,13 +253,13 @@ def patch_block(name: str, block, injector) -> None:
 
 
 def patch_model(name: str, model, injector) -> None:
+    kind = "LTXVideoTransformer3DModel (output norm)"
+    reason = REPRODUCED.unpatched(type(model), "forward")
+    if reason:
+        injector.skip(kind, name, reason)
+        return
     injector.swap_forward(
-        name,
-        model,
-        model_forward,
-        "LTXVideoTransformer3DModel (output norm)",
-        required=False,
-        replan=split_token_timesteps,
+        name, model, model_forward, kind, required=False, replan=split_token_timesteps
     )
 
 

@@ -27,8 +27,7 @@ Run as in diffusers, reported at injection: the per-head attention gates of 2.3+
 samples take the values, as in diffusers.
 
 The patches reproduce diffusers 0.42.1's code; a block, processor or model whose code differs
-(another diffusers version, a subclass) keeps it and is reported (REPRODUCED,
-diffusers_compat.reproduces).
+(another diffusers version, a subclass) keeps it and is reported (REPRODUCED, diffusers_compat).
 """
 
 from __future__ import annotations
@@ -47,19 +46,23 @@ from .context_parallel import (
     shard_sequence,
     split_token_timesteps,
 )
-from .diffusers_compat import differs, lora_scaled, reproduces
+from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 
 # ------------------------------------------------------------------------------------------------
 # Which diffusers code the patches reproduce
 # ------------------------------------------------------------------------------------------------
-#: The fingerprints (diffusers_compat.fingerprint) of the diffusers 0.42.1 functions the patches reproduce (the
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced; the fingerprints are the
 #: same under Python 3.11, 3.12 and 3.13).
-REPRODUCED = {
-    "LTX2VideoTransformerBlock.forward": "8bd48f03fd087ee8",
-    "LTX2AudioVideoAttnProcessor.__call__": "5dfc938d8d89d426",
-    "LTX2PerturbedAttnProcessor.__call__": "9e60af959fb0229d",
-    "LTX2VideoTransformer3DModel.forward": "1ab560b2ade200d5",
-}
+REPRODUCED = Reproduced(
+    "LTX-2",
+    diffusers_modules("transformers.transformer_ltx2"),
+    {
+        "LTX2VideoTransformerBlock.forward": "8bd48f03fd087ee8",
+        "LTX2AudioVideoAttnProcessor.__call__": "5dfc938d8d89d426",
+        "LTX2PerturbedAttnProcessor.__call__": "9e60af959fb0229d",
+        "LTX2VideoTransformer3DModel.forward": "1ab560b2ade200d5",
+    },
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -851,8 +854,8 @@ def _patch_attention(name: str, attn, kind: str, cp_role: str, injector) -> None
             name,
             f"custom processor {type(processor).__name__} kept (LoRA/IP adapters or user code)",
         )
-    elif not reproduces(type(processor), "__call__", REPRODUCED):
-        injector.skip(kind, name, differs(type(processor), "__call__"))
+    elif reason := REPRODUCED.unpatched(type(processor), "__call__"):
+        injector.skip(kind, name, reason)
     else:
         injector.set_processor(name, attn, ours(), kind)
         attn.processor.cp_role = cp_role
@@ -863,8 +866,9 @@ def _patch_attention(name: str, attn, kind: str, cp_role: str, injector) -> None
 
 
 def patch_block(name: str, block, injector) -> None:
-    if not reproduces(type(block), "forward", REPRODUCED):
-        injector.skip(BLOCK, name, differs(type(block), "forward"))
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip(BLOCK, name, reason)
     else:
         injector.swap_forward(name, block, block_forward, BLOCK)
         if block.cross_attn_adaln:
@@ -883,8 +887,9 @@ def patch_block(name: str, block, injector) -> None:
 
 
 def patch_model(name: str, model, injector) -> None:
-    if not reproduces(type(model), "forward", REPRODUCED):
-        injector.skip(MODEL, name, differs(type(model), "forward"))
+    reason = REPRODUCED.unpatched(type(model), "forward")
+    if reason:
+        injector.skip(MODEL, name, reason)
     else:
         injector.swap_forward(
             name, model, model_forward, MODEL, required=False, replan=context_parallel_plan

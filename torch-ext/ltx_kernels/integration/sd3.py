@@ -21,6 +21,7 @@ import torch
 
 from . import recompute, steps
 from .attention import attend
+from .diffusers_compat import Reproduced, diffusers_modules
 from .injector import FusedAttnProcessor
 
 
@@ -159,13 +160,28 @@ def block_forward(
     return encoder_hidden_states, hidden_states
 
 
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
+REPRODUCED = Reproduced(
+    "SD3",
+    diffusers_modules("attention", "attention_processor"),
+    {
+        "JointTransformerBlock.forward": "4fe778bab4d3b4a2",
+        "JointAttnProcessor2_0.__call__": "cb4d3fadb6d9c451",
+    },
+)
+
 JOINT_ATTN = "Attention (SD3 joint: per-head q/k RMSNorm)"
 DUAL_ATTN = "Attention (SD3.5 dual self-attention: per-head q/k RMSNorm)"
 
 
 def _patch_attention(name: str, attn, kind: str, injector) -> None:
     if not injector.has_stock_processor(
-        name, attn, "JointAttnProcessor2_0", kind, "IP-adapter, fused QKV, PAG or user code"
+        name,
+        attn,
+        "JointAttnProcessor2_0",
+        kind,
+        "IP-adapter, fused QKV, PAG or user code",
+        REPRODUCED.is_stock,
     ):
         return
     norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
@@ -179,6 +195,10 @@ def _patch_attention(name: str, attn, kind: str, injector) -> None:
 
 
 def patch_block(name: str, block, injector) -> None:
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip("JointTransformerBlock", name, reason)
+        return
     injector.swap_forward(name, block, block_forward, "JointTransformerBlock")
     _patch_attention(f"{name}.attn", block.attn, JOINT_ATTN, injector)
     if block.attn2 is not None:
