@@ -84,31 +84,33 @@ class _CpuLseAttention:
 
 
 class _CountUlyssesCalls:
-    """Counts the calls of context_parallel.ulysses_attention (calls) and gather_sequence
-    (gathers) while active."""
+    """Counts the calls of attention.ulysses_attention (calls) and
+    context_parallel.gather_sequence (gathers) while active."""
 
-    NAMES = {"calls": "ulysses_attention", "gathers": "gather_sequence"}
+    NAMES = {
+        "calls": ("attention", "ulysses_attention"),
+        "gathers": ("context_parallel", "gather_sequence"),
+    }
 
     def __enter__(self):
-        from ltx_kernels.integration import context_parallel
+        from ltx_kernels import integration
 
         self.originals = {}
-        for count, name in self.NAMES.items():
+        for count, (module, name) in self.NAMES.items():
             setattr(self, count, 0)
-            original = self.originals[name] = getattr(context_parallel, name)
+            module = getattr(integration, module)
+            original = self.originals[module, name] = getattr(module, name)
 
             def counted(*args, _count=count, _original=original, **kwargs):
                 setattr(self, _count, getattr(self, _count) + 1)
                 return _original(*args, **kwargs)
 
-            setattr(context_parallel, name, counted)
+            setattr(module, name, counted)
         return self
 
     def __exit__(self, *exc):
-        from ltx_kernels.integration import context_parallel
-
-        for name, original in self.originals.items():
-            setattr(context_parallel, name, original)
+        for (module, name), original in self.originals.items():
+            setattr(module, name, original)
 
 
 def _run_case(device, config, order="before", mask=True, per_token=False, train=False,
@@ -615,9 +617,9 @@ def test_generate_video_context_parallel(tmp_path, model_args):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("last", [8, 12, 7])
 def test_copy_through_wide_elements(dtype, last):
-    """context_parallel._copy (8-byte elements where the last dim allows): out equals x bit for bit
+    """attention._copy (8-byte elements where the last dim allows): out equals x bit for bit
     for permuted, offset and odd-width views."""
-    from ltx_kernels.integration.context_parallel import _copy
+    from ltx_kernels.integration.attention import _copy
 
     x = torch.randn(3, 5, 4, last, dtype=torch.float64).to(dtype)
     source = x.permute(2, 0, 1, 3)[1:]  # [3, 3, 5, last], offset and permuted

@@ -75,7 +75,13 @@ def test_fused_backward_ops_map_ops_to_backward_ops():
 
 
 def test_fusions_are_the_ops_and_the_named_fusions():
-    fusions = ("fused_projections", "fused_qkv_mlp", "recompute_norms", "ulysses_attention")
+    fusions = (
+        "fused_projections",
+        "fused_qkv_mlp",
+        "recompute_norms",
+        "ulysses_attention",
+        "drop_padded_keys",
+    )
     assert FUSIONS == (*OPS, *fusions)
     assert set(OPS) <= set(ltx_kernels.__all__)
 

@@ -16,7 +16,20 @@ from __future__ import annotations
 import torch
 
 from . import steps
+from .diffusers_compat import Reproduced, diffusers_modules
 from .module_checks import has_hooks
+
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
+REPRODUCED = Reproduced(
+    "AdaLN",
+    diffusers_modules("normalization"),
+    {
+        "AdaLayerNormZero.forward": "51382d7ba9537d28",
+        "AdaLayerNormZeroSingle.forward": "b33be1820cb44f10",
+        "AdaLayerNormContinuous.forward": "1b32b8d4f70c2ca6",
+        "SD35AdaLayerNormZeroX.forward": "035d8c5960425428",
+    },
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,7 +136,7 @@ def ada_norm_patcher(forward, kind: str):
     is skipped (reported): diffusers' own forward is always a correct fallback."""
 
     def patch(name: str, module, injector) -> None:
-        reason = norm_unfusable(module.norm)
+        reason = REPRODUCED.unpatched(type(module), "forward") or norm_unfusable(module.norm)
         if reason:
             injector.skip(kind, name, reason)
         else:

@@ -15,14 +15,7 @@ the whole text. In inference the blocks of a step share one gather (gather_cross
 Collectives are waited at once: functional collectives return a Python tensor subclass through
 which every later op would dispatch (a third of the eager step's host time on 2 H200s).
 
-Self-attention under Ulysses without gradients runs `ulysses_attention` (below; "ulysses_attention"
-in FUSIONS): diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
-copies (eight copies of a [B, s, H, D] tensor per call). Here q, k and v travel in one all-to-all,
-attention reads them where they land (strided views), and the output returns in one more: five
-such copies, through 8-byte elements, and two all-to-alls. Every other case (ring attention,
-uneven splits, a mask, autograd recording) keeps diffusers' parallel attention. (Pipelining head
-chunks, one chunk's all-to-all beside the previous chunk's attention, was slower on 2 H200s:
-NCCL's kernels wait for SMs and for the peer behind the attention kernel; benchmarks/NOTES.md.)
+Self-attention under Ulysses goes through the attention seam (attention.py: ulysses_attention).
 
 LTX-2 keeps its audio whole on every GPU; its processors attend by role (ltx2.CP_ROLES) and take
 their chunk of the RoPE tables (local_rope_tables).
@@ -51,7 +44,7 @@ def _collective(name: str):
     return getattr(funcol, name, None) or getattr(funcol, old_names[name])
 
 
-def _waited(tensor):
+def waited(tensor):
     """A functional collective's result as a plain tensor, its wait enqueued now. (Eager,
     functional collectives return an AsyncCollectiveTensor, a Python subclass that defers the wait
     to its first use: each op on it, views included, runs through Python dispatch, ~0.1 ms of
@@ -70,13 +63,13 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
         gathered = _collective("all_gather_single")(x.movedim(dim, 0).contiguous(), 0, group)
-        return _waited(gathered).movedim(0, dim)
+        return waited(gathered).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.movedim(ctx.dim, 0).contiguous()
         chunk = _collective("reduce_scatter_single")(grad, "sum", 0, ctx.group)
-        return _waited(chunk).movedim(0, ctx.dim), None, None
+        return waited(chunk).movedim(0, ctx.dim), None, None
 
 
 def gather_sequence(x: torch.Tensor, dim: int, cp_config) -> torch.Tensor:
@@ -200,8 +193,8 @@ def gather_cross_attention_inputs(parallel_config, encoder_hidden_states, attent
         attention_mask = gather_sequence(attention_mask, attention_mask.ndim - 1, cp_config)
     if reusable:
         tensors = (*inputs, encoder_hidden_states, attention_mask)
-        versions = tuple(_version(t) for t in tensors)
-        _last_text_gather[:] = [cp_config, _capturing(), tensors, versions]
+        versions = tuple(version_of(t) for t in tensors)
+        _last_text_gather[:] = [cp_config, capturing(), tensors, versions]
     return encoder_hidden_states, attention_mask, None
 
 
@@ -216,124 +209,21 @@ def _last_text_gather_of(cp_config, inputs):
     input tensors and none of the four was written since; else None."""
     if not _last_text_gather:
         return None
-    config, capturing, tensors, versions = _last_text_gather
-    if config is not cp_config or capturing != _capturing():  # (a graph reads what it gathered)
+    config, was_capturing, tensors, versions = _last_text_gather
+    if config is not cp_config or was_capturing != capturing():  # (a graph reads what it gathered)
         return None
     if any(t is not u for t, u in zip(tensors, inputs)):
         return None
-    if any(_version(t) != v for t, v in zip(tensors, versions)):
+    if any(version_of(t) != v for t, v in zip(tensors, versions)):
         return None
     return tensors[2:]
 
 
-def _version(t: torch.Tensor | None) -> int | None:
+def version_of(t: torch.Tensor | None) -> int | None:
+    """t's version counter (None for None and inference tensors, which have none)."""
     return None if t is None or t.is_inference() else t._version
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> bool:
-    """Whether a self-attention call runs `ulysses_attention`: Ulysses only (no ring, even splits),
-    no mask, q and k of one length, heads divisible by the degree, and no autograd recording
-    (diffusers' Ulysses carries the backward)."""
-    cp_config = context_parallel_config(parallel_config)
-    return (
-        "ulysses_attention" in ops
-        and cp_config is not None
-        and cp_config.ulysses_degree > 1
-        and cp_config.ring_degree == 1
-        and not cp_config.ulysses_anything
-        and attention_mask is None
-        and query.shape[1] == key.shape[1]
-        and query.shape[2] % cp_config.ulysses_degree == 0
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)))
-    )
-
-
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all along dim 0 of a contiguous tensor (waits on the stream at its first use)."""
-    import torch.distributed._functional_collectives as funcol
-
-    return _waited(funcol.all_to_all_single(x, None, None, group))
-
-
-def attend(processor, query, key, value, heads: int, attention_mask, parallel_config):
-    """diffusers' attention (dispatch_attention_fn with the processor's backend) of q/k/v
-    [B, S, heads * D] -> [B, S, heads * D]; under Ulysses, where runs_ulysses_attention says so,
-    through ulysses_attention."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-    query, key, value = (t.unflatten(2, (heads, -1)) for t in (query, key, value))
-
-    def dispatch(query, key, value, parallel_config=None):
-        return dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=processor._attention_backend,
-            parallel_config=parallel_config,
-        )
-
-    if runs_ulysses_attention(processor.ops, parallel_config, query, key, attention_mask):
-        return ulysses_attention(query, key, value, parallel_config, dispatch)
-    return dispatch(query, key, value, parallel_config).flatten(2, 3)
-
-
-def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """out.copy_(x) through 8-byte elements where the last dim of both allows it. torch's copy of
-    permuted views moves one element per access (about a third of the copy bandwidth in bf16);
-    the same bytes as 8-byte elements move in a quarter of the accesses. (Compiled: Inductor
-    writes its own copy kernel.)"""
-    width = 8 // x.element_size()
-    if torch.compiler.is_compiling():
-        return out.copy_(x)
-
-    def widens(t):
-        return (
-            t.stride(-1) == 1
-            and t.shape[-1] % width == 0
-            and t.storage_offset() % width == 0
-            and all(stride % width == 0 for stride in t.stride()[:-1])
-        )
-
-    if x.dtype == out.dtype and width > 1 and widens(out) and widens(x):
-        out.view(torch.int64).copy_(x.view(torch.int64))
-    else:
-        out.copy_(x)
-    return out
-
-
-def ulysses_attention(query, key, value, parallel_config, attend) -> torch.Tensor:
-    """Ulysses self-attention: query/key/value [B, s, H, D] (this rank's s tokens of the sequence,
-    every head; any strides with D contiguous) -> [B, s, H * D]. `attend(q, k, v)` attends this
-    rank's heads over the whole sequence: [B, S, h, D] each -> [B, S, h, D].
-
-    Rank r attends heads [r h, (r + 1) h), h = H / N. q, k and v travel in one send buffer
-    [N (to rank), s, B, 3, h * D]; what arrives, [N (from rank), s, B, 3, h * D], is the whole
-    sequence (token = rank * s + t) in a layout in which q, k and v are strided views
-    [B, S, h, D], attended where they are. The output returns as [N, s, B, h * D] and is copied
-    into [B, s, N, h * D] = [B, s, H * D]. The same attention as on one GPU, head by head."""
-    cp_config = context_parallel_config(parallel_config)
-    group = cp_config._ulysses_mesh.get_group()
-    ranks = cp_config.ulysses_degree
-    batch, tokens, heads, head_dim = query.shape
-    width = heads // ranks * head_dim  # of one rank's heads
-
-    send = query.new_empty(ranks, tokens, batch, 3, width)
-    for i, x in enumerate((query, key, value)):  # [B, s, H, D] -> [N, s, B, h * D]
-        _copy(send[:, :, :, i], x.flatten(2).unflatten(2, (ranks, width)).permute(2, 1, 0, 3))
-    qkv = _all_to_all(send, group).flatten(0, 1).transpose(0, 1)  # [B, S, 3, h * D]
-    qkv = qkv.unflatten(3, (heads // ranks, head_dim))
-    out = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).flatten(2)  # [B, S, h * D]
-    out = _copy(
-        out.new_empty(ranks, tokens, batch, width),
-        out.unflatten(1, (ranks, tokens)).permute(1, 2, 0, 3),
-    )
-    out = _all_to_all(out, group)  # [N, s, B, h * D], back on the tokens' rank
-    result = out.new_empty(batch, tokens, ranks, width)
-    return _copy(result, out.permute(2, 1, 0, 3)).flatten(2)

@@ -30,19 +30,16 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, adaln, linears, recompute, steps
+from . import adaln, linears, recompute, steps
+from .attention import attend
+from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
+from .injector import FusedAttnProcessor
 from .module_checks import has_hooks
 
 
 # ------------------------------------------------------------------------------------------------
 # Attention
 # ------------------------------------------------------------------------------------------------
-def _diffusers_rope(x, cos_sin):
-    from diffusers.models.embeddings import apply_rotary_emb
-
-    return apply_rotary_emb(x, cos_sin, sequence_dim=1)
-
-
 def _rope_rows(cos_sin, text_len: int, total: int):
     """(text rows, image rows) of FLUX's [S_txt + S_img, Dh] cos/sin tables, as views; None when
     the tables are absent or in another form (RoPE is then applied after the concatenation)."""
@@ -120,8 +117,6 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
         one), before any output projection: [B, S_txt + S, H*Dh]. A single block whose fused
         q/k/v/MLP GEMM projected them calls it directly (what __call__ does past its
         projections)."""
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         encoder_query, encoder_key, encoder_value = encoder_qkv
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
         joint = attn.added_kv_proj_dim is not None
@@ -136,7 +131,7 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
             query,
             key,
             image_rope,
-            _diffusers_rope,
+            rope_bshd,
             across_heads=False,
         )
         if joint:
@@ -151,7 +146,7 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
                 encoder_query,
                 encoder_key,
                 text_rope,
-                _diffusers_rope,
+                rope_bshd,
                 across_heads=False,
             )
             query = torch.cat([encoder_query, query], dim=1)
@@ -165,19 +160,14 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
                 query,
                 key,
                 image_rotary_emb,
-                _diffusers_rope,
+                rope_bshd,
                 across_heads=False,
             )
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+        hidden_states = attend(
+            self, query, key, value, mask=attention_mask, parallel_config=self._parallel_config
         )
-        return hidden_states.flatten(2, 3).to(query.dtype)
+        return hidden_states.flatten(2, 3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -334,17 +324,39 @@ DOUBLE_FP8_LINEARS = (
 SINGLE_FP8_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
 
 
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
+REPRODUCED = Reproduced(
+    "FLUX",
+    diffusers_modules("transformers.transformer_flux"),
+    {
+        "FluxTransformerBlock.forward": "ea4a84124122e8f7",
+        "FluxSingleTransformerBlock.forward": "b1d5042d7e994482",
+        "FluxAttnProcessor.__call__": "84ba590b98a5f55b",
+    },
+)
+
+
 def _patch_attention(name: str, attn, kind: str, injector) -> bool:
     """Gives attn our processor unless it runs a custom one; True when it did."""
     if not injector.has_stock_processor(
-        name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code"
+        name, attn, "FluxAttnProcessor", kind, "IP-adapter or user code", REPRODUCED.is_stock
     ):
         return False
     injector.set_processor(name, attn, FluxKernelsAttnProcessor(), kind)
     return True
 
 
+def _reproduces(name: str, block, injector) -> bool:
+    """Whether block's forward is the diffusers code ours reproduces; otherwise reported."""
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip(type(block).__name__, name, reason)
+    return reason is None
+
+
 def patch_double_block(name: str, block, injector) -> None:
+    if not _reproduces(name, block, injector):
+        return
     injector.swap_forward(name, block, double_block_forward, "FluxTransformerBlock")
     injector.fp8_linears(name, block, DOUBLE_FP8_LINEARS)
     if _patch_attention(f"{name}.attn", block.attn, DOUBLE_ATTN, injector):
@@ -357,6 +369,8 @@ def patch_double_block(name: str, block, injector) -> None:
 
 
 def patch_single_block(name: str, block, injector) -> None:
+    if not _reproduces(name, block, injector):
+        return
     injector.swap_forward(name, block, single_block_forward, "FluxSingleTransformerBlock")
     injector.fp8_linears(name, block, SINGLE_FP8_LINEARS)
     if _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector):

@@ -18,7 +18,7 @@ norm1 and norm2 emit their output as FP8 rows for attn1's q/k/v and the FF, the 
 its output as FP8 rows for the down projection; attn2's text K/V stay bf16.
 
 Under diffusers' context parallelism attn2 attends to the whole text, attn1 under Ulysses runs
-ulysses_attention (context_parallel.py), and the patched model's `_cp_plan` also splits per-token
+ulysses_attention (attention.py), and the patched model's `_cp_plan` also splits per-token
 timesteps ([B, S], LTXConditionPipeline).
 """
 
@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, recompute, steps
+from . import recompute, steps
+from .attention import attend
+from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 from .linears import self_cross_ff_fp8_linears
-from .context_parallel import attend, gather_cross_attention_inputs, split_token_timesteps
+from .context_parallel import gather_cross_attention_inputs, split_token_timesteps
+from .injector import FusedAttnProcessor
 
 
 def _diffusers_rope(x, cos_sin):
@@ -81,8 +84,12 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
             _diffusers_rope,
             across_heads=True,
         )
-        hidden_states = attend(self, query, key, value, attn.heads, attention_mask, parallel_config)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = attend(
+            self,
+            *(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)),
+            mask=attention_mask,
+            parallel_config=parallel_config,
+        ).flatten(2)
         hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         return attn.to_out[1](hidden_states)
 
@@ -144,10 +151,12 @@ def _model_forward(
     attention_kwargs: dict[str, Any] | None = None,
     return_dict: bool = True,
 ):
-    """`LTXVideoTransformer3DModel.forward` (diffusers 0.36-0.42) with the output norm fused."""
-    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+    """`LTXVideoTransformer3DModel.forward` (diffusers 0.36-0.42) with the output norm fused. The
+    lines marked `# ours:` differ from diffusers'; every other line is diffusers' code as it is
+    (reformatted, its docstring left out)."""
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput  # ours:
 
-    # One table for the batch unless the samples have their own positions (video_coords).
+    # ours: one table for the batch unless the samples have their own positions (video_coords)
     positions = hidden_states if video_coords is not None else hidden_states[:1]
     image_rotary_emb = self.rope(
         positions, num_frames, height, width, rope_interpolation_scale, video_coords
@@ -187,7 +196,7 @@ def _model_forward(
 
     scale_shift_values = self.scale_shift_table[None, None] + embedded_timestep[:, :, None]
     shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
-    hidden_states = steps.norm_modulate(
+    hidden_states = steps.norm_modulate(  # ours: norm_out, then * (1 + scale) + shift, one pass
         self._ltx_kernels_ops, self.norm_out, hidden_states, scale, shift
     )
     output = self.proj_out(hidden_states)
@@ -196,22 +205,30 @@ def _model_forward(
     return Transformer2DModelOutput(sample=output)
 
 
-def _lora_scaled(forward):
-    try:
-        from diffusers.utils.peft_utils import apply_lora_scale
-    except ImportError:  # older diffusers: scale_lora_layers inside forward, not supported here
-        return forward
-    return apply_lora_scale("attention_kwargs")(forward)
-
-
-model_forward = _lora_scaled(_model_forward)
+model_forward = lora_scaled(_model_forward)
 
 
 #: The block's Linears that run in FP8 with fp8=True.
 FP8_LINEARS = self_cross_ff_fp8_linears("ff")
 
 
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
+REPRODUCED = Reproduced(
+    "LTX-Video",
+    diffusers_modules("transformers.transformer_ltx"),
+    {
+        "LTXVideoTransformerBlock.forward": "a758b6f1ea788030",
+        "LTXVideoAttnProcessor.__call__": "0e15ffdea54d47e4",
+        "LTXVideoTransformer3DModel.forward": "bc16618faa9376c7",
+    },
+)
+
+
 def patch_block(name: str, block, injector) -> None:
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip("LTXVideoTransformerBlock", name, reason)
+        return
     injector.swap_forward(name, block, block_forward, "LTXVideoTransformerBlock")
     injector.fp8_linears(name, block, FP8_LINEARS)
     for attn_name, kind in (
@@ -225,6 +242,7 @@ def patch_block(name: str, block, injector) -> None:
             "LTXVideoAttnProcessor",
             kind,
             "LoRA/IP adapters or user code",
+            is_stock=REPRODUCED.is_stock,
         ):
             injector.set_processor(f"{name}.{attn_name}", attn, LTXKernelsAttnProcessor(), kind)
             if attn_name == "attn1":
@@ -235,13 +253,13 @@ def patch_block(name: str, block, injector) -> None:
 
 
 def patch_model(name: str, model, injector) -> None:
+    kind = "LTXVideoTransformer3DModel (output norm)"
+    reason = REPRODUCED.unpatched(type(model), "forward")
+    if reason:
+        injector.skip(kind, name, reason)
+        return
     injector.swap_forward(
-        name,
-        model,
-        model_forward,
-        "LTXVideoTransformer3DModel (output norm)",
-        required=False,
-        replan=split_token_timesteps,
+        name, model, model_forward, kind, required=False, replan=split_token_timesteps
     )
 
 

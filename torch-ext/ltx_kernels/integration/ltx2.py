@@ -27,94 +27,42 @@ Run as in diffusers, reported at injection: the per-head attention gates of 2.3+
 samples take the values, as in diffusers.
 
 The patches reproduce diffusers 0.42.1's code; a block, processor or model whose code differs
-(another diffusers version, a subclass) keeps it and is reported (`_reproduces`).
+(another diffusers version, a subclass) keeps it and is reported (REPRODUCED, diffusers_compat).
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import hashlib
-import inspect
-import io
-import textwrap
-import tokenize
 from typing import Any
 
 import torch
 
-from . import FusedAttnProcessor, recompute, steps
+from . import recompute, steps
+from .attention import attend
+from .injector import FusedAttnProcessor
 from .context_parallel import (
-    attend,
     context_parallel_config,
     gather_cross_attention_inputs,
     local_rope_tables,
     shard_sequence,
     split_token_timesteps,
 )
-from .ltx import _lora_scaled
+from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 
 # ------------------------------------------------------------------------------------------------
 # Which diffusers code the patches reproduce
 # ------------------------------------------------------------------------------------------------
-#: The fingerprints (_fingerprint) of the diffusers 0.42.1 functions the patches reproduce (the
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced; the fingerprints are the
 #: same under Python 3.11, 3.12 and 3.13).
-REPRODUCED = {
-    "LTX2VideoTransformerBlock.forward": "8bd48f03fd087ee8",
-    "LTX2AudioVideoAttnProcessor.__call__": "5dfc938d8d89d426",
-    "LTX2PerturbedAttnProcessor.__call__": "9e60af959fb0229d",
-    "LTX2VideoTransformer3DModel.forward": "1ab560b2ade200d5",
-}
-
-
-#: Tokens that carry no code: layout, comments, the encoding marker.
-_LAYOUT_TOKENS = frozenset(
-    (
-        tokenize.COMMENT,
-        tokenize.NL,
-        tokenize.NEWLINE,
-        tokenize.INDENT,
-        tokenize.DEDENT,
-        tokenize.ENCODING,
-        tokenize.ENDMARKER,
-    )
+REPRODUCED = Reproduced(
+    "LTX-2",
+    diffusers_modules("transformers.transformer_ltx2"),
+    {
+        "LTX2VideoTransformerBlock.forward": "8bd48f03fd087ee8",
+        "LTX2AudioVideoAttnProcessor.__call__": "5dfc938d8d89d426",
+        "LTX2PerturbedAttnProcessor.__call__": "9e60af959fb0229d",
+        "LTX2VideoTransformer3DModel.forward": "1ab560b2ade200d5",
+    },
 )
-
-
-@functools.cache
-def _fingerprint(function) -> str | None:
-    """sha256 of a function's code tokens, joined without whitespace, its docstring left out:
-    comments, blank lines and formatting do not count, nor does the Python version (3.12
-    tokenizes f-strings in pieces that join to the same text; syntax-tree dumps differ between
-    versions). None when the source cannot be read."""
-    try:
-        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
-    except (OSError, TypeError):
-        return None
-    tokens = [
-        token
-        for token in tokenize.generate_tokens(io.StringIO(source).readline)
-        if token.type not in _LAYOUT_TOKENS
-    ]
-    definition = ast.parse(source).body[0]
-    first = definition.body[0]
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):  # the docstring
-        docstring = (first.lineno, first.col_offset)
-        tokens = [t for t in tokens if t.start != docstring]
-    code = "".join(token.string for token in tokens)
-    return hashlib.sha256(code.encode()).hexdigest()[:16]
-
-
-def _reproduces(cls: type, method: str) -> bool:
-    """Whether cls.method is the diffusers code our patch of it reproduces."""
-    return _fingerprint(getattr(cls, method)) == REPRODUCED[f"{cls.__name__}.{method}"]
-
-
-def _differs(cls: type, method: str) -> str:
-    return (
-        f"{cls.__name__}.{method} ({cls.__module__}) is not the diffusers 0.42.1 code the fused "
-        "one reproduces; it runs unpatched"
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,9 +200,11 @@ def attention(
             key_rotary_emb,
         )
         hidden_states = attend(
-            processor, query, key, value, attn.heads, attention_mask, parallel_config
-        )
-        hidden_states = hidden_states.to(query.dtype)
+            processor,
+            *(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)),
+            mask=attention_mask,
+            parallel_config=parallel_config,
+        ).flatten(2)
         if perturbation_mask is not None:
             hidden_states = torch.lerp(value, hidden_states, perturbation_mask)
 
@@ -619,8 +569,10 @@ def _model_forward(
     video_keyframes_mask: torch.Tensor | None = None,
     return_dict: bool = True,
 ):
-    """`LTX2VideoTransformer3DModel.forward` (diffusers 0.42.1) with the output norms fused."""
-    from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput
+    """`LTX2VideoTransformer3DModel.forward` (diffusers 0.42.1) with the output norms fused. The
+    lines marked `# ours:` differ from diffusers'; every other line is diffusers' code as it is
+    (reformatted, its docstring left out; REPRODUCED checks the diffusers side)."""
+    from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput  # ours:
 
     # Determine timestep for audio.
     audio_timestep = audio_timestep if audio_timestep is not None else timestep
@@ -672,7 +624,9 @@ def _model_forward(
 
     # 2.1. Mark tokens whose latent encodes a single pixel frame (causal first frame, generated keyframe slots).
     if self.config.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
-        if video_keyframes_mask.shape[1] != hidden_states.shape[1]:  # under context parallelism
+        # ours: this rank's chunk of the mask under context parallelism (the plan cannot split
+        # an optional input)
+        if video_keyframes_mask.shape[1] != hidden_states.shape[1]:
             video_keyframes_mask = shard_sequence(video_keyframes_mask, 1, self._parallel_config)
         marker = (video_keyframes_mask > 0).to(dtype=hidden_states.dtype)
         hidden_states = hidden_states + marker * self.keyframes_abs_pos_embedding.to(
@@ -841,10 +795,11 @@ def _model_forward(
                 all_perturbed=block_all_perturbed,
             )
 
-    # 6. Output layers: LayerNorm + modulation of each stream in one pass
-    ops = self._ltx_kernels_ops
+    # 6. Output layers (including unpatchification)
+    ops = self._ltx_kernels_ops  # ours:
     scale_shift_values = self.scale_shift_table[None, None] + embedded_timestep[:, :, None]
     shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
+    # ours: LayerNorm + modulation in one pass (diffusers: norm_out, then * (1 + scale) + shift)
     hidden_states = steps.norm_modulate(ops, self.norm_out, hidden_states, scale, shift)
     output = self.proj_out(hidden_states)
 
@@ -852,7 +807,7 @@ def _model_forward(
         self.audio_scale_shift_table[None, None] + audio_embedded_timestep[:, :, None]
     )
     audio_shift, audio_scale = audio_scale_shift_values[:, :, 0], audio_scale_shift_values[:, :, 1]
-    audio_hidden_states = steps.norm_modulate(
+    audio_hidden_states = steps.norm_modulate(  # ours: the same for the audio
         ops, self.audio_norm_out, audio_hidden_states, audio_scale, audio_shift
     )
     audio_output = self.audio_proj_out(audio_hidden_states)
@@ -862,7 +817,7 @@ def _model_forward(
     return AudioVisualModelOutput(sample=output, audio_sample=audio_output)
 
 
-model_forward = _lora_scaled(_model_forward)
+model_forward = lora_scaled(_model_forward)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -899,8 +854,8 @@ def _patch_attention(name: str, attn, kind: str, cp_role: str, injector) -> None
             name,
             f"custom processor {type(processor).__name__} kept (LoRA/IP adapters or user code)",
         )
-    elif not _reproduces(type(processor), "__call__"):
-        injector.skip(kind, name, _differs(type(processor), "__call__"))
+    elif reason := REPRODUCED.unpatched(type(processor), "__call__"):
+        injector.skip(kind, name, reason)
     else:
         injector.set_processor(name, attn, ours(), kind)
         attn.processor.cp_role = cp_role
@@ -911,8 +866,9 @@ def _patch_attention(name: str, attn, kind: str, cp_role: str, injector) -> None
 
 
 def patch_block(name: str, block, injector) -> None:
-    if not _reproduces(type(block), "forward"):
-        injector.skip(BLOCK, name, _differs(type(block), "forward"))
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip(BLOCK, name, reason)
     else:
         injector.swap_forward(name, block, block_forward, BLOCK)
         if block.cross_attn_adaln:
@@ -931,8 +887,9 @@ def patch_block(name: str, block, injector) -> None:
 
 
 def patch_model(name: str, model, injector) -> None:
-    if not _reproduces(type(model), "forward"):
-        injector.skip(MODEL, name, _differs(type(model), "forward"))
+    reason = REPRODUCED.unpatched(type(model), "forward")
+    if reason:
+        injector.skip(MODEL, name, reason)
     else:
         injector.swap_forward(
             name, model, model_forward, MODEL, required=False, replan=context_parallel_plan

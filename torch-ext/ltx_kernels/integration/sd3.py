@@ -9,7 +9,7 @@ Per block, for the image stream (and the text stream unless context_pre_only):
   FF up-projection + GELU-tanh         -> linear_gelu (also under forward chunking)
   x + gate * ff                        -> gated_residual
 Attention (SD3.5, qk_norm="rms_norm"): the per-head diffusers RMSNorm of q, k, added q, added k on
-the [B, H, S, Dh] view -> rmsnorm; F.scaled_dot_product_attention is called as SD3 does.
+the [B, H, S, Dh] view -> rmsnorm; F.scaled_dot_product_attention is called as SD3 does (attention.attend with sdpa=True).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from . import FusedAttnProcessor, recompute, steps
+from . import recompute, steps
+from .attention import attend
+from .diffusers_compat import Reproduced, diffusers_modules
+from .injector import FusedAttnProcessor
 
 
 def _split_heads(x, heads: int, head_dim: int):
@@ -66,11 +68,10 @@ class SD3KernelsAttnProcessor(FusedAttnProcessor):
             key = torch.cat([key, context_key], dim=2)
             value = torch.cat([value, context_value], dim=2)
 
-        hidden_states = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=0.0, is_causal=False
+        hidden_states = attend(  # [B, H, S, Dh] views -> [B, S, H, Dh], SDPA as SD3 calls it
+            self, *(t.transpose(1, 2) for t in (query, key, value)), sdpa=True
         )
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim)
 
         if encoder_hidden_states is not None:
             hidden_states, encoder_hidden_states = (
@@ -159,13 +160,28 @@ def block_forward(
     return encoder_hidden_states, hidden_states
 
 
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
+REPRODUCED = Reproduced(
+    "SD3",
+    diffusers_modules("attention", "attention_processor"),
+    {
+        "JointTransformerBlock.forward": "4fe778bab4d3b4a2",
+        "JointAttnProcessor2_0.__call__": "cb4d3fadb6d9c451",
+    },
+)
+
 JOINT_ATTN = "Attention (SD3 joint: per-head q/k RMSNorm)"
 DUAL_ATTN = "Attention (SD3.5 dual self-attention: per-head q/k RMSNorm)"
 
 
 def _patch_attention(name: str, attn, kind: str, injector) -> None:
     if not injector.has_stock_processor(
-        name, attn, "JointAttnProcessor2_0", kind, "IP-adapter, fused QKV, PAG or user code"
+        name,
+        attn,
+        "JointAttnProcessor2_0",
+        kind,
+        "IP-adapter, fused QKV, PAG or user code",
+        REPRODUCED.is_stock,
     ):
         return
     norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
@@ -179,6 +195,10 @@ def _patch_attention(name: str, attn, kind: str, injector) -> None:
 
 
 def patch_block(name: str, block, injector) -> None:
+    reason = REPRODUCED.unpatched(type(block), "forward")
+    if reason:
+        injector.skip("JointTransformerBlock", name, reason)
+        return
     injector.swap_forward(name, block, block_forward, "JointTransformerBlock")
     _patch_attention(f"{name}.attn", block.attn, JOINT_ATTN, injector)
     if block.attn2 is not None:

@@ -36,7 +36,7 @@ from .. import (
     rmsnorm_modulate_fp8,
     rope,
 )
-from . import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, FusedAttnProcessor
+from .injector import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, FusedAttnProcessor
 from .linears import Fp8Linear, Fp8Rows, fp8_rows, is_peft_lora, lora_outputs, projections
 from .module_checks import has_forward_hook, has_hooks, plain_tensor
 

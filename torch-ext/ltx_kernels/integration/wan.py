@@ -29,21 +29,30 @@ from __future__ import annotations
 
 import torch
 
-from . import FusedAttnProcessor, recompute, steps
-from .context_parallel import attend
+from . import recompute, steps
+from .attention import attend
+from .diffusers_compat import Reproduced, diffusers_modules
+from .injector import FusedAttnProcessor
 from .linears import self_cross_ff_fp8_linears
 
-# Modules whose Wan blocks and processors have exactly the semantics below (diffusers 0.42: the
-# animate and ChronoEdit copies are verbatim). A same-named class from elsewhere is left alone.
-_WAN_MODULES = frozenset(
-    f"diffusers.models.transformers.{name}"
-    for name in (
-        "transformer_wan",
-        "transformer_wan_animate",
-        "transformer_chronoedit",
-        "transformer_wan_vace",
-        "transformer_skyreels_v2",
-    )
+#: The diffusers code the patches reproduce (diffusers_compat.Reproduced): the modules with Wan's
+#: blocks and processors (diffusers 0.42: the animate and ChronoEdit copies are verbatim).
+REPRODUCED = Reproduced(
+    "Wan",
+    diffusers_modules(
+        "transformers.transformer_wan",
+        "transformers.transformer_wan_animate",
+        "transformers.transformer_chronoedit",
+        "transformers.transformer_wan_vace",
+        "transformers.transformer_skyreels_v2",
+    ),
+    {
+        "WanTransformerBlock.forward": "b1c3724d168a629e",
+        "WanVACETransformerBlock.forward": "34bb448aedb81d11",
+        "SkyReelsV2TransformerBlock.forward": "c9729294314b3533",
+        "WanAttnProcessor.__call__": "208aa377a101147b",
+        "SkyReelsV2AttnProcessor.__call__": "080fec37c8a87d6a",
+    },
 )
 
 
@@ -108,7 +117,7 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
 class WanKernelsAttnProcessor(FusedAttnProcessor):
     """`WanAttnProcessor` with the q/k RMSNorm (+ RoPE) in one launch. Same signature; backend and
     parallel config are copied from the replaced processor and passed where diffusers passes
-    them (context_parallel.attend: self-attention under Ulysses runs ulysses_attention). The
+    them (attention.attend: self-attention under Ulysses runs ulysses_attention). The
     q/k/v projections are the attention module's own module's helpers."""
 
     # Whether cross-attention (and I2V's image context) also gets the parallel config: Wan's
@@ -132,11 +141,9 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         def attend_query(key, value, attn_mask, parallel_config):  # heads-shaped k/v -> [B, S, C]
-            out = attend(
-                self, query.flatten(2), key.flatten(2), value.flatten(2), attn.heads, attn_mask,
-                parallel_config,
-            )  # fmt: skip
-            return out.type_as(query)
+            return attend(
+                self, query, key, value, mask=attn_mask, parallel_config=parallel_config
+            ).flatten(2)
 
         encoder_hidden_states_img = None
         if attn.add_k_proj is not None:
@@ -303,10 +310,6 @@ CROSS_ATTENTION = "WanAttention (cross: q/k norm)"
 IMAGE_CONTEXT = "WanAttention (I2V image-context K norm)"
 
 
-def _is_wan(obj) -> bool:
-    return type(obj).__module__ in _WAN_MODULES
-
-
 #: The Linears that run in FP8 with fp8=True (module docstring).
 FP8_LINEARS = self_cross_ff_fp8_linears("ffn")
 
@@ -314,12 +317,9 @@ FP8_LINEARS = self_cross_ff_fp8_linears("ffn")
 def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKernelsAttnProcessor):
     def patch(name: str, block, injector) -> None:
         kind = type(block).__name__
-        if not _is_wan(block):
-            injector.skip(
-                kind,
-                name,
-                f"class from {type(block).__module__}, not a diffusers Wan module; left unpatched",
-            )
+        reason = REPRODUCED.unpatched(type(block), "forward")
+        if reason:
+            injector.skip(kind, name, reason)
             return
         injector.swap_forward(name, block, forward, kind)
         injector.fp8_linears(name, block, FP8_LINEARS)
@@ -331,7 +331,7 @@ def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKer
                 stock_processor,
                 attn_kind,
                 "LoRA/IP adapters or user code",
-                is_stock=_is_wan,
+                is_stock=REPRODUCED.is_stock,
             ):
                 continue
             injector.set_processor(f"{name}.{attn_name}", attn, processor(attn), attn_kind)

@@ -1,0 +1,220 @@
+"""Attention micro-benchmark: one attention call at the shapes of the supported models (issue 34's
+cases), per SDPA backend (cuDNN, flash, memory-efficient), in diffusers' [B, S, H, D] layout as
+the fused processors call it; for HunyuanVideo-1.5 also its three mask forms and the attention
+seam's path.
+
+    python benchmarks/benchmark_attention.py [--cases a,b] [--replays 30] [--out results]
+    python benchmarks/benchmark_attention.py --device cpu --scale 64   # smoke run, no timing
+
+Each call is F.scaled_dot_product_attention on q/k/v made as [B, S, H, D] and transposed to
+[B, H, S, D] views (what diffusers' native backend hands SDPA), with the backend pinned by
+torch.nn.attention.sdpa_kernel. HunyuanVideo-1.5's padded text (its 480p case: 700 padded keys of
+49290) in the three forms of the mask it stands for, SDPA choosing the backend as stock does:
+  dense       the [B, 1, S, S] boolean mask stock diffusers builds (its construction, which
+              stock repeats in every call, not timed)
+  key mask    a broadcast [B, 1, 1, S] key-padding mask (and the padded query rows zeroed)
+  dropped     no mask over the unpadded keys and queries (the output padded with zero rows)
+  seam        HunyuanVideo15KernelsAttnProcessor's attention through integration/attention.py
+              (the dropped form, its key lengths read once per mask tensor)
+Times: GPU time of CUDA-graph replays (CUDA events around each call for the seam, whose host
+reads of the mask are not captured), median of --replays, per call. TF/s counts 4 * B * H *
+Sq * Sk * D: the backend columns over the whole (unmasked) sequence, the mask forms over the
+valid queries and keys (the work the mask leaves). Before timing, every column is checked against the
+dense-mask (or default-backend) output: relative L2 (the smoke run on the CPU checks only that).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_utils  # noqa: E402
+
+#: name -> (batch, heads, sequence, head_dim, padded keys at the end of the sequence)
+CASES = {
+    "ltx-video 49f": (2, 32, 2688, 64, 0),
+    "ltx-video 161f": (2, 32, 8064, 64, 0),
+    "flux 1024x1024": (1, 24, 4608, 128, 0),
+    "ltx-2 121f": (2, 32, 6144, 128, 0),
+    "wan2.1-14b 81f 720p": (1, 40, 32760, 128, 0),
+    "hunyuanvideo-1.5 480p 121f": (1, 16, 49290, 128, 700),
+}
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+MASK_FORMS = ("dense", "key mask", "dropped", "seam")
+
+
+def _sdpa(query, key, value, mask=None):
+    """SDPA of [B, S, H, D] tensors as diffusers' native backend calls it -> [B, S, H, D]."""
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (query, key, value)), attn_mask=mask
+    )
+    return out.transpose(1, 2)
+
+
+def _pinned(backend):
+    def call(query, key, value):
+        with sdpa_kernel(backend):
+            return _sdpa(query, key, value)
+
+    return call
+
+
+def _mask_forms(tokens: int, padded: int, device):
+    """The HunyuanVideo-1.5 calls of MASK_FORMS, each fn(query, key, value) -> [B, S, H, D], and the
+    text mask the model hands its processors (image rows first, valid text, then the padding)."""
+    from ltx_kernels.integration import FUSIONS
+    from ltx_kernels.integration.hunyuan import HunyuanVideo15KernelsAttnProcessor
+
+    valid_rows = tokens - padded
+    text_rows = max(padded, min(1000, tokens // 2))  # (the text's length does not matter)
+    text_mask = torch.ones(1, text_rows, dtype=torch.bool, device=device)
+    text_mask[:, text_rows - padded :] = False
+    valid = torch.arange(tokens, device=device) < valid_rows
+    # HunyuanVideo15AttnProcessor2_0's mask: the row mask repeated to [B, 1, S, S] and ANDed with
+    # its transpose (built once here; stock builds it in every call).
+    pairs = valid.view(1, 1, 1, tokens).repeat(1, 1, tokens, 1)
+    pairs = pairs & pairs.transpose(2, 3)
+
+    def dense(query, key, value):
+        return _sdpa(query, key, value, pairs)
+
+    def key_mask(query, key, value):
+        out = _sdpa(query, key, value, valid[None, None, None, :])
+        return out.masked_fill(~valid[None, :, None, None], 0)
+
+    def dropped(query, key, value):
+        out = _sdpa(query[:, :valid_rows], key[:, :valid_rows], value[:, :valid_rows])
+        return F.pad(out, (0, 0, 0, 0, 0, padded))
+
+    processor = HunyuanVideo15KernelsAttnProcessor()
+    processor.ops = frozenset(FUSIONS)
+
+    def seam(query, key, value):  # (one mask tensor: its key lengths are read once)
+        return processor._attend(query, key, value, text_mask)
+
+    return {"dense": dense, "key mask": key_mask, "dropped": dropped, "seam": seam}
+
+
+def columns(case, device):
+    """Column name -> (fn(query, key, value), the column its output is checked against): the
+    backends (unmasked, against the first) and, for a padded case, the mask forms (against
+    dense)."""
+    batch, heads, tokens, head_dim, padded = case
+    if device == "cpu":  # no pinned backends on the CPU
+        backends = {"default": _sdpa}
+    else:
+        backends = {name: _pinned(backend) for name, backend in BACKENDS.items()}
+    first = next(iter(backends))
+    cols = {name: (fn, first) for name, fn in backends.items()}
+    if padded:
+        cols.update(
+            {name: (fn, "dense") for name, fn in _mask_forms(tokens, padded, device).items()}
+        )
+    return cols
+
+
+def _inputs(case, device, dtype, seed):
+    batch, heads, tokens, head_dim, _ = case
+    generator = torch.Generator(device).manual_seed(seed)
+    shape = (batch, tokens, heads, head_dim)
+    return tuple(torch.randn(shape, device=device, generator=generator).to(dtype) for _ in range(3))
+
+
+def scaled(case, scale: int):
+    """The case with its sequence (and padding) divided by `scale` (the smoke run)."""
+    batch, heads, tokens, head_dim, padded = case
+    return (batch, heads, max(tokens // scale, 8), head_dim, padded // scale)
+
+
+def run_case(name, case, device, dtype, replays: int) -> list[dict]:
+    batch, heads, tokens, head_dim, padded = case
+    valid = tokens - padded
+    first = _inputs(case, device, dtype, 0)
+    results, outputs = [], {}
+    for column, (fn, reference) in columns(case, device).items():
+        try:
+            out = fn(*first).float()
+        except RuntimeError as error:  # a backend that does not take this case
+            results.append({"case": name, "column": column, "error": str(error).splitlines()[0]})
+            continue
+        outputs.setdefault(column, out)
+        expected = outputs.get(reference, out)
+        error = ((out - expected).norm() / expected.norm()).item()
+        row = {"case": name, "column": column, "rel_l2": error}
+        if device == "cuda":
+            if column == "seam":
+                us = bench_utils.events_time_us(lambda fn=fn: fn(*first), reps=replays)
+            else:
+                per_set = 3 * first[0].numel() * first[0].element_size()
+                sets = bench_utils.input_sets(
+                    lambda: _inputs(case, device, dtype, len(results) + 1), per_set
+                )
+                us = bench_utils.graph_time_us(fn, sets, replays=replays)
+                del sets
+            attended = valid if reference == "dense" else tokens  # (the backends: unmasked)
+            flops = 4 * batch * heads * attended * attended * head_dim
+            row.update(ms=us / 1000, tflops=flops / (us * 1e-6) / 1e12)
+        results.append(row)
+    return results
+
+
+def _table(rows) -> str:
+    lines = []
+    for row in rows:
+        if "error" in row:
+            cell = f"n/a ({row['error'][:60]})"
+        elif "ms" in row:
+            cell = f"{row['ms']:8.3f} ms {row['tflops']:6.0f} TF/s  rel L2 {row['rel_l2']:.1e}"
+        else:
+            cell = f"rel L2 {row['rel_l2']:.1e}"
+        lines.append(f"{row['case']:>28} | {row['column']:<10} | {cell}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--scale", type=int, default=1, help="divide every sequence by this")
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None, help="a folder for the JSON")
+    args = parser.parse_args(argv)
+    names = bench_utils.parse_columns(parser, args.cases, CASES)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmark_attention: needs a CUDA device (--device cpu: the smoke run)")
+        return 2
+    dtype = torch.bfloat16
+    header = f"# attention, bf16, [B, S, H, D] | {args.device}"
+    if args.device == "cuda":
+        env = bench_utils.environment()
+        header += (
+            f" {env['device']} | torch {env['torch']} | cuDNN {torch.backends.cudnn.version()}"
+        )
+    print(header)
+    rows = []
+    for name in names:
+        case = scaled(CASES[name], args.scale)
+        case_rows = run_case(name, case, args.device, dtype, args.replays)
+        print(_table(case_rows))
+        rows += case_rows
+    timed = [row["ms"] for row in rows if "ms" in row]
+    if timed:
+        print(f"# median of {args.replays} replays per column; {len(timed)} columns timed")
+    if args.out is not None:
+        payload = {"scale": args.scale, "rows": rows}
+        if args.device == "cuda":
+            payload["environment"] = bench_utils.environment()
+        bench_utils.write_json(args.out / "attention.json", payload)
+    return 0 if all(row.get("rel_l2", 0.0) < 2e-2 for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

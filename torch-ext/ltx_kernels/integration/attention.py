@@ -1,0 +1,203 @@
+"""The attention seam: every fused processor attends through `attend` (self- and cross-attention,
+masks, key lengths, context parallelism), so an attention kernel of ours enters at this one
+function, not at each family's processor.
+
+Contract of `attend(processor, query, key, value, *, parallel_config, mask, key_lengths, sdpa)`:
+- query [B, Sq, H, D], key and value [B, Sk, H, D] (diffusers' dispatch layout; any strides with
+  D contiguous) -> [B, Sq, H, D] in the query's dtype;
+- `processor`: the fused processor calling it, which carries the enabled ops (`processor.ops`)
+  and diffusers' attention backend (`processor._attention_backend`);
+- `parallel_config`: what the call is attended with under context parallelism (the processor's
+  `_parallel_config`, or None where a processor attends locally, e.g. to a gathered text);
+- `mask`: an attention mask as diffusers' dispatch takes it (boolean or additive, broadcast to
+  [B, H, Sq, Sk]);
+- `key_lengths`: per batch element, how many leading keys are attended (the keys past it are
+  padding), a tuple of ints (`padded_key_lengths` reads them off a key mask). Where every
+  element has the same length the padded keys are dropped (k/v sliced, no mask: exact in
+  math, and what SDPA runs fastest); otherwise they become a broadcast [B, 1, 1, Sk] key mask;
+- `sdpa=True`: F.scaled_dot_product_attention as stock SD3's processor calls it (diffusers'
+  JointAttnProcessor2_0 ignores the attention backend), for stock numerics bit for bit.
+
+Today it runs diffusers' dispatch_attention_fn with the processor's backend; self-attention under
+Ulysses (below, "ulysses_attention" in FUSIONS) through ulysses_attention, which takes the inner
+attention as a callable, so whatever attends one GPU's heads composes with it.
+
+Ulysses: diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
+copies (eight copies of a [B, s, H, D] tensor per call). ulysses_attention sends q, k and v in one
+all-to-all, attention reads them where they land (strided views), and the output returns in one
+more: five such copies, through 8-byte elements, and two all-to-alls. Every other case (ring
+attention, uneven splits, a mask, autograd recording) keeps diffusers' parallel attention.
+(Pipelining head chunks, one chunk's all-to-all beside the previous chunk's attention, was slower
+on 2 H200s: NCCL's kernels wait for SMs and for the peer behind the attention kernel;
+benchmarks/NOTES.md.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .context_parallel import capturing, context_parallel_config, version_of, waited
+
+
+def attend(
+    processor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    parallel_config=None,
+    mask: torch.Tensor | None = None,
+    key_lengths: tuple[int, ...] | None = None,
+    sdpa: bool = False,
+) -> torch.Tensor:
+    """The attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] (the module docstring's contract)."""
+    if key_lengths is not None:
+        if mask is not None:
+            raise ValueError("ltx_kernels attend: pass key_lengths or mask, not both")
+        if context_parallel_config(parallel_config) is not None:
+            raise NotImplementedError(
+                "ltx_kernels attend: key_lengths under context parallelism (each rank holds a "
+                "chunk of the keys; the lengths count the whole sequence)"
+            )
+        if len(set(key_lengths)) == 1:
+            key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
+        else:
+            lengths = torch.tensor(key_lengths, device=key.device)
+            positions = torch.arange(key.shape[1], device=key.device)
+            mask = (positions < lengths[:, None])[:, None, None, :]
+    if sdpa:
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=mask,
+            dropout_p=0.0,
+            is_causal=False,
+        )
+        return out.transpose(1, 2).to(query.dtype)
+
+    def dispatch(query, key, value, parallel_config=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=processor._attention_backend,
+            parallel_config=parallel_config,
+        )
+
+    if runs_ulysses_attention(processor.ops, parallel_config, query, key, mask):
+        out = ulysses_attention(query, key, value, parallel_config, dispatch)
+        return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
+    return dispatch(query, key, value, parallel_config).to(query.dtype)
+
+
+def padded_key_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
+    """The per-batch key lengths of a boolean key mask `valid` [B, Sk] (or [B, 1, 1, Sk]) whose
+    valid keys lead every row (padded text after the tokens it pads), as `attend` takes them;
+    None where a row's valid keys are not its leading ones, or where the mask cannot be read on
+    the host (under
+    torch.compile or CUDA-graph capture: the caller then attends with the mask). Reading a CUDA
+    mask waits for the GPU; the blocks of a step share one mask tensor, read once (the last
+    call's lengths are reused while the mask is the same, unmodified tensor; an inference tensor
+    has no version counter: "unmodified" then rests on nothing in diffusers writing it in place)."""
+    if torch.compiler.is_compiling() or capturing():
+        return None
+    if _last_lengths and _last_lengths[0] is valid and _last_lengths[1] == version_of(valid):
+        return _last_lengths[2]
+    rows = valid.flatten(0, -2)
+    lengths = rows.sum(1)
+    leading = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
+    result = tuple(lengths.tolist()) if torch.equal(leading, rows) else None
+    _last_lengths[:] = [valid, version_of(valid), result]
+    return result
+
+
+#: [mask, its version, its key lengths] of the last padded_key_lengths call (the mask held: its id
+#: stays its own).
+_last_lengths: list = []
+
+
+def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> bool:
+    """Whether a self-attention call runs `ulysses_attention`: Ulysses only (no ring, even splits),
+    no mask, q and k of one length, heads divisible by the degree, and no autograd recording
+    (diffusers' Ulysses carries the backward)."""
+    cp_config = context_parallel_config(parallel_config)
+    return (
+        "ulysses_attention" in ops
+        and cp_config is not None
+        and cp_config.ulysses_degree > 1
+        and cp_config.ring_degree == 1
+        and not cp_config.ulysses_anything
+        and attention_mask is None
+        and query.shape[1] == key.shape[1]
+        and query.shape[2] % cp_config.ulysses_degree == 0
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)))
+    )
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all along dim 0 of a contiguous tensor (waits on the stream at its first use)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return waited(funcol.all_to_all_single(x, None, None, group))
+
+
+def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out.copy_(x) through 8-byte elements where the last dim of both allows it. torch's copy of
+    permuted views moves one element per access (about a third of the copy bandwidth in bf16);
+    the same bytes as 8-byte elements move in a quarter of the accesses. (Compiled: Inductor
+    writes its own copy kernel.)"""
+    width = 8 // x.element_size()
+    if torch.compiler.is_compiling():
+        return out.copy_(x)
+
+    def widens(t):
+        return (
+            t.stride(-1) == 1
+            and t.shape[-1] % width == 0
+            and t.storage_offset() % width == 0
+            and all(stride % width == 0 for stride in t.stride()[:-1])
+        )
+
+    if x.dtype == out.dtype and width > 1 and widens(out) and widens(x):
+        out.view(torch.int64).copy_(x.view(torch.int64))
+    else:
+        out.copy_(x)
+    return out
+
+
+def ulysses_attention(query, key, value, parallel_config, attend) -> torch.Tensor:
+    """Ulysses self-attention: query/key/value [B, s, H, D] (this rank's s tokens of the sequence,
+    every head; any strides with D contiguous) -> [B, s, H * D]. `attend(q, k, v)` attends this
+    rank's heads over the whole sequence: [B, S, h, D] each -> [B, S, h, D].
+
+    Rank r attends heads [r h, (r + 1) h), h = H / N. q, k and v travel in one send buffer
+    [N (to rank), s, B, 3, h * D]; what arrives, [N (from rank), s, B, 3, h * D], is the whole
+    sequence (token = rank * s + t) in a layout in which q, k and v are strided views
+    [B, S, h, D], attended where they are. The output returns as [N, s, B, h * D] and is copied
+    into [B, s, N, h * D] = [B, s, H * D]. The same attention as on one GPU, head by head."""
+    cp_config = context_parallel_config(parallel_config)
+    group = cp_config._ulysses_mesh.get_group()
+    ranks = cp_config.ulysses_degree
+    batch, tokens, heads, head_dim = query.shape
+    width = heads // ranks * head_dim  # of one rank's heads
+
+    send = query.new_empty(ranks, tokens, batch, 3, width)
+    for i, x in enumerate((query, key, value)):  # [B, s, H, D] -> [N, s, B, h * D]
+        _copy(send[:, :, :, i], x.flatten(2).unflatten(2, (ranks, width)).permute(2, 1, 0, 3))
+    qkv = _all_to_all(send, group).flatten(0, 1).transpose(0, 1)  # [B, S, 3, h * D]
+    qkv = qkv.unflatten(3, (heads // ranks, head_dim))
+    out = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).flatten(2)  # [B, S, h * D]
+    out = _copy(
+        out.new_empty(ranks, tokens, batch, width),
+        out.unflatten(1, (ranks, tokens)).permute(1, 2, 0, 3),
+    )
+    out = _all_to_all(out, group)  # [N, s, B, h * D], back on the tokens' rank
+    result = out.new_empty(batch, tokens, ranks, width)
+    return _copy(result, out.permute(2, 1, 0, 3)).flatten(2)

@@ -1,0 +1,457 @@
+"""The injection core: what can be fused (FUSIONS and its training policy), the report, the
+Injector the family patchers apply their patches through, the base of our attention processors,
+and the same-named patched classes. The face (`integration/__init__.py`) runs it over a pipeline.
+
+How a module is patched, and why that way:
+- A block gets a subclass of its own class *with the same name* (`__class__` swap) whose forward
+  calls the fused ops; `compile_repeated_blocks` matches blocks by class name, so it still finds
+  them. Parameters, buffers, state dicts and hooks on submodules are untouched.
+- An attention module gets a replacement processor through `set_processor`; it keeps the
+  original's attention backend and parallel config.
+- Offload, cache and casting hooks (accelerate, diffusers' HookRegistry) replace `forward` on the
+  instance with a wrapper of the forward they found. A module carrying such a wrapper is never
+  class-swapped: the hook would keep calling the old forward. Blocks then raise (inject before
+  offloading); an optional top-level patch (an output norm) is skipped and reported.
+- Every fused step checks, when it runs, that the modules whose weights it reads directly carry no
+  hook (leaf-level offloading or layerwise casting added after injection); otherwise it calls the
+  module as diffusers does. So a step never bypasses a hook.
+
+Linears (linears.py): a patcher names the projections of one input that run as one GEMM
+(fuse_projections) and, for fp8=True, the block Linears that run in FP8 (fp8_linears); both are
+applied per model once its blocks are patched (finish_model), FP8 first, so that FP8 projections
+fuse their FP8 weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import os
+import pickle
+import sys
+from collections import Counter, defaultdict
+
+import torch
+
+from .._op_names import FUSED_BACKWARD_OPS, OPS
+from . import context_parallel, linears
+from .module_checks import has_forward_hook, plain_tensor
+
+#: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
+#: name, "fused_projections" (q/k/v projections of one input as one GEMM, linears.py) and
+#: "fused_qkv_mlp" (FLUX's single block with fp8=True: q/k/v and the MLP up-projection as one FP8
+#: GEMM; without it, and in bf16, its q/k/v are fused_projections' group), and "recompute_norms"
+#: (eager training: a norm's or a single LoRA projection's output that lora_linear or
+#: qk_rmsnorm_rope saves for backward is recomputed there instead, recompute.py; without it, saved
+#: as autograd saves it), and "ulysses_attention" (self-attention under diffusers' Ulysses context
+#: parallelism: q/k/v in one all-to-all, attended where they land, the output in one more,
+#: attention.py; without it, diffusers' Ulysses attention), and "drop_padded_keys" (attention over
+#: padded text, HunyuanVideo's: the padded keys dropped where every batch element has as many,
+#: attention.py; without it, a broadcast key mask, what stock's mask computes bit for bit).
+FUSIONS = (
+    *OPS,
+    "fused_projections",
+    "fused_qkv_mlp",
+    "recompute_norms",
+    "ulysses_attention",
+    "drop_padded_keys",
+)
+#: Ops whose fused forward + backward is faster than eager autograd of the diffusers code: a fused
+#: step uses them while autograd records through it (training). These are the ops with a fused
+#: backward (_op_names.FUSED_BACKWARD_OPS), and lora_linear (peft's LoRA Linear as one autograd
+#: node: one C++ call forward and one backward, its GEMMs fused across q/k/v, where peft records
+#: five nodes per projection). linear_gelu's backward (cuBLAS GEMMs and a GELU derivative from the
+#: recomputed pre-activation) is not faster than eager autograd, so a training step runs the
+#: diffusers code in its place: stock gradients at stock speed. Forward passes without gradients
+#: (inference, validation sampling) use every enabled op.
+FUSED_BACKWARD: frozenset[str] = frozenset({*FUSED_BACKWARD_OPS, "lora_linear", "recompute_norms"})
+#: The same under torch.compile: the ops whose fused forward + backward is also faster than what
+#: Inductor generates from the diffusers code (benchmark_ops.py --backward, H100: qk_rmsnorm_rope
+#: 1.0-1.27x; not yet the norm ops, 0.5-0.9x, nor rope, 0.95-1.03x), and lora_linear, whose fused
+#: q/k/v GEMMs Inductor does not form.
+FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset(
+    {"gelu", "geglu", "qk_rmsnorm_rope", "lora_linear"}
+)
+DISABLE_ENV = "LTX_KERNELS_DISABLE"
+
+# Attribute names stored on patched modules.
+_ORIGINAL_CLASS = "_ltx_kernels_original_class"
+_OPS = "_ltx_kernels_ops"
+_ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
+# The plan entry of diffusers' split hook on a model injected after enable_parallelism.
+_UNPATCHED_SPLIT_PLAN = "_ltx_kernels_unpatched_split_plan"
+# What diffusers sets on every attention processor that has it (set_attention_backend,
+# enable_parallelism): carried over both ways when a processor is replaced or restored.
+_PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
+
+
+#: The report's kind for the Linears that run in FP8 (fp8=True).
+FP8_LINEAR = "Linear (FP8 GEMM)"
+
+
+@dataclasses.dataclass
+class InjectionReport:
+    """What inject_optimized_kernels did: per kind of module, how many were patched; every module
+    or step left on the diffusers code, with the reason; the ops in use."""
+
+    ops: tuple[str, ...]
+    fp8: bool = False
+    patched: Counter = dataclasses.field(default_factory=Counter)
+    skipped: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
+
+    @property
+    def total_patched(self) -> int:
+        return sum(self.patched.values())
+
+    def __str__(self) -> str:
+        fp8 = ""
+        if self.fp8:  # fp8=True on a model without an FP8 path (LTX-2, SD3, HunyuanVideo) says so
+            count = self.patched.get(FP8_LINEAR, 0)
+            fp8 = (
+                f"; FP8 GEMMs in {count} Linears"
+                if count
+                else "; fp8=True: none of its Linears runs in FP8 (bf16)"
+            )
+        lines = [
+            f"ltx_kernels: {self.total_patched} modules patched; ops: {', '.join(self.ops) or 'none'}"
+            + fp8
+        ]
+        disabled = [name for name in FUSIONS if name not in self.ops]
+        if disabled:
+            lines.append(f"  disabled: {', '.join(disabled)}")
+        width = max((len(kind) for kind in self.patched), default=0)
+        for kind, count in sorted(self.patched.items()):
+            lines.append(f"  {kind:<{width}}  {count:4d} patched")
+        for kind, entries in sorted(self.skipped.items()):
+            reasons = Counter(reason for _, reason in entries)
+            for reason, count in reasons.items():
+                first = next(name for name, r in entries if r == reason)
+                more = f" (and {count - 1} more)" if count > 1 else ""
+                lines.append(f"  skipped {kind}: {first or '<root>'}{more}: {reason}")
+        if not self.patched and not self.skipped:
+            lines.append("  no supported diffusers blocks found")
+        return "\n".join(lines)
+
+
+def report_quantized_weights(model: torch.nn.Module, prefix: str, report) -> None:
+    """Reports the modules of a patched model whose weight or bias is a tensor subclass."""
+    for name, module in model.named_modules():
+        for attr in ("weight", "bias"):
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor) and not plain_tensor(t):
+                report.skipped["quantized weights"].append(
+                    (
+                        ".".join(p for p in (prefix, name) if p),
+                        f"{attr} is a {type(t).__name__}: fused steps that read it (norm "
+                        "weights, the GELU projection of linear_gelu) run the diffusers code",
+                    )
+                )
+                break
+
+
+class FusedAttnProcessor:
+    """Base of our replacement attention processors. Injector.set_processor gives each one the
+    enabled ops and the replaced processor's attention backend and parallel config."""
+
+    _attention_backend = None
+    _parallel_config = None
+    ops: frozenset = frozenset()
+
+
+class Injector:
+    """Handed to the per-model patch functions: applies and records patches."""
+
+    def __init__(self, ops: frozenset[str], report: InjectionReport, fp8: bool = False):
+        self.ops = ops
+        self.report = report
+        self.fp8 = fp8
+        self._fp8_blocks: list = []  # (block name, [(Linear name, Linear)]), in model order
+        self._projection_groups: list = []  # (owner name, owner, key, member names, fusion)
+
+    def fp8_linears(self, name: str, block: torch.nn.Module, paths) -> None:
+        """Names the Linears of `block` (paths below it) that run in FP8 with fp8=True."""
+        if self.fp8:
+            linears = [(f"{name}.{path}", block.get_submodule(path)) for path in paths]
+            self._fp8_blocks.append((name, linears))
+
+    def fuse_projections(
+        self,
+        name: str,
+        owner: torch.nn.Module,
+        key: str,
+        names,
+        fusion: str = "fused_projections",
+        fp8_only: bool = False,
+    ) -> None:
+        """Names projections of one input (owner's modules `names`) that run as one GEMM when
+        `fusion` (a name in FUSIONS) is enabled (fp8_only: and the injection is fp8=True). A
+        module joins the first group named that fuses it: name a larger group before the smaller
+        one it replaces."""
+        if fp8_only and not self.fp8:
+            return
+        self._projection_groups.append((name, owner, key, tuple(names), fusion))
+
+    def finish_model(self, fp8_bf16_blocks: int) -> None:
+        """Applies what the patchers named for one model: the FP8 Linears (all but those of the
+        first and last fp8_bf16_blocks blocks), then the fused projections."""
+        blocks, self._fp8_blocks = self._fp8_blocks, []
+        for index, (block_name, block_linears) in enumerate(blocks):
+            kept = index < fp8_bf16_blocks or index >= len(blocks) - fp8_bf16_blocks
+            for name, linear in block_linears:
+                reason = (
+                    "kept bf16 (fp8_bf16_blocks)" if kept else linears.fp8_linear_reason(linear)
+                )
+                if reason:
+                    self.skip(FP8_LINEAR, name, reason)
+                else:
+                    linears.to_fp8(linear)
+                    self.report.patched[FP8_LINEAR] += 1
+        groups, self._projection_groups = self._projection_groups, []
+        grouped = set()  # ids of the modules fused so far
+        for name, owner, key, names, fusion in groups:
+            members = {id(owner.get_submodule(n)) for n in names}
+            if fusion not in self.ops or members & grouped:
+                continue  # (members in a group named before: that group replaces this one)
+            if linears.fuse(owner, key, names):
+                grouped |= members
+                self.report.patched[f"fused projections ({'/'.join(names)})"] += 1
+            else:
+                self.skip(
+                    "fused projections",
+                    name,
+                    "the projections differ in kind (FP8 or not, adapters), size or bias",
+                )
+
+    def swap_forward(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        forward,
+        kind: str,
+        required: bool = True,
+        replan=None,
+    ) -> bool:
+        """Gives `module` a same-named subclass of its class whose forward is `forward`.
+        required=False: a hooked module is skipped (reported) instead of raising. `replan`: for a
+        model, how the subclass's context-parallel plan (`_cp_plan`) differs from its class's (a
+        plan -> plan function); after enable_parallelism, diffusers' split hook on the model is
+        lifted and put back on the new forward with that plan."""
+        if replan is None:
+            return self._swap_forward(name, module, forward, kind, required)
+        with context_parallel.beneath_model_split_hook(module, replan) as unpatched_plan:
+            if not self._swap_forward(name, module, forward, kind, required):
+                return False
+            patched_class = type(module)
+            patched_class._cp_plan = replan(getattr(patched_class, "_cp_plan", None))
+            if unpatched_plan is not None:  # for remove_optimized_kernels
+                module.__dict__[_UNPATCHED_SPLIT_PLAN] = unpatched_plan
+            return True
+
+    def _swap_forward(self, name, module, forward, kind, required) -> bool:
+        if has_forward_hook(module):
+            reason = (
+                "its forward is wrapped by a hook (offloading, caching or layerwise casting "
+                "applied before inject_optimized_kernels)"
+            )
+            if required:
+                raise RuntimeError(
+                    f"inject_optimized_kernels: cannot patch {name or '<root>'} "
+                    f"({type(module).__name__}): {reason}, which would keep calling the unpatched "
+                    "forward. Call inject_optimized_kernels before enable_model_cpu_offload / "
+                    "enable_group_offload / enable_layerwise_casting / enable_cache, or remove "
+                    "those hooks first (pipe.remove_all_hooks(), model.disable_cache())."
+                )
+            self.report.skipped[kind].append((name, reason + "; inject before adding hooks"))
+            return False
+        if "forward" in vars(module):  # a stale bound forward would bypass the patched class
+            del module.forward
+        module.__class__ = _patched_class(type(module), forward)
+        setattr(module, _OPS, self.ops)
+        self.report.patched[kind] += 1
+        return True
+
+    def has_stock_processor(
+        self,
+        name: str,
+        attn: torch.nn.Module,
+        stock: str,
+        kind: str,
+        custom_sources: str,
+        is_stock=None,
+    ) -> bool:
+        """True when `attn` runs diffusers' processor class named `stock` (and is_stock(processor),
+        when given); otherwise its custom processor is kept, and the skip is reported with what
+        usually installs one (`custom_sources`)."""
+        processor = attn.processor
+        if type(processor).__name__ == stock and (is_stock is None or is_stock(processor)):
+            return True
+        self.skip(
+            kind, name, f"custom processor {type(processor).__name__} kept ({custom_sources})"
+        )
+        return False
+
+    def set_processor(self, name: str, attn: torch.nn.Module, processor, kind: str) -> None:
+        """Installs `processor` on attention module `attn`, keeping the backend settings."""
+        original = attn.processor
+        for setting in _PROCESSOR_SETTINGS:
+            if hasattr(original, setting):
+                setattr(processor, setting, getattr(original, setting))
+        processor.ops = self.ops
+        setattr(attn, _ORIGINAL_PROCESSOR, original)
+        attn.set_processor(processor)
+        self.report.patched[kind] += 1
+
+    def skip(self, kind: str, name: str, reason: str) -> None:
+        self.report.skipped[kind].append((name, reason))
+
+
+_PATCHED_CLASSES: dict = {}
+
+
+def _patched_class(cls: type, forward) -> type:
+    """The same-named subclass of `cls` whose forward is `forward`, one per (cls, forward). Only
+    injection makes its instances: calling it (`type(model).from_config(...)`,
+    `from_pretrained`, `type(block)(...)`) builds a stock `cls`, which injection can then patch;
+    pickle and copy.deepcopy, which find a class by its module and name (the original's), rebuild
+    a patched instance through _unpickle_patched."""
+    key = (cls, forward)
+    if key not in _PATCHED_CLASSES:
+        subclass = type(
+            cls.__name__,
+            (cls,),
+            {
+                "forward": forward,
+                _ORIGINAL_CLASS: cls,
+                "__new__": _construct_original,
+                "__reduce_ex__": _reduce_patched,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": f"{cls.__name__} running on ltx_kernels fused ops (`{forward.__module__}`).",
+            },
+        )
+        _share_block_metadata(cls, subclass)
+        _PATCHED_CLASSES[key] = subclass
+    return _PATCHED_CLASSES[key]
+
+
+def _construct_original(cls, *args, **kwargs):
+    """A patched class called as a constructor: the original class's instance (not one of cls, so
+    Python runs no __init__ of cls on it)."""
+    return getattr(cls, _ORIGINAL_CLASS)(*args, **kwargs)
+
+
+def _reduce_patched(self, protocol):
+    """Pickling and copying a patched module: its original class, where its forward is (the
+    module and the name of the module attribute holding it: a patch forward may be a wrapper,
+    which pickle cannot find by its own name), and its state."""
+    cls = type(self)
+    module = sys.modules[cls.forward.__module__]
+    name = next((k for k, v in vars(module).items() if v is cls.forward), None)
+    if name is None:
+        raise pickle.PicklingError(
+            f"ltx_kernels: cannot pickle the injected {cls.__name__}: its forward is not an "
+            f"attribute of {module.__name__}; remove_optimized_kernels first"
+        )
+    original = getattr(cls, _ORIGINAL_CLASS)
+    return _unpickle_patched, (original, module.__name__, name), self.__getstate__()
+
+
+def _unpickle_patched(original: type, module_name: str, name: str) -> torch.nn.Module:
+    """An empty instance of original's patched class whose forward is `name` of module
+    `module_name` (its state set after)."""
+    forward = getattr(importlib.import_module(module_name), name)
+    return object.__new__(_patched_class(original, forward))
+
+
+def _share_block_metadata(cls: type, subclass: type) -> None:
+    """diffusers' block caches (FirstBlockCache, MagCache) and layer skipping look a block up by its
+    class in TransformerBlockRegistry: the patched subclass gets a copy of its class's entry, which
+    still finds arguments by the class's forward signature (the patched forward takes the same)."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+    except ImportError:  # a diffusers without the registry: nothing looks blocks up
+        return
+    try:
+        metadata = TransformerBlockRegistry.get(cls)
+    except ValueError:  # not a block diffusers' caches know
+        return
+    copy = dataclasses.replace(metadata)
+    TransformerBlockRegistry.register(subclass, copy)
+    copy._cls = cls
+
+
+def resolve_ops(ops) -> frozenset[str]:
+    """The enabled names: `ops` (default all of FUSIONS) minus those in LTX_KERNELS_DISABLE."""
+    chosen = FUSIONS if ops is None else tuple(ops)
+    disabled = tuple(s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip())
+    for source, names in (("ops", chosen), (DISABLE_ENV, disabled)):
+        unknown = sorted(set(names) - set(FUSIONS))
+        if unknown:
+            raise ValueError(
+                f"inject_optimized_kernels: unknown op(s) {unknown} in {source}; "
+                f"valid names: {', '.join(FUSIONS)}"
+            )
+    return frozenset(chosen) - frozenset(disabled)
+
+
+def _restore_class(module: torch.nn.Module, original_class: type) -> None:
+    """Gives a patched module its class back (a model injected after enable_parallelism: beneath
+    diffusers' split hook, which gets diffusers' plan back)."""
+    unpatched_plan = module.__dict__.pop(_UNPATCHED_SPLIT_PLAN, None)
+    with (
+        context_parallel.beneath_model_split_hook(module, lambda _: {"": unpatched_plan})
+        if unpatched_plan is not None
+        else contextlib.nullcontext()
+    ):
+        if "forward" in vars(module):  # stale bound patched forward left by a removed hook
+            del module.forward
+        module.__class__ = original_class
+    del module.__dict__[_OPS]
+
+
+def is_injected(module: torch.nn.Module) -> bool:
+    """Whether `module` carries a patch (a patched class or a replaced processor)."""
+    return hasattr(module, _ORIGINAL_CLASS) or hasattr(module, _ORIGINAL_PROCESSOR)
+
+
+def check_restorable(name: str, module: torch.nn.Module) -> None:
+    """Raises when a patched module got a forward hook after injection (the hook holds the
+    patched forward), but diffusers' own split hook on a model injected after
+    enable_parallelism."""
+    if (
+        hasattr(type(module), _ORIGINAL_CLASS)
+        and has_forward_hook(module)
+        and not (
+            _UNPATCHED_SPLIT_PLAN in vars(module)
+            and context_parallel.has_only_model_split_hook(module)
+        )
+    ):
+        raise RuntimeError(
+            f"remove_optimized_kernels: {name or '<root>'} ({type(module).__name__}) got a "
+            "forward hook after injection, which holds the patched forward; remove the hooks "
+            "first (pipe.remove_all_hooks(), model.disable_cache(), ...); under context "
+            "parallelism, inject after enable_parallelism to be able to restore the model"
+        )
+
+
+def restore(module: torch.nn.Module) -> int:
+    """Undoes the patches on `module` (its fused projections, FP8 weights, class, processor);
+    returns how many it restored. Call it on an owner of fused projections before its members."""
+    linears.unfuse_all(module)
+    if isinstance(module, linears.Fp8Linear):
+        linears.restore_from_fp8(module)
+        return 1
+    restored = 0
+    original_class = getattr(type(module), _ORIGINAL_CLASS, None)
+    if original_class is not None:
+        _restore_class(module, original_class)
+        restored += 1
+    original_processor = module.__dict__.pop(_ORIGINAL_PROCESSOR, None)
+    if original_processor is not None:
+        for setting in _PROCESSOR_SETTINGS:  # set on ours since (set_attention_backend, ...)
+            if hasattr(original_processor, setting):
+                setattr(original_processor, setting, getattr(module.processor, setting))
+        module.set_processor(original_processor)
+        restored += 1
+    return restored
