@@ -301,19 +301,15 @@ template <typename Tx, typename Tm, int kVec, bool kUpcast, bool kResidual, bool
 int launch_cached(NormModulateArgs<Tx, Tm> a, cudaStream_t stream) {
   // 4 packs per thread: x (or h), y, gate, scale and shift of them are in registers at once.
   constexpr int kSlots = 4;
-  const int log2_tpr = log2_threads_per_row(a.hidden / kVec, kSlots, kMaxThreadsPerRow);
-  const int tpr = 1 << log2_tpr;
-  // Several rows per block; fewer when there are few rows, so that every SM gets work.
-  auto blocks_for = [&](int rows_in_block) { return ceil_div(a.rows, rows_in_block); };
-  const int threads = rows_per_block(tpr, kRowBlockThreads, 64, blocks_for) * tpr;
-  const int64_t blocks = blocks_for(threads / tpr);
-  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  const CachedRowGrid g =
+      cached_row_grid(a.rows, a.hidden / kVec, kSlots, kMaxThreadsPerRow, kRowBlockThreads, 64);
+  if (!g.fits()) return LTX_ERR_INVALID_ARGUMENT;
   const size_t vector_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
   const size_t staged_bytes = (a.weight.data || a.bias.data) ? 2 * vector_bytes : 0;
   a.stage_vectors = staged_bytes > 0 && staged_bytes <= kMaxStagedBytes;
   return launch(norm_modulate_cached_kernel<Tx, Tm, kVec, kSlots, kUpcast, kResidual, kFp8>,
-                dim3(static_cast<unsigned>(blocks)), dim3(threads),
-                a.stage_vectors ? staged_bytes : 0, stream, a, log2_tpr);
+                g.grid(), dim3(g.threads), a.stage_vectors ? staged_bytes : 0, stream, a,
+                g.log2_tpr);
 }
 
 template <typename Tx, typename Tm, bool kUpcast>

@@ -249,14 +249,13 @@ template <typename T, typename Tc, int kP, bool kAdjacent, bool kRotate, bool kN
 int launch_backward(const RopeBackwardParams<T, Tc>& a, cudaStream_t stream) {
   constexpr int kSlots = kPairs / kP;
   const int n_slots = a.n_pairs / kP;
-  const int log2_tpr = log2_threads_per_row(n_slots, kSlots, kMaxThreadsPerRow);
-  const int tpr = 1 << log2_tpr;
-  if (int64_t{tpr} * kSlots < n_slots) return LTX_ERR_INVALID_ARGUMENT;  // too long
-  const int teams = std::max(1, kBlockThreads / tpr);
-  const int64_t blocks = ceil_div(a.t[0].chunks + a.t[1].chunks, teams);
-  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
-  return launch(qk_norm_rope_backward_kernel<T, Tc, kP, kAdjacent, kRotate, kNormalize>,
-                dim3(static_cast<unsigned>(blocks)), dim3(teams * tpr), 0, stream, a, log2_tpr);
+  // Every block full (min_threads = kBlockThreads): rows here are chunks of rows.
+  const CachedRowGrid g = cached_row_grid(a.t[0].chunks + a.t[1].chunks, n_slots, kSlots,
+                                          kMaxThreadsPerRow, kBlockThreads, kBlockThreads);
+  if ((int64_t{kSlots} << g.log2_tpr) < n_slots) return LTX_ERR_INVALID_ARGUMENT;  // too long
+  if (!g.fits()) return LTX_ERR_INVALID_ARGUMENT;
+  return launch(qk_norm_rope_backward_kernel<T, Tc, kP, kAdjacent, kRotate, kNormalize>, g.grid(),
+                dim3(g.threads), 0, stream, a, g.log2_tpr);
 }
 
 // True when every row start of r (and, for tables, every head's start) is aligned to `alignment`

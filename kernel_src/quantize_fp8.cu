@@ -91,14 +91,11 @@ int quantize_fp8_typed(const QuantizeArgs<T>& a, const ltx_rows_t& out, const lt
   if (!vectorizable || a.hidden / kVec > kSlots * kMaxThreadsPerRow)
     return launch_streaming(quantize_fp8_streaming_kernel<T, kActivation>, a.rows, kRowBlockThreads,
                             stream, a);
-  const int log2_tpr = log2_threads_per_row(a.hidden / kVec, kSlots, kMaxThreadsPerRow);
-  const int tpr = 1 << log2_tpr;
-  auto blocks_for = [&](int rows_in_block) { return ceil_div(a.rows, rows_in_block); };
-  const int threads = rows_per_block(tpr, kRowBlockThreads, 64, blocks_for) * tpr;
-  const int64_t blocks = blocks_for(threads / tpr);
-  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
-  return launch(quantize_fp8_cached_kernel<T, kVec, kActivation>,
-                dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream, a, log2_tpr);
+  const CachedRowGrid g =
+      cached_row_grid(a.rows, a.hidden / kVec, kSlots, kMaxThreadsPerRow, kRowBlockThreads, 64);
+  if (!g.fits()) return LTX_ERR_INVALID_ARGUMENT;
+  return launch(quantize_fp8_cached_kernel<T, kVec, kActivation>, g.grid(), dim3(g.threads), 0,
+                stream, a, g.log2_tpr);
 }
 
 }  // namespace

@@ -94,3 +94,23 @@ def test_a_meta_operand_among_real_ones_raises():
             getattr(ltx_kernels, op)(*args)
         checked.append(op)
     assert len(checked) >= 12, checked
+
+
+def test_build_toml_lists_every_kernel_source():
+    """kernel-builder compiles only what build.toml lists (setup.py globs kernel_src/ and its
+    subfolders): every kernel source and header there, kernel_src/device/ and any future family
+    folder included, is in the CUDA section, and the C twins in the CPU section."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    kernels = tomllib.loads((root / "build.toml").read_text())["kernel"]
+    listed = {name: set(section["src"]) for name, section in kernels.items()}
+    on_disk = {
+        str(p.relative_to(root))
+        for p in (root / "kernel_src").rglob("*")
+        if p.suffix in (".cu", ".cuh", ".h", ".c", ".cpp")
+    }
+    assert on_disk == listed["cuda_kernels"] | listed["cpu_kernels"]
+    assert {f for f in on_disk if f.endswith((".cu", ".cuh"))} <= listed["cuda_kernels"]
+    assert {f for f in on_disk if f.endswith(".c")} <= listed["cpu_kernels"]
