@@ -12,5 +12,5 @@
 #include "norm_modulate_cpu.c"
 #include "qk_norm_rope_backward_cpu.c"
 #include "qk_norm_rope_cpu.c"
-#include "quantize_fp8_cpu.c"
+#include "quantize_cpu.c"
 #include "rmsnorm_cpu.c"

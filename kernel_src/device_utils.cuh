@@ -5,7 +5,7 @@
 //   reduce.cuh      sums and maxima over lane groups, warps and blocks
 //   rows.cuh        row addressing of ltx_rows_t, the row-cached and row-chunked kernels' skeletons
 //   activation.cuh  GELU
-//   quant.cuh       FP8 row quantization
+//   quant.cuh       row quantization: format policies and the one epilogue
 //   launch.cuh      compile-time flags, dtype dispatch, launch shapes, the (PDL) launch
 #pragma once
 

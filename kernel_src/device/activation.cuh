@@ -1,5 +1,5 @@
 // Device helpers (kernel_src/device/): GELU in fp32 (erf and tanh forms), the same code wherever it
-// is computed (gelu.cu, quantize_fp8.cu).
+// is computed (gelu.cu, quantize.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,7 +9,7 @@
 namespace ltx {
 
 // ---------------------------------------------------------------------------------------------
-// Activations (gelu.cu, quantize_fp8.cu): GELU in fp32, the same code wherever it is computed.
+// Activations (gelu.cu, quantize.cu): GELU in fp32, the same code wherever it is computed.
 // ---------------------------------------------------------------------------------------------
 // GELU, tanh form: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3),
 // which has no cancellation for x < 0 (unlike 1 + tanh(u)); with e = e^(-|2u|) <= 1 nothing

@@ -12,7 +12,7 @@ namespace ltx {
 // Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp must
 // call it. Each lane gets its group's total.
 // Combine operations of the reductions: a sum, and a NaN-propagating max (of absolute values,
-// for FP8 row scales: a row holding a NaN gets a NaN amax, as torch.amax gives).
+// for row quantization scales: a row holding a NaN gets a NaN amax, as torch.amax gives).
 struct Plus {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
