@@ -84,8 +84,10 @@ arch_flags = gencode_flags(cuda_archs)
 )
 
 binding_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "torch-ext").glob("*.cpp"))
-kernel_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").glob("*.cu"))
-cpu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").glob("*.c"))
+# Every kernel under kernel_src/, subfolders included (a new family's folder needs no edit here);
+# headers are found from the including file's folder or kernel_src/.
+kernel_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").rglob("*.cu"))
+cpu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kernel_src").rglob("*.c"))
 
 common_defines = ["-DCUDA_KERNEL", "-DLTX_OPS_NAMESPACE=ltx_kernels"]
 # No -std flag: torch's BuildExtension adds the C++ standard its own headers need (C++17 up to

@@ -7,7 +7,7 @@
    against the alternative without them, the bf16 op followed by a separate rowwise quantization
    (torch.compile of `amax / 448`, `x / scale`, cast: what torchao's dynamic rowwise path runs):
    LTX norm1 (rmsnorm_modulate), attn2 residual + norm2 (add_rmsnorm_modulate), and the FF's
-   GELU-tanh feeding the down projection (quantize_fp8(h, "gelu_tanh") vs gelu).
+   GELU-tanh feeding the down projection (quantize(h, "gelu", "tanh") vs gelu).
 2. GEMMs of an LTX block (M = batch x tokens): bf16 F.linear vs torch._scaled_mm with rowwise
    scales (bf16 out, bias in the epilogue), time and speedup, and each output's SQNR (dB) against
    the float64 product of the bf16 operands: the FP8 error next to bf16's own rounding. The FP8
@@ -62,7 +62,7 @@ def op_cases(ltx_kernels, batch, tokens):
             "norm1 (rmsnorm_modulate)",
             lambda: (x(), mod(), mod()),
             lambda x, s, t: ltx_kernels.rmsnorm_modulate(x, s, t, None, LTX_NORM_EPS),
-            lambda x, s, t: ltx_kernels.rmsnorm_modulate_fp8(x, s, t, None, LTX_NORM_EPS),
+            lambda x, s, t: ltx_kernels.rmsnorm_modulate_quant(x, s, t, None, LTX_NORM_EPS),
             lambda x, s, t: compiled_quant(
                 ltx_kernels.rmsnorm_modulate(x, s, t, None, LTX_NORM_EPS)
             ),
@@ -72,17 +72,17 @@ def op_cases(ltx_kernels, batch, tokens):
             "attn2 + norm2 (add_rmsnorm_modulate)",
             lambda: (x(), x(), mod(), mod()),
             lambda x, y, s, t: ltx_kernels.add_rmsnorm_modulate(x, y, s, t, None, None),
-            lambda x, y, s, t: ltx_kernels.add_rmsnorm_modulate_fp8(x, y, s, t, None, None),
+            lambda x, y, s, t: ltx_kernels.add_rmsnorm_modulate_quant(x, y, s, t, None, None),
             lambda x, y, s, t: compiled_quant(
                 ltx_kernels.add_rmsnorm_modulate(x, y, s, t, None, None)[1]
             ),
             rows * DIM * 7 + rows * 4,
         ),
         (
-            "FF GELU-tanh (quantize_fp8)",
+            "FF GELU-tanh (quantize)",
             lambda: (randn(batch, tokens, FF_DIM),),
             lambda h: ltx_kernels.gelu(h, "tanh"),
-            lambda h: ltx_kernels.quantize_fp8(h, "gelu_tanh"),
+            lambda h: ltx_kernels.quantize(h, "gelu", "tanh"),
             lambda h: compiled_quant(ltx_kernels.gelu(h, "tanh")),
             rows * FF_DIM * 3 + rows * 4,
         ),
@@ -97,7 +97,7 @@ def sqnr_db(out, exact) -> float:
 def gemm_row(ltx_kernels, m, n, k, replays):
     x, w, bias = randn(m, k), randn(n, k, std=k**-0.5), randn(n, std=0.1)
     exact = x.double() @ w.double().T + bias.double()
-    wq, ws = ltx_kernels.quantize_fp8(w)
+    wq, ws = ltx_kernels.quantize(w)
 
     def fp8_gemm_only(xq, xs, wq, ws, bias, fast_accum=False):
         return torch._scaled_mm(
@@ -110,7 +110,7 @@ def gemm_row(ltx_kernels, m, n, k, replays):
             use_fast_accum=fast_accum,
         )
 
-    xq, xs = ltx_kernels.quantize_fp8(x)
+    xq, xs = ltx_kernels.quantize(x)
     row = {
         "bf16_sqnr_db": sqnr_db(F.linear(x, w, bias), exact),
         "fp8_sqnr_db": sqnr_db(fp8_gemm_only(xq, xs, wq, ws, bias), exact),
@@ -121,7 +121,7 @@ def gemm_row(ltx_kernels, m, n, k, replays):
     row["bf16_us"] = bench_utils.graph_time_us(F.linear, bf16_sets, replays=replays)
 
     def fp8_inputs():
-        xq, xs = ltx_kernels.quantize_fp8(randn(m, k))
+        xq, xs = ltx_kernels.quantize(randn(m, k))
         return xq, xs, wq, ws, bias
 
     fp8_sets = bench_utils.input_sets(fp8_inputs, m * k)

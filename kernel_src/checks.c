@@ -74,6 +74,16 @@ static ltx_check_t optional_rows_like(const char* arg, const ltx_rows_t* r, cons
   return r->data ? rows_like(arg, r, ref, rows) : ok();
 }
 
+/* A quantized output (ltx_kernels.h, Quantized outputs) of `rows` rows: a format, out's dtype its
+ * codes', a scale per row, and the whole row per scale. */
+static ltx_check_t quantized_output(const ltx_rows_t* out, const ltx_quant_t* q, int64_t rows) {
+  if (q->format != LTX_QUANT_E4M3_ROW) return malformed("quant.format");
+  if (out->dtype != LTX_FLOAT8_E4M3) return malformed("out");
+  if (!q->scale && rows > 0) return malformed("quant.scale");
+  if (q->group != 0) return malformed("quant.group");
+  return ok();
+}
+
 static ltx_check_t eps_rule(float eps) {
   const ltx_check_t c = {
       .status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_EPS, .arg = "eps", .value = eps};
@@ -118,8 +128,9 @@ ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
   int i;
   if (!a) return malformed("args");
   t = a->x.dtype;
-  /* x: a model dtype, or float64 (the C twin, in double) unless out is FP8 */
-  LTX_RETURN_IF_FAILED(a->out_scale ? float_dtype("x", t) : float_or_float64_dtype("x", t));
+  /* x: a model dtype, or float64 (the C twin, in double) unless out is quantized */
+  LTX_RETURN_IF_FAILED(a->quant.format != LTX_QUANT_NONE ? float_dtype("x", t)
+                                                         : float_or_float64_dtype("x", t));
   /* Modulation tensors: T (fp32 too with upcast), all of one dtype. */
   modulation[0] = &a->scale;
   modulation[1] = &a->shift;
@@ -143,8 +154,8 @@ ltx_check_t ltx_check_norm_modulate(const ltx_norm_modulate_args_t* a) {
   if (a->residual_out.data)
     LTX_RETURN_IF_FAILED(
         dtype_of(LTX_ERR_INVALID_ARGUMENT, "residual_out", a->residual_out.dtype, "x", t));
-  if (a->out_scale) { /* FP8 out */
-    if (a->out.dtype != LTX_FLOAT8_E4M3) return malformed("out");
+  if (a->quant.format != LTX_QUANT_NONE) {
+    LTX_RETURN_IF_FAILED(quantized_output(&a->out, &a->quant, ltx_num_rows(&a->x)));
   } else {
     LTX_RETURN_IF_FAILED(dtype_of(LTX_ERR_INVALID_ARGUMENT, "out", a->out.dtype, "x", t));
   }
@@ -404,17 +415,16 @@ ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout
   return rows_like("dout", dout, "x", ltx_num_rows(x));
 }
 
-ltx_check_t ltx_check_quantize_fp8(const ltx_rows_t* out, const float* out_scale,
-                                   const ltx_rows_t* x, int64_t hidden,
-                                   ltx_activation_t activation) {
+ltx_check_t ltx_check_quantize(const ltx_rows_t* out, const ltx_quant_t* quant, const ltx_rows_t* x,
+                               int64_t hidden, ltx_activation_t activation,
+                               ltx_gelu_approximate_t approximate) {
   LTX_RETURN_IF_FAILED(float_dtype("x", x->dtype));
-  if (out->dtype != LTX_FLOAT8_E4M3) return malformed("out");
   if (!ltx_valid_rows(x)) return malformed("x");
+  LTX_RETURN_IF_FAILED(quantized_output(out, quant, ltx_num_rows(x)));
   LTX_RETURN_IF_FAILED(rows_like("out", out, "x", ltx_num_rows(x)));
-  if (!out_scale && ltx_num_rows(x) > 0) return malformed("out_scale");
   if (hidden < 0) return malformed("hidden");
-  if (activation != LTX_ACTIVATION_NONE && activation != LTX_ACTIVATION_GELU &&
-      activation != LTX_ACTIVATION_GELU_TANH)
+  if (activation != LTX_ACTIVATION_NONE && activation != LTX_ACTIVATION_GELU)
     return malformed("activation");
+  if (approximate != LTX_GELU_NONE && approximate != LTX_GELU_TANH) return malformed("approximate");
   return ok();
 }

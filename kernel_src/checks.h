@@ -53,9 +53,9 @@ ltx_check_t ltx_check_qk_norm_rope(const ltx_qk_norm_rope_args_t* args);
 ltx_check_t ltx_check_qk_norm_rope_backward(const ltx_qk_norm_rope_backward_args_t* args);
 ltx_check_t ltx_check_gelu(const ltx_rows_t* out, const ltx_rows_t* x, int64_t hidden,
                            ltx_gelu_approximate_t approximate, int gated);
-ltx_check_t ltx_check_quantize_fp8(const ltx_rows_t* out, const float* out_scale,
-                                   const ltx_rows_t* x, int64_t hidden,
-                                   ltx_activation_t activation);
+ltx_check_t ltx_check_quantize(const ltx_rows_t* out, const ltx_quant_t* quant, const ltx_rows_t* x,
+                               int64_t hidden, ltx_activation_t activation,
+                               ltx_gelu_approximate_t approximate);
 ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout,
                                     const ltx_rows_t* x, int64_t hidden,
                                     ltx_gelu_approximate_t approximate, int gated);

@@ -112,7 +112,7 @@ static inline double ltx_round_double(ltx_dtype_t dtype, double v) {
   }
 }
 
-/* GELU in double (gelu_cpu.c gives the forms); also the activation of ltx_quantize_fp8_cpu. */
+/* GELU in double (gelu_cpu.c gives the forms); also the activation of ltx_quantize_cpu. */
 #define LTX_SQRT_2_OVER_PI 0.79788456080286535588
 #define LTX_INV_SQRT_2 0.70710678118654752440
 #define LTX_INV_SQRT_2PI 0.39894228040143267794
@@ -141,7 +141,7 @@ static inline uint8_t ltx_float_to_e4m3(float v) {
   const float magnitude = fabsf(v);
   uint32_t bits;
   if (magnitude != magnitude) return sign | 0x7fu;
-  if (magnitude >= LTX_FP8_MAX) return sign | 0x7eu;
+  if (magnitude >= LTX_E4M3_MAX) return sign | 0x7eu;
   if (magnitude < 0.015625f) /* below 2^-6: subnormal, units of 2^-9 (exact scaling) */
     return sign | (uint8_t)nearbyintf(magnitude * 512.f); /* ties to even; 8 is 2^-6 itself */
   bits = ltx_float_to_bits(magnitude);
@@ -150,18 +150,27 @@ static inline uint8_t ltx_float_to_e4m3(float v) {
   return sign | (uint8_t)(bits > 0x7eu ? 0x7eu : bits);
 }
 
-/* The FP8 row rule of ltx_kernels.h for a row's amax: *scale (what the GEMM multiplies by) and
- * the factor the values are multiplied by before their rounding to e4m3. */
-static inline float ltx_fp8_factor(float amax, float* scale) {
-  const float a = amax > LTX_FP8_MIN_AMAX || amax != amax ? amax : LTX_FP8_MIN_AMAX;
-  *scale = a / LTX_FP8_MAX;
-  return LTX_FP8_MAX / a;
-}
-
 /* max(m, |v|), NaN-propagating (a NaN anywhere in the row makes the amax NaN). */
 static inline float ltx_amax_step(float m, float v) {
   const float a = fabsf(v);
   return (a > m || a != a) ? a : m; /* (a NaN m stays: NaN > a and a != a are both false) */
+}
+
+/* Element i of a row that a C twin quantizes: its value rounded to T (ctx: the twin's row state).
+ */
+typedef float (*ltx_row_value_fn)(const void* ctx, int64_t i);
+
+/* The quantized-output epilogue of the C twins (ltx_kernels.h, Quantized outputs; the device's is
+ * device/quant.cuh): row `row` of `hidden` values value(ctx, i), computed twice (the row's amax,
+ * then its codes), written as its scale and its codes at `codes`. quant's format is
+ * LTX_QUANT_E4M3_ROW, the one format checks.c lets through. */
+static inline void ltx_quantize_row(const ltx_quant_t* quant, int64_t row, void* codes,
+                                    int64_t hidden, ltx_row_value_fn value, const void* ctx) {
+  float amax = 0.f, factor;
+  int64_t i;
+  for (i = 0; i < hidden; ++i) amax = ltx_amax_step(amax, value(ctx, i));
+  factor = ltx_e4m3_row_factor(amax, &quant->scale[row]);
+  for (i = 0; i < hidden; ++i) ((uint8_t*)codes)[i] = ltx_float_to_e4m3(value(ctx, i) * factor);
 }
 
 /* Status of the checks a C implementation starts with: its op's argument rules, then the row

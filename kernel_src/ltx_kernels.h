@@ -29,7 +29,7 @@ typedef enum ltx_dtype {
   LTX_FLOAT16 = 1,
   LTX_BFLOAT16 = 2,
   LTX_FLOAT64 = 3,
-  LTX_FLOAT8_E4M3 = 4, /* float8_e4m3fn: only the quantized outputs of the FP8 ops (below) */
+  LTX_FLOAT8_E4M3 = 4, /* float8_e4m3fn: only quantized outputs (below) */
 } ltx_dtype_t;
 
 /* Status codes (CUDA launchers may also return a positive cudaError_t). */
@@ -93,16 +93,45 @@ typedef struct ltx_vector {
  */
 
 /*
- * FP8 outputs (inference). An op that emits FP8 computes its value v (rounded to T as its T-output
- * form rounds it) for a whole row, then writes, per row r of `hidden` elements:
- *   a        = max(max |v| over the row, LTX_FP8_MIN_AMAX)    (NaN when the row holds one)
- *   out      = e4m3(fl32(v * fl32(LTX_FP8_MAX / a))), rounded to nearest even, saturated to +-448
- *   scale[r] = fl32(a / LTX_FP8_MAX)                          (torchao's rowwise rule)
- * (out dtype LTX_FLOAT8_E4M3; `out_scale`: `rows` contiguous fp32, indexed by row number), the
- * operands of a rowwise-scaled GEMM (torch._scaled_mm): v ~= out * scale[r].
+ * Quantized outputs (inference). An op that emits quantized rows computes its value v (rounded to
+ * T as its T-output form rounds it) for a whole row, then writes it in the format its ltx_quant_t
+ * names: codes in `out`, scales in `quant.scale`, v ~= code * scale. The formats:
+ * - LTX_QUANT_E4M3_ROW (torchao's rowwise rule), per row r of `hidden` elements:
+ *     a        = max(max |v| over the row, LTX_QUANT_MIN_AMAX)  (NaN when the row holds one)
+ *     out      = e4m3(fl32(v * fl32(LTX_E4M3_MAX / a))), to nearest even, saturated to +-448
+ *     scale[r] = fl32(a / LTX_E4M3_MAX)                          (ltx_e4m3_row_factor)
+ *   out dtype LTX_FLOAT8_E4M3, `scale` `rows` contiguous fp32 indexed by row number: the operands
+ *   of a rowwise-scaled GEMM (torch._scaled_mm).
  */
-#define LTX_FP8_MAX 448.0f
-#define LTX_FP8_MIN_AMAX 1e-12f
+#define LTX_E4M3_MAX 448.0f
+#define LTX_QUANT_MIN_AMAX 1e-12f
+
+typedef enum ltx_quant_format {
+  LTX_QUANT_NONE = 0,     /* not quantized: out has dtype T */
+  LTX_QUANT_E4M3_ROW = 1, /* float8_e4m3fn codes, one fp32 scale per row */
+} ltx_quant_format_t;
+
+/* How an op's output is quantized. */
+typedef struct ltx_quant {
+  ltx_quant_format_t format;
+  float* scale;  /* the scales ([rows] fp32 for the per-row formats); NULL with LTX_QUANT_NONE */
+  int64_t group; /* elements per scale along a row: 0 for the per-row formats (the whole row) */
+} ltx_quant_t;
+
+#ifdef __CUDACC__
+#define LTX_HOST_DEVICE __host__ __device__
+#else
+#define LTX_HOST_DEVICE
+#endif
+
+/* The LTX_QUANT_E4M3_ROW rule for a row's amax, for the C twins and the CUDA kernels alike: sets
+ * *scale = a / LTX_E4M3_MAX and returns the factor the row's values are multiplied by before their
+ * rounding to e4m3, LTX_E4M3_MAX / a. */
+static inline LTX_HOST_DEVICE float ltx_e4m3_row_factor(float amax, float* scale) {
+  const float a = amax > LTX_QUANT_MIN_AMAX || amax != amax ? amax : LTX_QUANT_MIN_AMAX;
+  *scale = a / LTX_E4M3_MAX;
+  return LTX_E4M3_MAX / a;
+}
 
 /* Normalization of the fused norm ops. */
 typedef enum ltx_norm_kind {
@@ -123,9 +152,9 @@ typedef enum ltx_norm_kind {
  * views with stride-0 levels. residual_out (h) is written when y is given (its data may then be
  * NULL to skip it), never read. Dtypes: x, y, out, residual_out: T. upcast = 0: gate, scale, shift,
  * weight, bias are T too. upcast = 1: gate, scale and shift share one dtype, T or fp32; weight and
- * bias each T or fp32. With out_scale given, out is LTX_FLOAT8_E4M3: the rows of out are quantized
- * (FP8 outputs, above) and their scales written to out_scale. The C twin also takes
- * T = LTX_FLOAT64 (computed in double) when out is not FP8.
+ * bias each T or fp32. With a quant format, out holds the quantized rows (Quantized outputs,
+ * above) and quant.scale their scales. The C twin also takes T = LTX_FLOAT64 (computed in double)
+ * when out is not quantized.
  */
 typedef struct ltx_norm_modulate_args {
   ltx_rows_t out;          /* n after modulation */
@@ -137,7 +166,7 @@ typedef struct ltx_norm_modulate_args {
   int64_t hidden;
   float eps;
   int upcast;
-  float* out_scale; /* NULL: out has dtype T; else [rows] fp32 row scales of an FP8 out */
+  ltx_quant_t quant; /* format LTX_QUANT_NONE: out has dtype T */
 } ltx_norm_modulate_args_t;
 
 int ltx_norm_modulate_cuda(const ltx_norm_modulate_args_t* args, ltx_stream_t stream);
@@ -343,22 +372,23 @@ int ltx_gelu_backward_cpu(ltx_rows_t dx, ltx_rows_t dout, ltx_rows_t x, int64_t 
                           ltx_gelu_approximate_t approximate, int gated, int64_t row_begin,
                           int64_t row_end);
 
-/* Activations applied before a quantization. */
+/* Activations applied before a quantization (GELU in the form of an ltx_gelu_approximate_t). */
 typedef enum ltx_activation {
   LTX_ACTIVATION_NONE = 0,
-  LTX_ACTIVATION_GELU = 1,      /* erf form, as ltx_gelu with LTX_GELU_NONE */
-  LTX_ACTIVATION_GELU_TANH = 2, /* tanh form, as ltx_gelu with LTX_GELU_TANH */
+  LTX_ACTIVATION_GELU = 1, /* as ltx_gelu computes it */
 } ltx_activation_t;
 
 /*
- * Rowwise FP8 quantization (FP8 outputs, above) of v = x, or v = round_T(gelu(x)) computed as
- * ltx_gelu computes it: out [rows, hidden] LTX_FLOAT8_E4M3, out_scale [rows] fp32 (contiguous).
+ * Quantization (Quantized outputs, above; a format other than LTX_QUANT_NONE) of v = x, or of
+ * v = round_T(gelu(x)) computed as ltx_gelu computes it with `approximate`: out [rows, hidden].
  * x: T (float32, float16, bfloat16). Also quantizes Linear weights [N, K] per output channel.
  */
-int ltx_quantize_fp8_cuda(ltx_rows_t out, float* out_scale, ltx_rows_t x, int64_t hidden,
-                          ltx_activation_t activation, ltx_stream_t stream);
-int ltx_quantize_fp8_cpu(ltx_rows_t out, float* out_scale, ltx_rows_t x, int64_t hidden,
-                         ltx_activation_t activation, int64_t row_begin, int64_t row_end);
+int ltx_quantize_cuda(ltx_rows_t out, ltx_quant_t quant, ltx_rows_t x, int64_t hidden,
+                      ltx_activation_t activation, ltx_gelu_approximate_t approximate,
+                      ltx_stream_t stream);
+int ltx_quantize_cpu(ltx_rows_t out, ltx_quant_t quant, ltx_rows_t x, int64_t hidden,
+                     ltx_activation_t activation, ltx_gelu_approximate_t approximate,
+                     int64_t row_begin, int64_t row_end);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 // (Residual +) RMSNorm/LayerNorm + AdaLN modulation over the last dimension (CUDA), in one pass
 // over memory, with the rounding points of the PyTorch code it replaces (see
-// ltx_norm_modulate_cuda in ltx_kernels.h); with an FP8 out, the row is quantized in the same
-// pass (its e4m3 values and fp32 row scale written instead of the T row).
+// ltx_norm_modulate_cuda in ltx_kernels.h); with a quantized out, the row is quantized in the same
+// pass (its codes and scale written instead of the T row).
 #include "device_utils.cuh"
 
 namespace ltx {
@@ -16,9 +16,8 @@ constexpr size_t kMaxStagedBytes = 48 * 1024;  // weight + bias staged in shared
 // Row operands of one launch; Tx: activations (x, y, h, out), Tm: scale, shift and gate.
 template <typename Tx, typename Tm>
 struct NormModulateArgs {
-  RowPtr<Tx> out;           // T out (null with an FP8 out)
-  RowPtr<uint8_t> out_fp8;  // FP8 out: e4m3 rows, and their scales in out_scale
-  float* out_scale;
+  RowPtr<Tx> out;           // T out (null with a quantized out)
+  QuantOut out_q;           // quantized out: its codes and scales
   RowPtr<Tx> residual_out;  // h; null unless y is given
   RowPtr<const Tx> x;
   RowPtr<const Tx> y;      // null: no residual
@@ -36,7 +35,7 @@ struct NormModulateArgs {
 
 // R(v) of ltx_kernels.h: rounds to Tx unless the op computes in fp32 (upcast).
 template <typename Tx, bool kUpcast>
-__device__ __forceinline__ float step(float v) {
+__device__ __forceinline__ float round_unless_upcast(float v) {
   if constexpr (kUpcast)
     return v;
   else
@@ -52,11 +51,13 @@ __device__ __forceinline__ float channel_value(const float* staged, const ltx_ve
 // Row-cached norm + modulation of [rows, hidden] rows: each row is held by a power-of-two
 // RowTeam, kSlots packs of kVec elements per thread, so x and y are read once. Load the row (x,
 // and y and gate: h is formed and written), issue the loads of scale and shift, reduce the row
-// statistics (row_sum), then normalize, scale, shift and store each pack. kFp8: the packs of n
-// stay in registers for the row's amax (row_reduce), then are stored as e4m3 (Fp8Row).
-template <typename Tx, typename Tm, int kVec, int kSlots, bool kUpcast, bool kResidual, bool kFp8>
+// statistics (row_sum), then normalize, scale, shift and store each pack. Q (a format policy,
+// device/quant.cuh; NotQuantized for a T out): the packs of n stay in registers for the quantizing
+// epilogue (quantize_row_cached).
+template <typename Tx, typename Tm, int kVec, int kSlots, bool kUpcast, bool kResidual, typename Q>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     norm_modulate_cached_kernel(const NormModulateArgs<Tx, Tm> a, const int log2_tpr) {
+  constexpr bool kQuant = !std::is_same_v<Q, NotQuantized>;
   extern __shared__ __align__(16) float staged[];  // [hidden] weight, then [hidden] bias
   __shared__ float partials[kMaxThreadsPerRow / 32];
   const RowTeam team = RowTeam::pow2(log2_tpr, a.rows);
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         } else {
 #pragma unroll
           for (int i = 0; i < kVec; ++i)
-            hs[s].set(i, hs[s].get(i) + step<Tx, kUpcast>(ys[s].get(i) * g.get(i)));
+            hs[s].set(i, hs[s].get(i) + round_unless_upcast<Tx, kUpcast>(ys[s].get(i) * g.get(i)));
         }
       } else {
 #pragma unroll
@@ -141,13 +142,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     sum = row_sum<true>(deviations, team, partials);
   }
   if (a.stage_vectors) __syncthreads();  // the staged weight/bias are complete
-  if (!kFp8 && !team.active) return;     // (FP8: every thread joins the amax reduction)
+  if (!kQuant && !team.active) return;   // (quantized: every thread joins the amax reduction)
   const float rstd = rsqrtf(sum * a.inv_hidden + a.eps);
 
-  Tx* out_row = kFp8 ? nullptr : a.out.row(team.row);
+  Tx* out_row = kQuant ? nullptr : a.out.row(team.row);
   // A finished pack of n: stored (T out), or kept in hs[s] for the quantization below.
   auto emit = [&](int s, int p, const Pack<Tx, kVec>& o) {
-    if constexpr (kFp8)
+    if constexpr (kQuant)
       hs[s] = o;
     else
       o.store(out_row + p * kVec);
@@ -194,14 +195,17 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
         if (a.layer_norm) {  // F.layer_norm: affine in fp32, one rounding
           if (has_weight) n *= channel_value(staged, a.weight, a.stage_vectors, col + i);
           if (has_bias) n += channel_value(staged_bias, a.bias, a.stage_vectors, col + i);
-          n = step<Tx, kUpcast>(n);
+          n = round_unless_upcast<Tx, kUpcast>(n);
         } else if (has_weight) {  // diffusers RMSNorm: `.to(weight.dtype) * weight`
-          n = step<Tx, kUpcast>(step<Tx, kUpcast>(n) *
-                                channel_value(staged, a.weight, a.stage_vectors, col + i));
+          n = round_unless_upcast<Tx, kUpcast>(
+              round_unless_upcast<Tx, kUpcast>(n) *
+              channel_value(staged, a.weight, a.stage_vectors, col + i));
         } else {
-          n = step<Tx, kUpcast>(n);
+          n = round_unless_upcast<Tx, kUpcast>(n);
         }
-        if constexpr (kScale) n = step<Tx, kUpcast>(n * step<Tx, kUpcast>(1.f + scales[s].get(i)));
+        if constexpr (kScale)
+          n = round_unless_upcast<Tx, kUpcast>(
+              n * round_unless_upcast<Tx, kUpcast>(1.f + scales[s].get(i)));
         if constexpr (kShift) n += shifts[s].get(i);
         o.set(i, n);
       }
@@ -209,24 +213,14 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
     }
   });
 
-  if constexpr (kFp8) {
-    float amax = 0.f;
-    team.for_each_pack<kSlots>(n_packs, [&](int s, int) { amax = pack_amax(amax, hs[s]); });
-    amax = row_reduce<true>(amax, team, partials, NanMax{});
-    if (!team.active) return;
-    const Fp8Row fp8 = Fp8Row::of(amax);
-    if (team.lane == 0) a.out_scale[team.row] = fp8.scale;
-    uint8_t* q_row = a.out_fp8.row(team.row);
-    team.for_each_pack<kSlots>(n_packs, [&](int s, int p) {
-      store_fp8(q_row + static_cast<int64_t>(p) * kVec, hs[s], fp8.factor);
-    });
-  }
+  if constexpr (kQuant) quantize_row_cached<Q, true>(hs, team, n_packs, partials, a.out_q);
 }
 
 // Norm + modulation for rows too long to cache in registers: one block per row (grid-stride),
 // scalar accesses; h is recomputed from x, y and gate on each pass over the row (bit-identical),
-// and written on the first. kFp8: one more pass for the row's amax, then the e4m3 values.
-template <typename Tx, typename Tm, bool kUpcast, bool kFp8>
+// and written on the first. Q quantized: the streaming epilogue (quantize_row_streaming), its two
+// passes (amax, codes) over n recomputed.
+template <typename Tx, typename Tm, bool kUpcast, typename Q>
 __global__ void __launch_bounds__(kRowBlockThreads)
     norm_modulate_streaming_kernel(const NormModulateArgs<Tx, Tm> a) {
   __shared__ float scratch[32];
@@ -241,7 +235,8 @@ __global__ void __launch_bounds__(kRowBlockThreads)
       float h = to_float(x_row[i]);
       if (y_row) {
         const float y = to_float(y_row[i]);
-        h = round_to<Tx>(h + (gate_row ? step<Tx, kUpcast>(y * to_float(gate_row[i])) : y));
+        h = round_to<Tx>(
+            h + (gate_row ? round_unless_upcast<Tx, kUpcast>(y * to_float(gate_row[i])) : y));
       }
       return h;
     };
@@ -270,26 +265,21 @@ __global__ void __launch_bounds__(kRowBlockThreads)
       if (a.layer_norm) {
         if (a.weight.data) n *= load_as_float(a.weight.data, a.weight.dtype, i);
         if (a.bias.data) n += load_as_float(a.bias.data, a.bias.dtype, i);
-        n = step<Tx, kUpcast>(n);
+        n = round_unless_upcast<Tx, kUpcast>(n);
       } else if (a.weight.data) {
-        n = step<Tx, kUpcast>(step<Tx, kUpcast>(n) *
-                              load_as_float(a.weight.data, a.weight.dtype, i));
+        n = round_unless_upcast<Tx, kUpcast>(round_unless_upcast<Tx, kUpcast>(n) *
+                                             load_as_float(a.weight.data, a.weight.dtype, i));
       } else {
-        n = step<Tx, kUpcast>(n);
+        n = round_unless_upcast<Tx, kUpcast>(n);
       }
-      if (scale_row) n = step<Tx, kUpcast>(n * step<Tx, kUpcast>(1.f + to_float(scale_row[i])));
+      if (scale_row)
+        n = round_unless_upcast<Tx, kUpcast>(
+            n * round_unless_upcast<Tx, kUpcast>(1.f + to_float(scale_row[i])));
       if (shift_row) n += to_float(shift_row[i]);
       return round_to<Tx>(n);
     };
-    if constexpr (kFp8) {
-      float amax = 0.f;
-      for (int i = threadIdx.x; i < a.hidden; i += blockDim.x)
-        amax = NanMax{}(amax, fabsf(n_at(i)));
-      const Fp8Row fp8 = Fp8Row::of(block_reduce(amax, scratch, NanMax{}));
-      if (threadIdx.x == 0) a.out_scale[row] = fp8.scale;
-      uint8_t* q_row = a.out_fp8.row(row);
-      for (int i = threadIdx.x; i < a.hidden; i += blockDim.x)
-        q_row[i] = static_cast<uint8_t>(to_e4m3(n_at(i) * fp8.factor));
+    if constexpr (!std::is_same_v<Q, NotQuantized>) {
+      quantize_row_streaming<Q>(row, a.hidden, n_at, scratch, a.out_q);
     } else {
       Tx* out_row = a.out.row(row);
       for (int i = threadIdx.x; i < a.hidden; i += blockDim.x) out_row[i] = from_float<Tx>(n_at(i));
@@ -297,33 +287,27 @@ __global__ void __launch_bounds__(kRowBlockThreads)
   }
 }
 
-template <typename Tx, typename Tm, int kVec, bool kUpcast, bool kResidual, bool kFp8>
+template <typename Tx, typename Tm, int kVec, bool kUpcast, bool kResidual, typename Q>
 int launch_cached(NormModulateArgs<Tx, Tm> a, cudaStream_t stream) {
   // 4 packs per thread: x (or h), y, gate, scale and shift of them are in registers at once.
   constexpr int kSlots = 4;
-  const int log2_tpr = log2_threads_per_row(a.hidden / kVec, kSlots, kMaxThreadsPerRow);
-  const int tpr = 1 << log2_tpr;
-  // Several rows per block; fewer when there are few rows, so that every SM gets work.
-  auto blocks_for = [&](int rows_in_block) { return ceil_div(a.rows, rows_in_block); };
-  const int threads = rows_per_block(tpr, kRowBlockThreads, 64, blocks_for) * tpr;
-  const int64_t blocks = blocks_for(threads / tpr);
-  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  const CachedRowGrid g =
+      cached_row_grid(a.rows, a.hidden / kVec, kSlots, kMaxThreadsPerRow, kRowBlockThreads, 64);
+  if (!g.fits()) return LTX_ERR_INVALID_ARGUMENT;
   const size_t vector_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
   const size_t staged_bytes = (a.weight.data || a.bias.data) ? 2 * vector_bytes : 0;
   a.stage_vectors = staged_bytes > 0 && staged_bytes <= kMaxStagedBytes;
-  return launch(norm_modulate_cached_kernel<Tx, Tm, kVec, kSlots, kUpcast, kResidual, kFp8>,
-                dim3(static_cast<unsigned>(blocks)), dim3(threads),
-                a.stage_vectors ? staged_bytes : 0, stream, a, log2_tpr);
+  return launch(norm_modulate_cached_kernel<Tx, Tm, kVec, kSlots, kUpcast, kResidual, Q>, g.grid(),
+                dim3(g.threads), a.stage_vectors ? staged_bytes : 0, stream, a, g.log2_tpr);
 }
 
 template <typename Tx, typename Tm, bool kUpcast>
 int norm_modulate_typed(const ltx_norm_modulate_args_t& args, cudaStream_t stream) {
   const int hidden = static_cast<int>(args.hidden);
   NormModulateArgs<Tx, Tm> a{};
-  const bool fp8 = args.out_scale != nullptr;
-  if (fp8) {
-    a.out_fp8 = RowPtr<uint8_t>::of(args.out);
-    a.out_scale = args.out_scale;
+  const bool quantized = args.quant.format != LTX_QUANT_NONE;
+  if (quantized) {
+    a.out_q = QuantOut::of(args.out, args.quant);
   } else {
     a.out = RowPtr<Tx>::of(args.out);
   }
@@ -349,7 +333,7 @@ int norm_modulate_typed(const ltx_norm_modulate_args_t& args, cudaStream_t strea
     return !r.data || ltx_rows_aligned(&r, elem_bytes, std::min(16, kVec * elem_bytes));
   };
   const bool out_aligned =
-      fp8 ? ltx_rows_aligned(&args.out, 1, kVec) : aligned(args.out, sizeof(Tx));
+      quantized ? ltx_rows_aligned(&args.out, 1, kVec) : aligned(args.out, sizeof(Tx));
   const bool vectorizable =
       hidden % kVec == 0 && aligned(args.x, sizeof(Tx)) && out_aligned &&
       (!a.y.data || (aligned(args.y, sizeof(Tx)) && aligned(args.residual_out, sizeof(Tx)) &&
@@ -357,15 +341,19 @@ int norm_modulate_typed(const ltx_norm_modulate_args_t& args, cudaStream_t strea
       aligned(args.scale, sizeof(Tm)) && aligned(args.shift, sizeof(Tm));
   constexpr int kMaxCachedPacks = 4 * kMaxThreadsPerRow;  // kSlots packs x 256 threads: rows of
   // up to 8192 bf16 / 4096 fp32 elements (LTX, FLUX, Wan, HunyuanVideo all fit) are cached
-  // (An FP8 out takes the kernel its T-output form takes, so it quantizes the very same values.)
-  return with_flags({a.y.data != nullptr, fp8}, [&](auto has_residual, auto fp8_out) {
-    if (vectorizable && hidden / kVec <= kMaxCachedPacks)
-      return launch_cached<Tx, Tm, kVec, kUpcast, has_residual, fp8_out>(a, stream);
-    if (hidden <= kMaxCachedPacks)
-      return launch_cached<Tx, Tm, 1, kUpcast, has_residual, fp8_out>(a, stream);
-    return launch_streaming(norm_modulate_streaming_kernel<Tx, Tm, kUpcast, fp8_out>, a.rows,
-                            kRowBlockThreads, stream, a);
-  });
+  // (A quantized out takes the kernel its T-output form takes: it quantizes the very same values.)
+  auto run = [&](auto q_tag) {
+    using Q = typename decltype(q_tag)::type;
+    return with_flags({a.y.data != nullptr}, [&](auto has_residual) {
+      if (vectorizable && hidden / kVec <= kMaxCachedPacks)
+        return launch_cached<Tx, Tm, kVec, kUpcast, has_residual, Q>(a, stream);
+      if (hidden <= kMaxCachedPacks)
+        return launch_cached<Tx, Tm, 1, kUpcast, has_residual, Q>(a, stream);
+      return launch_streaming(norm_modulate_streaming_kernel<Tx, Tm, kUpcast, Q>, a.rows,
+                              kRowBlockThreads, stream, a);
+    });
+  };
+  return quantized ? dispatch_quant(args.quant.format, run) : run(TypeTag<NotQuantized>{});
 }
 
 }  // namespace

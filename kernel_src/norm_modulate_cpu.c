@@ -5,7 +5,7 @@
  * double for a float64 x; the sum of squares, the mean and the variance are accumulated in double
  * (LayerNorm in two passes: mean, then mean of squared deviations). The row h is recomputed from
  * x, y, gate in every pass (nothing is allocated), and outputs are written in the last pass only.
- * An FP8 out takes one more pass: the row's amax, then the quantized values. */
+ * A quantized out takes one more pass: the row's amax, then the quantized values. */
 #include "cpu_utils.h"
 
 /* The rows of one call's operands: row pointers of the present row operands (NULL when absent). */
@@ -38,7 +38,7 @@ static double residual_element(const ltx_norm_modulate_args_t* a, const norm_mod
 }
 
 /* Element i of out: the norm of h (statistics mean, rstd, each as computed), then the modulation,
- * rounded as ltx_kernels.h says (the value stored, or quantized for an FP8 out). */
+ * rounded as ltx_kernels.h says (the value stored, or quantized for a quantized out). */
 static double modulated_element(const ltx_norm_modulate_args_t* a, const norm_modulate_row_t* r,
                                 int64_t i, double mean, double rstd, ltx_dtype_t modulation_dtype) {
   const ltx_dtype_t act = a->x.dtype;
@@ -63,6 +63,19 @@ static double modulated_element(const ltx_norm_modulate_args_t* a, const norm_mo
   }
   if (r->shift) n = computed(a, n + ltx_load_double(r->shift, modulation_dtype, i));
   return ltx_round_double(act, n); /* the value out holds (T) */
+}
+
+/* A row's state for the quantized-output epilogue (ltx_quantize_row's value and ctx). */
+typedef struct quantized_row {
+  const ltx_norm_modulate_args_t* a;
+  const norm_modulate_row_t* r;
+  double mean, rstd;
+  ltx_dtype_t modulation_dtype;
+} quantized_row_t;
+
+static float quantized_value(const void* ctx, int64_t i) {
+  const quantized_row_t* q = (const quantized_row_t*)ctx;
+  return (float)modulated_element(q->a, q->r, i, q->mean, q->rstd, q->modulation_dtype);
 }
 
 int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begin,
@@ -106,19 +119,13 @@ int ltx_norm_modulate_cpu(const ltx_norm_modulate_args_t* args, int64_t row_begi
     mean = computed(a, mean);
     rstd = computed(a, 1.0 / sqrt(sum / (double)hidden + (double)a->eps));
 
-    if (a->out_scale) { /* FP8 out: the row's amax first, then n * 448 / amax rounded to e4m3 */
-      float amax = 0.f, factor;
-      for (i = 0; i < hidden; ++i)
-        amax =
-            ltx_amax_step(amax, (float)modulated_element(a, &r, i, mean, rstd, modulation_dtype));
-      factor = ltx_fp8_factor(amax, &a->out_scale[row]);
-      for (i = 0; i < hidden; ++i)
-        ((uint8_t*)r.out)[i] = ltx_float_to_e4m3(
-            (float)modulated_element(a, &r, i, mean, rstd, modulation_dtype) * factor);
+    if (a->quant.format != LTX_QUANT_NONE) {
+      const quantized_row_t q = {a, &r, mean, rstd, modulation_dtype};
+      ltx_quantize_row(&a->quant, row, r.out, hidden, quantized_value, &q);
     }
     for (i = 0; i < hidden; ++i) {
       if (r.residual_out) ltx_store_double(r.residual_out, act, i, residual_element(a, &r, i));
-      if (!a->out_scale)
+      if (a->quant.format == LTX_QUANT_NONE)
         ltx_store_double(r.out, act, i, modulated_element(a, &r, i, mean, rstd, modulation_dtype));
     }
   }

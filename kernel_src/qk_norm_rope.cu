@@ -41,7 +41,7 @@ struct RopeTensor {
 };
 
 template <typename T, typename Tc>
-struct QkNormRopeParams {
+struct QkNormRopeArgs {
   RopeTensor<T, Tc> t[2];
   int num_tensors;
   int heads, head_dim, half_dim, row_len;  // row_len = heads * head_dim
@@ -125,7 +125,7 @@ __device__ __forceinline__ void rotate_pack(Pack<T, N>& v, const Pack<Tc, N>& c,
 // alternate while both have rows left, so the q and k rows that share cos/sin rows run at the
 // same time and the second read of those rows hits L2; the tensor with more blocks finishes alone.
 template <typename T, typename Tc>
-__device__ __forceinline__ void block_work(const QkNormRopeParams<T, Tc>& a, int& tensor,
+__device__ __forceinline__ void block_work(const QkNormRopeArgs<T, Tc>& a, int& tensor,
                                            int64_t& row_block) {
   const int64_t b = blockIdx.x;
   const int64_t blocks0 = a.t[0].blocks, blocks1 = a.num_tensors > 1 ? a.t[1].blocks : 0;
@@ -247,7 +247,7 @@ __device__ __forceinline__ void normalize_slots(Pack<T, kVec> (&xs)[kSlots],
 // moves elements one at a time (any alignment; kVec = 2).
 template <typename T, typename Tc, int kVec, bool kPackAccess>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
-    qk_norm_rope_cached_kernel(const __grid_constant__ QkNormRopeParams<T, Tc> a) {
+    qk_norm_rope_cached_kernel(const __grid_constant__ QkNormRopeArgs<T, Tc> a) {
   constexpr int kSlots = slots_per_thread<kPackAccess>();
   constexpr int kBatch = table_batch<T, Tc, kVec, kSlots>();
   static_assert(kVec % 2 == 0 && kBatch % 2 == 0 && kSlots % kBatch == 0,
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 // pairs (2i, 2i+1) or (i, i + half) of a head, or single elements without rotation.
 template <typename T, typename Tc>
 __global__ void __launch_bounds__(kStreamingThreads)
-    qk_norm_rope_streaming_kernel(const __grid_constant__ QkNormRopeParams<T, Tc> a) {
+    qk_norm_rope_streaming_kernel(const __grid_constant__ QkNormRopeArgs<T, Tc> a) {
   __shared__ float scratch[32];
   wait_for_prior_grids();
   allow_dependent_grids();
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kStreamingThreads)
 
 // Launches the cached kernel: threads per row, rows per block, q/k block counts, weight staging.
 template <typename T, typename Tc, int kVec, bool kPackAccess>
-int launch_cached(QkNormRopeParams<T, Tc> a, cudaStream_t stream) {
+int launch_cached(QkNormRopeArgs<T, Tc> a, cudaStream_t stream) {
   constexpr int kSlots = slots_per_thread<kPackAccess>();
   const int n_packs = a.row_len / kVec;
   // Threads per row: enough for kSlots packs each; a power of two within a warp (aligned groups
@@ -484,7 +484,7 @@ inline bool table_rows_aligned(const ltx_rows_t& r, int64_t head_stride, int hea
 // Fills the kernel parameters and picks the kernel: vector cached, scalar cached or streaming.
 template <typename T, typename Tc>
 int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream) {
-  QkNormRopeParams<T, Tc> a{};
+  QkNormRopeArgs<T, Tc> a{};
   a.num_tensors = args.num_tensors;
   a.heads = static_cast<int>(args.heads);
   a.head_dim = static_cast<int>(args.head_dim);

@@ -25,7 +25,7 @@ struct RopeBackwardTensor {
 };
 
 template <typename T, typename Tc>
-struct RopeBackwardParams {
+struct QkNormRopeBackwardArgs {
   RopeBackwardTensor<T, Tc> t[2];
   FastDivider pairs_per_head;  // half_dim (rotation), or the whole row (none)
   int head_dim, half_dim, row_len, n_pairs, chunk_rows;
@@ -41,7 +41,7 @@ struct PairPlace {
 };
 
 template <bool kRotate, typename T, typename Tc>
-__device__ __forceinline__ PairPlace pair_place(const RopeBackwardParams<T, Tc>& a, int p) {
+__device__ __forceinline__ PairPlace pair_place(const QkNormRopeBackwardArgs<T, Tc>& a, int p) {
   if constexpr (!kRotate) return PairPlace{2 * p, 2 * p + 1, 0, 0, 0};
   const int head = a.pairs_per_head.div(p), i = p - head * a.half_dim;
   if (a.interleaved) return PairPlace{2 * p, 2 * p + 1, head, 2 * i, 2 * i + 1};
@@ -112,7 +112,7 @@ __device__ __forceinline__ void store_slot(T* row, int lo, int hi, bool has_hi,
 // once at the chunk's end. The weight is read once per chunk.
 template <typename T, typename Tc, int kP, bool kAdjacent, bool kRotate, bool kNormalize>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
-    qk_norm_rope_backward_kernel(const __grid_constant__ RopeBackwardParams<T, Tc> a,
+    qk_norm_rope_backward_kernel(const __grid_constant__ QkNormRopeBackwardArgs<T, Tc> a,
                                  const int log2_tpr) {
   constexpr int kSlots = kPairs / kP;
   __shared__ float partials[kMaxThreadsPerRow / 32];
@@ -246,17 +246,16 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 }
 
 template <typename T, typename Tc, int kP, bool kAdjacent, bool kRotate, bool kNormalize>
-int launch_backward(const RopeBackwardParams<T, Tc>& a, cudaStream_t stream) {
+int launch_backward(const QkNormRopeBackwardArgs<T, Tc>& a, cudaStream_t stream) {
   constexpr int kSlots = kPairs / kP;
   const int n_slots = a.n_pairs / kP;
-  const int log2_tpr = log2_threads_per_row(n_slots, kSlots, kMaxThreadsPerRow);
-  const int tpr = 1 << log2_tpr;
-  if (int64_t{tpr} * kSlots < n_slots) return LTX_ERR_INVALID_ARGUMENT;  // too long
-  const int teams = std::max(1, kBlockThreads / tpr);
-  const int64_t blocks = ceil_div(a.t[0].chunks + a.t[1].chunks, teams);
-  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
-  return launch(qk_norm_rope_backward_kernel<T, Tc, kP, kAdjacent, kRotate, kNormalize>,
-                dim3(static_cast<unsigned>(blocks)), dim3(teams * tpr), 0, stream, a, log2_tpr);
+  // Every block full (min_threads = kBlockThreads): rows here are chunks of rows.
+  const CachedRowGrid g = cached_row_grid(a.t[0].chunks + a.t[1].chunks, n_slots, kSlots,
+                                          kMaxThreadsPerRow, kBlockThreads, kBlockThreads);
+  if ((int64_t{kSlots} << g.log2_tpr) < n_slots) return LTX_ERR_INVALID_ARGUMENT;  // too long
+  if (!g.fits()) return LTX_ERR_INVALID_ARGUMENT;
+  return launch(qk_norm_rope_backward_kernel<T, Tc, kP, kAdjacent, kRotate, kNormalize>, g.grid(),
+                dim3(g.threads), 0, stream, a, g.log2_tpr);
 }
 
 // True when every row start of r (and, for tables, every head's start) is aligned to `alignment`
@@ -270,7 +269,7 @@ inline bool rows_aligned(const ltx_rows_t& r, int64_t head_stride, int64_t heads
 template <typename T, typename Tc>
 int backward_typed(const ltx_qk_norm_rope_backward_args_t& args, cudaStream_t stream) {
   const ltx_qk_norm_rope_args_t& f = args.forward;
-  RopeBackwardParams<T, Tc> a{};
+  QkNormRopeBackwardArgs<T, Tc> a{};
   a.head_dim = static_cast<int>(f.head_dim);
   a.half_dim = a.head_dim / 2;
   a.row_len = static_cast<int>(f.heads * f.head_dim);

@@ -125,9 +125,6 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 
 template <typename Tx, typename Tw, typename To, bool kHasWeight, int kVec>
 int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
-  const int n_packs = a.hidden / kVec;
-  const int log2_tpr = log2_threads_per_row(n_packs, kSlots, kMaxThreadsPerRow);
-  const int tpr = 1 << log2_tpr;
   // Several rows per block; fewer when there are few rows, so that every SM gets work. With a
   // weight, blocks hold 4 rows: each block stages the whole weight and waits once at a barrier,
   // and 4 rows balance the rows held up there against the number of weight reads (all blocks
@@ -135,27 +132,24 @@ int launch_cached(const RmsNormArgs<Tx, Tw, To>& a, cudaStream_t stream) {
   // (benchmarks/NOTES.md).
   const int block_threads = kHasWeight ? kRowBlockThreads / 2 : kRowBlockThreads;
   const int min_threads = kHasWeight ? kRowBlockThreads / 2 : 64;
-  auto blocks_for = [&](int rows_in_block) { return ceil_div(a.rows, rows_in_block); };
-  const int threads = rows_per_block(tpr, block_threads, min_threads, blocks_for) * tpr;
-  const int64_t blocks = blocks_for(threads / tpr);
-  if (blocks > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  const CachedRowGrid g = cached_row_grid(a.rows, a.hidden / kVec, kSlots, kMaxThreadsPerRow,
+                                          block_threads, min_threads);
+  if (!g.fits()) return LTX_ERR_INVALID_ARGUMENT;
   size_t staged_bytes = 0;
   if constexpr (kHasWeight) {
     // Few rows (the grid fits in one wave): latency-bound, so load the weight into registers
     // together with x. Otherwise bandwidth-bound: stage it in shared memory (when it fits), which
     // keeps the register count, and so the occupancy, of the weight-less kernel.
     constexpr auto register_kernel = rmsnorm_cached_kernel<Tx, Tw, To, kVec, true, true>;
-    if (threads <= kRegisterWeightMaxThreads &&
-        blocks <=
-            static_cast<int64_t>(resident_blocks_per_sm<register_kernel>(threads)) * sm_count())
-      return launch(register_kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream,
-                    a, log2_tpr, false);
+    if (g.threads <= kRegisterWeightMaxThreads &&
+        g.blocks <=
+            static_cast<int64_t>(resident_blocks_per_sm<register_kernel>(g.threads)) * sm_count())
+      return launch(register_kernel, g.grid(), dim3(g.threads), 0, stream, a, g.log2_tpr, false);
     const size_t weight_bytes = static_cast<size_t>(a.hidden) * sizeof(Tw);
     if (weight_bytes <= kMaxStagedWeightBytes) staged_bytes = weight_bytes;
   }
-  return launch(rmsnorm_cached_kernel<Tx, Tw, To, kVec, kHasWeight, false>,
-                dim3(static_cast<unsigned>(blocks)), dim3(threads), staged_bytes, stream, a,
-                log2_tpr, staged_bytes > 0);
+  return launch(rmsnorm_cached_kernel<Tx, Tw, To, kVec, kHasWeight, false>, g.grid(),
+                dim3(g.threads), staged_bytes, stream, a, g.log2_tpr, staged_bytes > 0);
 }
 
 template <typename Tx, typename Tw, typename To, bool kHasWeight>

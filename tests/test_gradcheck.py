@@ -134,9 +134,9 @@ def test_float64_forward_matches_reference(op, case):
         _assert_matches_reference(op, args, kwargs, f"{op}[{case}] with fp32 operands")
 
 
-@pytest.mark.parametrize("op", ["rmsnorm_modulate_fp8", "add_layernorm_modulate_fp8"])
-def test_fp8_ops_refuse_float64(op):
-    """The FP8-output ops (inference, no backward to check) keep to the model dtypes."""
+@pytest.mark.parametrize("op", ["rmsnorm_modulate_quant", "add_layernorm_modulate_quant"])
+def test_quant_ops_refuse_float64(op):
+    """The quantized-output ops (inference, no backward to check) keep to the model dtypes."""
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     residual = (x,) if op.startswith("add_") else ()
     with pytest.raises(

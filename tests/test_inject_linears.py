@@ -182,15 +182,15 @@ def fp8_linear_names(model, family: str) -> list[str]:
 
 def fp8_emulated(model, family: str = "ltx"):
     """A stock copy of `model` whose FP8 Linears compute what the FP8 path must: x's bf16 value
-    quantized per row and the weight per output channel (reference.quantize_rows_fp8), the
+    quantized per row and the weight per output channel (reference.quantize_rows), the
     products summed in fp32, scaled by both scales, bias added, rounded once."""
     emulated = clone(model)
     for name in fp8_linear_names(emulated, family):
         linear = emulated.get_submodule(name)
-        weight, weight_scale = reference.quantize_rows_fp8(linear.weight.detach())
+        weight, weight_scale = reference.quantize_rows(linear.weight.detach())
 
         def forward(x, linear=linear, weight=weight, weight_scale=weight_scale):
-            q, scale = reference.quantize_rows_fp8(x)
+            q, scale = reference.quantize_rows(x)
             out = (q.float() @ weight.float().T) * scale[..., None] * weight_scale
             return (out + linear.bias.float()).to(x.dtype)
 
@@ -231,7 +231,7 @@ def test_fp8_weights_are_quantized_once_and_parked():
         for path in FP8_LINEARS:
             linear = block.get_submodule(path)
             assert isinstance(linear, linears.Fp8Linear)
-            q, scale = reference.quantize_rows_fp8(linear.weight.detach())
+            q, scale = reference.quantize_rows(linear.weight.detach())
             assert linear.weight_fp8.dtype == torch.float8_e4m3fn
             assert torch.equal(linear.weight_fp8.view(torch.uint8), q.view(torch.uint8))
             assert torch.equal(linear.weight_scale, scale)
@@ -261,15 +261,15 @@ def test_fp8_remove_restores_bit_identical_outputs():
 def test_fp8_op_counts():
     """Per block: norm1 and norm2 emit FP8 rows (attn1's q/k/v, one GEMM; the FF), the GELU emits
     them for the down projection; attn1's and attn2's output projections and attn2's query
-    quantize their input (quantize_fp8). No linear_gelu (the FP8 GEMM has no GELU epilogue)."""
+    quantize their input (quantize). No linear_gelu (the FP8 GEMM has no GELU epilogue)."""
     model = tiny_model(BF16)
     call = caller(tiny_inputs(BF16))
     fp8_injected(model)
     layers = TINY["num_layers"]
     assert count_ltx_ops(lambda: call(model)) == {
-        "rmsnorm_modulate_fp8": layers,
-        "add_rmsnorm_modulate_fp8": layers,
-        "quantize_fp8": 4 * layers,
+        "rmsnorm_modulate_quant": layers,
+        "add_rmsnorm_modulate_quant": layers,
+        "quantize": 4 * layers,
         "qk_rmsnorm_rope": 2 * layers,
         "gated_residual": 2 * layers,
         "layernorm_modulate": 1,
@@ -295,17 +295,17 @@ def test_fp8_each_fusion_disabled_alone_gives_the_same_output(disabled, family):
 def test_fp8_flux_quantizes_each_activation_once():
     """Per FLUX block in FP8: the AdaLN norms emit FP8 rows (double: norm1 for the image q/k/v,
     one GEMM; single: its norm for q/k/v and proj_mlp, one GEMM), norm2 and the FF's GELU as
-    before; quantize_fp8 runs on the attention output (double: to_out; single: cat(attention,
+    before; quantize runs on the attention output (double: to_out; single: cat(attention,
     GELU(mlp)) into proj_out, one scale over the whole row) and in the FF's GELU. Before: 3
-    quantize_fp8 passes in each block, 4 GEMMs in the single block."""
+    quantize passes in each block, 4 GEMMs in the single block."""
     double, call = flux_zoo.tiny_block("double", BF16)
     fp8_injected(double)
     assert count_ltx_ops(lambda: call(double)) == {
-        "layernorm_modulate_fp8": 1,  # norm1 (image)
+        "layernorm_modulate_quant": 1,  # norm1 (image)
         "layernorm_modulate": 1,  # norm1_context (the text stream stays bf16)
-        "add_layernorm_modulate_fp8": 1,  # norm2 (image)
+        "add_layernorm_modulate_quant": 1,  # norm2 (image)
         "add_layernorm_modulate": 1,  # norm2_context
-        "quantize_fp8": 2,  # the attention output (to_out), GELU -> ff.net.2
+        "quantize": 2,  # the attention output (to_out), GELU -> ff.net.2
         "qk_rmsnorm_rope": 2,
         "gated_residual": 2,
         "linear_gelu": 1,  # ff_context
@@ -315,8 +315,8 @@ def test_fp8_flux_quantizes_each_activation_once():
     single, call = flux_zoo.tiny_block("single", BF16)
     fp8_injected(single)
     assert count_ltx_ops(lambda: call(single)) == {
-        "layernorm_modulate_fp8": 1,
-        "quantize_fp8": 1,  # cat(attention, GELU(mlp)) -> proj_out
+        "layernorm_modulate_quant": 1,
+        "quantize": 1,  # cat(attention, GELU(mlp)) -> proj_out
         "gelu": 1,
         "qk_rmsnorm_rope": 1,
         "gated_residual": 1,
@@ -339,8 +339,8 @@ def test_fp8_flux_is_bit_identical_to_quantizing_in_each_linear():
     with torch.no_grad():
         assert torch.equal(output_of(call(model)), output_of(call(previous)))
     assert seen == [torch.Tensor] * 2
-    assert count_ltx_ops(lambda: call(model))["quantize_fp8"] == 2 + 1
-    assert count_ltx_ops(lambda: call(previous))["quantize_fp8"] == 3 + 3
+    assert count_ltx_ops(lambda: call(model))["quantize"] == 2 + 1
+    assert count_ltx_ops(lambda: call(previous))["quantize"] == 3 + 3
 
 
 @pytest.mark.parametrize(

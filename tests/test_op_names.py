@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from ltx_kernels import BACKWARD_OPS, FP8_OPS, OPS, _fake, reference
+from ltx_kernels import BACKWARD_OPS, OPS, QUANT_OPS, _fake, ops, reference
 from ltx_kernels import _op_names as op_table
 from ltx_kernels.__main__ import smoke_inputs
 from ltx_kernels._op_names import RECOMPUTE_SCOPE_OP, REFERENCE_VJP_OP
@@ -37,16 +37,21 @@ def test_ops_are_the_registered_ops():
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("ltx_kernels::")
     }
-    every = (*OPS, *FP8_OPS, *BACKWARD_OPS, REFERENCE_VJP_OP, RECOMPUTE_SCOPE_OP)
+    every = (*OPS, *QUANT_OPS, *BACKWARD_OPS, REFERENCE_VJP_OP, RECOMPUTE_SCOPE_OP)
     assert len(set(every)) == len(every)
     assert set(every) == registered
 
 
 PIECES = {
-    "wrappers (ltx_kernels.<op>)": lambda: _functions_defined_in(ltx_kernels),
-    # (and the rowwise FP8 rule the FP8 ops' references share)
+    "wrappers (ltx_kernels.ops.<op>)": lambda: _functions_defined_in(ops),
+    "re-exported wrappers (ltx_kernels.<op>)": lambda: {
+        name
+        for name, value in vars(ltx_kernels).items()
+        if inspect.isfunction(value) and value is vars(ops).get(name) and name != "_library"
+    },
+    # (and the row quantization rule the quantized ops' references share)
     "references (reference.<op>)": lambda: _functions_defined_in(
-        reference, but={"quantize_rows_fp8", "dequantize_rows_fp8"}
+        reference, but={"quantize_rows", "dequantize_rows"}
     ),
     "reference.__all__": lambda: set(reference.__all__),
     "fakes (_fake.<op>)": lambda: _functions_defined_in(_fake, but={"register"}),
@@ -54,9 +59,9 @@ PIECES = {
 }
 
 
-# The FP8 ops have every piece; the backward ops have a fake and nothing else of these.
-EXPECTED = {piece: set(OPS + FP8_OPS) for piece in PIECES} | {
-    "fakes (_fake.<op>)": set(OPS + FP8_OPS + BACKWARD_OPS)
+# The quantized ops have every piece; the backward ops have a fake and nothing else of these.
+EXPECTED = {piece: set(OPS + QUANT_OPS) for piece in PIECES} | {
+    "fakes (_fake.<op>)": set(OPS + QUANT_OPS + BACKWARD_OPS)
 }
 
 

@@ -18,8 +18,8 @@
 // reference_vjp of the plain norm at the saved h and the residual's linear part in ATen; rope,
 // qk_rmsnorm_rope: reference_vjp; gelu, geglu: ATen's GELU derivative; linear_gelu and lora_linear
 // are ATen already). The first-order backward (grad mode off) is the fused path alone.
-// The backward ops and the FP8 ops record a node that raises when differentiated, naming the op.
-// Training memory: within recompute_scope (integration/recompute.py), a norm output or a LoRA
+// The backward ops and the quantized ops record a node that raises when differentiated, naming the
+// op. Training memory: within recompute_scope (integration/recompute.py), a norm output or a LoRA
 // projection's output that lora_linear or qk_rmsnorm_rope saves is saved as the call that gives it
 // again (the section "Outputs recomputed in backward" below).
 #include <ATen/ExpandUtils.h>
@@ -706,8 +706,8 @@ Tensor lora_linear_op(const Tensor& x, const Tensor& weight, const OptTensor& bi
 }
 
 // ------------------------------------------------------------------------------------------------
-// Ops without a derivative (the backward ops, the FP8 ops): their outputs get a node that raises
-// when differentiated, naming the op, never a gradient silently cut off.
+// Ops without a derivative (the backward ops, the quantized ops): their outputs get a node that
+// raises when differentiated, naming the op, never a gradient silently cut off.
 std::string op_name(const c10::OperatorHandle& op) {
   const std::string& name = op.schema().name();
   return "ltx_kernels." + name.substr(name.find("::") + 2);
@@ -719,7 +719,7 @@ std::string not_differentiable_message(const c10::OperatorHandle& op) {
          "second derivatives differentiate the forward op with create_graph=True)";
 }
 
-std::string fp8_message(const c10::OperatorHandle& op) {
+std::string quant_message(const c10::OperatorHandle& op) {
   return op_name(op) +
          " has no backward: the FP8 path (inject_optimized_kernels(..., fp8=True)) is for "
          "inference; train with the bf16 ops (fp8=False)";
@@ -802,10 +802,10 @@ TORCH_LIBRARY_IMPL_EXPAND(LTX_OPS_NAMESPACE, Autograd, m) {
   m.impl("linear_gelu", &linear_gelu_op);
   m.impl("lora_linear", &lora_linear_op);
   for (const char* name :
-       {"rmsnorm_modulate_fp8", "layernorm_modulate_fp8", "add_rmsnorm_modulate_fp8",
-        "add_layernorm_modulate_fp8", "quantize_fp8"})
+       {"rmsnorm_modulate_quant", "layernorm_modulate_quant", "add_rmsnorm_modulate_quant",
+        "add_layernorm_modulate_quant", "quantize"})
     m.impl(name,
-           torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&fp8_message>>());
+           torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&quant_message>>());
   for (const char* name : {"gelu_backward", "geglu_backward", "norm_modulate_backward",
                            "rope_backward", "qk_rmsnorm_rope_backward"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<

@@ -69,7 +69,7 @@ inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
     case at::kHalf: return LTX_FLOAT16;
     case at::kBFloat16: return LTX_BFLOAT16;
     case at::kDouble: return LTX_FLOAT64;
-    case at::kFloat8_e4m3fn: return LTX_FLOAT8_E4M3;        // (outputs of the FP8 ops only)
+    case at::kFloat8_e4m3fn: return LTX_FLOAT8_E4M3;        // (quantized outputs only)
     default: LTX_CHECK(false, "unsupported dtype ", type);  // callers check first
   }
   return LTX_FLOAT32;  // unreachable
@@ -140,6 +140,29 @@ inline void check_channel_vector(const char* op, const char* name, const at::Ten
 inline void* present_data(const at::Tensor& t) {
   static char empty_tensor;
   return t.data_ptr() ? const_cast<void*>(t.data_ptr()) : &empty_tensor;
+}
+
+// A quantized output of x's shape (ltx_kernels.h, Quantized outputs) in `format`, the str format of
+// the quantized ops ("e4m3_row"): its codes, its scales (x.shape[:-1] fp32, one per row; rows with
+// no elements get the scale of an amax of 0) and the descriptor the launchers take.
+struct QuantOutput {
+  at::Tensor codes, scale;
+  ltx_quant_t quant;
+};
+
+inline QuantOutput quant_output(const char* op, const at::Tensor& x, c10::string_view format) {
+  LTX_CHECK(format == "e4m3_row", op, ": format must be 'e4m3_row', got '", std::string(format),
+            "'");
+  QuantOutput out;
+  out.codes = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  out.scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  if (x.size(-1) == 0) {
+    float empty_row_scale;
+    ltx_e4m3_row_factor(0.f, &empty_row_scale);
+    out.scale.fill_(empty_row_scale);
+  }
+  out.quant = ltx_quant_t{LTX_QUANT_E4M3_ROW, static_cast<float*>(present_data(out.scale)), 0};
+  return out;
 }
 
 // The rows of t (all dims but the last) as at most LTX_MAX_ROW_DIMS (size, stride) levels:

@@ -1,5 +1,5 @@
 // Bindings of the elementwise ops: gated_residual (ltx_gated_residual_*), gelu and geglu and their
-// backward (ltx_gelu_*, ltx_gelu_backward_*), quantize_fp8 (ltx_quantize_fp8_*).
+// backward (ltx_gelu_*, ltx_gelu_backward_*), quantize (ltx_quantize_*).
 #include "binding_utils.h"
 #include "torch_binding.h"
 
@@ -115,31 +115,25 @@ at::Tensor geglu_backward(const at::Tensor& grad_out, const at::Tensor& x,
   return gelu_backward_impl("ltx_kernels.geglu_backward", grad_out, x, approximate, true);
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, c10::string_view activation) {
-  const char* op = "ltx_kernels.quantize_fp8";
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, c10::string_view activation,
+                                            c10::string_view approximate, c10::string_view format) {
+  const char* op = "ltx_kernels.quantize";
   check_activation(op, "x", x);
-  ltx_activation_t kind = LTX_ACTIVATION_NONE;
-  if (activation == "gelu")
-    kind = LTX_ACTIVATION_GELU;
-  else if (activation == "gelu_tanh")
-    kind = LTX_ACTIVATION_GELU_TANH;
-  else
-    LTX_CHECK(activation == "none", op, ": activation must be 'none', 'gelu' or 'gelu_tanh', got '",
-              std::string(activation), "'");
+  LTX_CHECK(activation == "none" || activation == "gelu", op,
+            ": activation must be 'none' or 'gelu', got '", std::string(activation), "'");
+  const ltx_activation_t kind = activation == "gelu" ? LTX_ACTIVATION_GELU : LTX_ACTIVATION_NONE;
+  const ltx_gelu_approximate_t gelu_kind = gelu_approximate(op, approximate);
   const int64_t hidden = x.size(-1);
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor q_scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  if (hidden == 0) q_scale.fill_(LTX_FP8_MIN_AMAX / LTX_FP8_MAX);  // empty rows: amax 0
-  float* scales = static_cast<float*>(present_data(q_scale));
-  const ltx_rows_t q_rows = rows_of(op, "out", q), x_rows = rows_of(op, "x", x);
+  const QuantOutput out = quant_output(op, x, format);
+  const ltx_rows_t q_rows = rows_of(op, "out", out.codes), x_rows = rows_of(op, "x", x);
   run_launcher(
-      op, ltx_check_quantize_fp8(&q_rows, scales, &x_rows, hidden, kind), x,
-      q.numel() / std::max<int64_t>(hidden, 1), hidden,
+      op, ltx_check_quantize(&q_rows, &out.quant, &x_rows, hidden, kind, gelu_kind), x,
+      out.codes.numel() / std::max<int64_t>(hidden, 1), hidden,
       [&](ltx_stream_t stream) {
-        return ltx_quantize_fp8_cuda(q_rows, scales, x_rows, hidden, kind, stream);
+        return ltx_quantize_cuda(q_rows, out.quant, x_rows, hidden, kind, gelu_kind, stream);
       },
       [&](int64_t b, int64_t e) {
-        return ltx_quantize_fp8_cpu(q_rows, scales, x_rows, hidden, kind, b, e);
+        return ltx_quantize_cpu(q_rows, out.quant, x_rows, hidden, kind, gelu_kind, b, e);
       });
-  return {q, q_scale};
+  return {out.codes, out.scale};
 }

@@ -1,5 +1,5 @@
 // Bindings of the norm ops: rmsnorm (ltx_rmsnorm_*) and the (residual +) norm + modulation ops
-// rmsnorm_modulate, layernorm_modulate, their add_ twins and the FP8-output forms of the four
+// rmsnorm_modulate, layernorm_modulate, their add_ twins and the quantized forms of the four
 // (ltx_norm_modulate_*).
 #include "binding_utils.h"
 #include "torch_binding.h"
@@ -36,17 +36,18 @@ static ltx_rows_t optional_rows(const char* op, const char* name,
   return rows_of(op, name, broadcast_operand(op, name, *t, x, x.sizes(), cpu_float64));
 }
 
-// rmsnorm_modulate, layernorm_modulate, their add_ twins and the FP8-output forms of the four: one
-// launcher. Returns (h, n, n_scale): h is undefined without y; with fp8, n is float8_e4m3fn and
-// n_scale its fp32 row scales (x.shape[:-1]), else n has x's dtype and n_scale is undefined.
-// float64 (the C twin, in double) for gradcheck: not the FP8 forms (no backward to check).
+// rmsnorm_modulate, layernorm_modulate, their add_ twins and the quantized forms of the four: one
+// launcher. Returns (h, n, n_scale): h is undefined without y; with a format, n holds the quantized
+// rows and n_scale their scales (quant_output), else n has x's dtype and n_scale is undefined.
+// float64 (the C twin, in double) for gradcheck: not the quantized forms (no backward to check).
 static std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_modulate(
     const char* op, ltx_norm_kind_t kind, const at::Tensor& x, const std::optional<at::Tensor>& y,
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
     const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, double eps, bool upcast, bool fp8 = false) {
-  check_activation(op, "x", x, /*cpu_float64=*/!fp8);
-  const bool float64 = !fp8 && is_float64(x);
+    const std::optional<at::Tensor>& bias, double eps, bool upcast,
+    std::optional<c10::string_view> format = std::nullopt) {
+  check_activation(op, "x", x, /*cpu_float64=*/!format);
+  const bool float64 = !format && is_float64(x);
   const int64_t hidden = x.size(-1);
   ltx_norm_modulate_args_t args{};
   args.x = rows_of(op, "x", x);
@@ -67,12 +68,14 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_modulate(
   args.hidden = hidden;
   args.eps = static_cast<float>(eps);
   args.upcast = upcast ? 1 : 0;
-  at::Tensor n = at::empty(x.sizes(), fp8 ? x.options().dtype(at::kFloat8_e4m3fn) : x.options());
-  at::Tensor n_scale;
-  if (fp8) {
-    n_scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-    args.out_scale = static_cast<float*>(present_data(n_scale));
-    if (hidden == 0) n_scale.fill_(LTX_FP8_MIN_AMAX / LTX_FP8_MAX);  // empty rows: amax 0
+  at::Tensor n, n_scale;
+  if (format) {
+    QuantOutput out = quant_output(op, x, *format);
+    n = out.codes;
+    n_scale = out.scale;
+    args.quant = out.quant;
+  } else {
+    n = at::empty(x.sizes(), x.options());
   }
   args.out = rows_of(op, "out", n);
   run_launcher(
@@ -122,44 +125,43 @@ std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(const at::Tensor& x, c
   return {h, n};
 }
 
-std::tuple<at::Tensor, at::Tensor> rmsnorm_modulate_fp8(const at::Tensor& x,
-                                                        const std::optional<at::Tensor>& scale,
-                                                        const std::optional<at::Tensor>& shift,
-                                                        const std::optional<at::Tensor>& weight,
-                                                        double eps, bool upcast) {
-  auto [h, q, q_scale] =
-      norm_modulate("ltx_kernels.rmsnorm_modulate_fp8", LTX_NORM_RMS, x, std::nullopt, scale, shift,
-                    std::nullopt, weight, std::nullopt, eps, upcast, /*fp8=*/true);
-  return {q, q_scale};
-}
-
-std::tuple<at::Tensor, at::Tensor> layernorm_modulate_fp8(const at::Tensor& x,
+std::tuple<at::Tensor, at::Tensor> rmsnorm_modulate_quant(const at::Tensor& x,
                                                           const std::optional<at::Tensor>& scale,
                                                           const std::optional<at::Tensor>& shift,
                                                           const std::optional<at::Tensor>& weight,
-                                                          const std::optional<at::Tensor>& bias,
-                                                          double eps, bool upcast) {
+                                                          double eps, bool upcast,
+                                                          c10::string_view format) {
   auto [h, q, q_scale] =
-      norm_modulate("ltx_kernels.layernorm_modulate_fp8", LTX_NORM_LAYER, x, std::nullopt, scale,
-                    shift, std::nullopt, weight, bias, eps, upcast, /*fp8=*/true);
+      norm_modulate("ltx_kernels.rmsnorm_modulate_quant", LTX_NORM_RMS, x, std::nullopt, scale,
+                    shift, std::nullopt, weight, std::nullopt, eps, upcast, format);
   return {q, q_scale};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_modulate_fp8(
-    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
-    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
-    const std::optional<at::Tensor>& weight, double eps, bool upcast) {
-  return norm_modulate("ltx_kernels.add_rmsnorm_modulate_fp8", LTX_NORM_RMS, x, y, scale, shift,
-                       gate, weight, std::nullopt, eps, upcast, /*fp8=*/true);
+std::tuple<at::Tensor, at::Tensor> layernorm_modulate_quant(
+    const at::Tensor& x, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, bool upcast, c10::string_view format) {
+  auto [h, q, q_scale] =
+      norm_modulate("ltx_kernels.layernorm_modulate_quant", LTX_NORM_LAYER, x, std::nullopt, scale,
+                    shift, std::nullopt, weight, bias, eps, upcast, format);
+  return {q, q_scale};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_modulate_fp8(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_modulate_quant(
+    const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
+    const std::optional<at::Tensor>& weight, double eps, bool upcast, c10::string_view format) {
+  return norm_modulate("ltx_kernels.add_rmsnorm_modulate_quant", LTX_NORM_RMS, x, y, scale, shift,
+                       gate, weight, std::nullopt, eps, upcast, format);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_modulate_quant(
     const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    bool upcast) {
-  return norm_modulate("ltx_kernels.add_layernorm_modulate_fp8", LTX_NORM_LAYER, x, y, scale, shift,
-                       gate, weight, bias, eps, upcast, /*fp8=*/true);
+    bool upcast, c10::string_view format) {
+  return norm_modulate("ltx_kernels.add_layernorm_modulate_quant", LTX_NORM_LAYER, x, y, scale,
+                       shift, gate, weight, bias, eps, upcast, format);
 }
 
 // ------------------------------------------------------------------------------------------------

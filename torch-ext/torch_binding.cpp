@@ -45,32 +45,35 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
       "Tensor? sin, float eps=1e-06, bool across_heads=True, bool interleaved=True) "
       "-> (Tensor, Tensor)",
       "qk_rmsnorm_rope", &qk_rmsnorm_rope);
-  // GELU, erf or tanh form.
-  def("gelu(Tensor x, str approximate='tanh') -> Tensor", "gelu", &gelu);
+  // GELU, erf ('none', F.gelu's default) or tanh form.
+  def("gelu(Tensor x, str approximate='none') -> Tensor", "gelu", &gelu);
   // GEGLU as diffusers': hidden, gate = x.chunk(2, -1); hidden * gelu(gate).
   def("geglu(Tensor x, str approximate='none') -> Tensor", "geglu", &geglu);
-  // FP8-output ops (inference): the op's value quantized per row to float8_e4m3fn, with one fp32
-  // scale per row (x.shape[:-1]); the add_ ones return h first.
-  def("rmsnorm_modulate_fp8(Tensor x, Tensor? scale, Tensor? shift, Tensor? weight=None, "
-      "float eps=1e-06, *, bool upcast=False) -> (Tensor, Tensor)",
-      "rmsnorm_modulate_fp8", &rmsnorm_modulate_fp8);
-  def("layernorm_modulate_fp8(Tensor x, Tensor? scale, Tensor? shift, Tensor? weight=None, "
-      "Tensor? bias=None, float eps=1e-06, *, bool upcast=False) -> (Tensor, Tensor)",
-      "layernorm_modulate_fp8", &layernorm_modulate_fp8);
-  def("add_rmsnorm_modulate_fp8(Tensor x, Tensor y, Tensor? scale, Tensor? shift, "
-      "Tensor? gate=None, Tensor? weight=None, float eps=1e-06, *, bool upcast=False) "
-      "-> (Tensor, Tensor, Tensor)",
-      "add_rmsnorm_modulate_fp8", &add_rmsnorm_modulate_fp8);
-  def("add_layernorm_modulate_fp8(Tensor x, Tensor y, Tensor? scale, Tensor? shift, "
+  // Quantized-output ops (inference): the op's value quantized in `format` (ltx_kernels.h,
+  // Quantized outputs; 'e4m3_row': float8_e4m3fn with one fp32 scale per row, x.shape[:-1]);
+  // returns (codes, scales), after h for the add_ ones.
+  def("rmsnorm_modulate_quant(Tensor x, Tensor? scale, Tensor? shift, Tensor? weight=None, "
+      "float eps=1e-06, *, bool upcast=False, str format='e4m3_row') -> (Tensor, Tensor)",
+      "rmsnorm_modulate_quant", &rmsnorm_modulate_quant);
+  def("layernorm_modulate_quant(Tensor x, Tensor? scale, Tensor? shift, Tensor? weight=None, "
+      "Tensor? bias=None, float eps=1e-06, *, bool upcast=False, str format='e4m3_row') "
+      "-> (Tensor, Tensor)",
+      "layernorm_modulate_quant", &layernorm_modulate_quant);
+  def("add_rmsnorm_modulate_quant(Tensor x, Tensor y, Tensor? scale, Tensor? shift, "
+      "Tensor? gate=None, Tensor? weight=None, float eps=1e-06, *, bool upcast=False, "
+      "str format='e4m3_row') -> (Tensor, Tensor, Tensor)",
+      "add_rmsnorm_modulate_quant", &add_rmsnorm_modulate_quant);
+  def("add_layernorm_modulate_quant(Tensor x, Tensor y, Tensor? scale, Tensor? shift, "
       "Tensor? gate=None, Tensor? weight=None, Tensor? bias=None, float eps=1e-06, *, "
-      "bool upcast=False) -> (Tensor, Tensor, Tensor)",
-      "add_layernorm_modulate_fp8", &add_layernorm_modulate_fp8);
-  // x, or gelu(x) rounded to x's dtype (activation 'gelu' or 'gelu_tanh'), quantized per row.
-  def("quantize_fp8(Tensor x, str activation='none') -> (Tensor, Tensor)", "quantize_fp8",
-      &quantize_fp8);
+      "bool upcast=False, str format='e4m3_row') -> (Tensor, Tensor, Tensor)",
+      "add_layernorm_modulate_quant", &add_layernorm_modulate_quant);
+  // x, or gelu(x, approximate) rounded to x's dtype (activation 'gelu'), quantized in `format`.
+  def("quantize(Tensor x, str activation='none', str approximate='none', *, "
+      "str format='e4m3_row') -> (Tensor, Tensor)",
+      "quantize", &quantize);
   // Backward ops (functional; the autograd of the ops above calls them, _autograd.py).
   // The gradient of x for gelu's output gradient (x's shape and dtype).
-  def("gelu_backward(Tensor grad_out, Tensor x, str approximate='tanh') -> Tensor", "gelu_backward",
+  def("gelu_backward(Tensor grad_out, Tensor x, str approximate='none') -> Tensor", "gelu_backward",
       &gelu_backward);
   // The gradient of x = [hidden | gate] for geglu's output gradient.
   def("geglu_backward(Tensor grad_out, Tensor x, str approximate='none') -> Tensor",

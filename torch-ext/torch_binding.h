@@ -32,26 +32,25 @@ std::tuple<at::Tensor, at::Tensor> add_layernorm_modulate(const at::Tensor& x, c
                                                           const std::optional<at::Tensor>& weight,
                                                           const std::optional<at::Tensor>& bias,
                                                           double eps, bool upcast);
-std::tuple<at::Tensor, at::Tensor> rmsnorm_modulate_fp8(const at::Tensor& x,
-                                                        const std::optional<at::Tensor>& scale,
-                                                        const std::optional<at::Tensor>& shift,
-                                                        const std::optional<at::Tensor>& weight,
-                                                        double eps, bool upcast);
-std::tuple<at::Tensor, at::Tensor> layernorm_modulate_fp8(const at::Tensor& x,
+std::tuple<at::Tensor, at::Tensor> rmsnorm_modulate_quant(const at::Tensor& x,
                                                           const std::optional<at::Tensor>& scale,
                                                           const std::optional<at::Tensor>& shift,
                                                           const std::optional<at::Tensor>& weight,
-                                                          const std::optional<at::Tensor>& bias,
-                                                          double eps, bool upcast);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_modulate_fp8(
+                                                          double eps, bool upcast,
+                                                          c10::string_view format);
+std::tuple<at::Tensor, at::Tensor> layernorm_modulate_quant(
+    const at::Tensor& x, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, bool upcast, c10::string_view format);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_modulate_quant(
     const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
-    const std::optional<at::Tensor>& weight, double eps, bool upcast);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_modulate_fp8(
+    const std::optional<at::Tensor>& weight, double eps, bool upcast, c10::string_view format);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_modulate_quant(
     const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& scale,
     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& gate,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    bool upcast);
+    bool upcast, c10::string_view format);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 norm_modulate_backward(const std::optional<at::Tensor>& grad_out,
                        const std::optional<at::Tensor>& grad_h, const std::optional<at::Tensor>& h,
@@ -86,7 +85,8 @@ at::Tensor gelu_backward(const at::Tensor& grad_out, const at::Tensor& x,
                          c10::string_view approximate);
 at::Tensor geglu_backward(const at::Tensor& grad_out, const at::Tensor& x,
                           c10::string_view approximate);
-std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, c10::string_view activation);
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, c10::string_view activation,
+                                            c10::string_view approximate, c10::string_view format);
 
 // linear_ops.cpp
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,

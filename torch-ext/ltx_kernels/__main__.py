@@ -30,15 +30,15 @@ def smoke_inputs(device: str) -> dict:
         "gated_residual": (x, y, mod),
         "rope": (q, cos, sin),
         "qk_rmsnorm_rope": (q, q, rand(96), rand(96), cos, sin),
-        "gelu": (x,),
-        "geglu": (x,),
+        "gelu": (x, "tanh"),
+        "geglu": (x, "none"),
         "linear_gelu": (x, rand(64, 96), rand(64)),
         "lora_linear": (x, rand(64, 96), rand(64), [rand(4, 96)], [rand(32, 4)], [0.5], [16]),
-        "rmsnorm_modulate_fp8": (x, mod, mod),
-        "layernorm_modulate_fp8": (x, mod, mod),
-        "add_rmsnorm_modulate_fp8": (x, y, mod, mod, mod),
-        "add_layernorm_modulate_fp8": (x, y, mod, mod, mod),
-        "quantize_fp8": (x, "gelu_tanh"),
+        "rmsnorm_modulate_quant": (x, mod, mod),
+        "layernorm_modulate_quant": (x, mod, mod),
+        "add_rmsnorm_modulate_quant": (x, y, mod, mod, mod),
+        "add_layernorm_modulate_quant": (x, y, mod, mod, mod),
+        "quantize": (x, "gelu", "tanh"),
     }
 
 
@@ -46,8 +46,8 @@ def _check_op(op: str, device: str) -> str:
     try:
         args = smoke_inputs(device)[op]
         outs = getattr(ltx_kernels, op)(*args)
-        # (the FP8 ops' reference quantizes the value of their model-dtype twin: no float64 form)
-        exact = {} if op in ltx_kernels.FP8_OPS else {"compute_dtype": torch.float64}
+        # (the quantized ops' reference quantizes their model-dtype value: no float64 form)
+        exact = {} if op in ltx_kernels.QUANT_OPS else {"compute_dtype": torch.float64}
         refs = getattr(reference, op)(*args, **exact)
         outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
         err = max(
@@ -100,11 +100,11 @@ def main() -> int:
         return 1
     print("  extension        loaded")
     failures = 0
-    for op in ltx_kernels.OPS + ltx_kernels.FP8_OPS:
+    for op in ltx_kernels.OPS + ltx_kernels.QUANT_OPS:
         for device in devices:
             status = _check_op(op, device)
             failures += not status.startswith("ok")
-            print(f"  op {op:<26} {device:<5} {status}")
+            print(f"  op {op:<28} {device:<5} {status}")
     return 1 if failures else 0
 
 

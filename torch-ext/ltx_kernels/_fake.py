@@ -120,7 +120,7 @@ def qk_rmsnorm_rope(
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def gelu(x, approximate="tanh"):
+def gelu(x, approximate="none"):
     return x.new_empty(x.shape)
 
 
@@ -131,7 +131,7 @@ def geglu(x, approximate="none"):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-def gelu_backward(grad_out, x, approximate="tanh"):
+def gelu_backward(grad_out, x, approximate="none"):
     torch._check(
         grad_out.shape == x.shape,
         lambda: "ltx_kernels.gelu_backward: grad_out must have the output's shape",
@@ -234,38 +234,66 @@ def qk_rmsnorm_rope_backward(
     )
 
 
-# FP8-output ops: (q float8_e4m3fn of x's shape, one fp32 scale per row), after h for the add_ ones.
-def _fp8_rows(x):
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(
+# Quantized-output ops: (q of x's shape in the format's code dtype, its scales), after h for the
+# add_ ones. "e4m3_row": float8_e4m3fn codes, one fp32 scale per row.
+_CODE_DTYPES = {"e4m3_row": torch.float8_e4m3fn}
+
+
+def _quant_rows(op, x, format):
+    torch._check(
+        format in _CODE_DTYPES,
+        lambda: f"ltx_kernels.{op}: format must be one of {tuple(_CODE_DTYPES)}, got '{format}'",
+    )
+    return x.new_empty(x.shape, dtype=_CODE_DTYPES[format]), x.new_empty(
         x.shape[:-1], dtype=torch.float32
     )
 
 
-def rmsnorm_modulate_fp8(x, scale, shift, weight=None, eps=1e-6, *, upcast=False):
+def rmsnorm_modulate_quant(
+    x, scale, shift, weight=None, eps=1e-6, *, upcast=False, format="e4m3_row"
+):
     rmsnorm_modulate(x, scale, shift, weight, eps, upcast=upcast)
-    return _fp8_rows(x)
+    return _quant_rows("rmsnorm_modulate_quant", x, format)
 
 
-def layernorm_modulate_fp8(x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False):
+def layernorm_modulate_quant(
+    x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False, format="e4m3_row"
+):
     layernorm_modulate(x, scale, shift, weight, bias, eps, upcast=upcast)
-    return _fp8_rows(x)
+    return _quant_rows("layernorm_modulate_quant", x, format)
 
 
-def add_rmsnorm_modulate_fp8(x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False):
+def add_rmsnorm_modulate_quant(
+    x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False, format="e4m3_row"
+):
     h, _ = add_rmsnorm_modulate(x, y, scale, shift, gate, weight, eps, upcast=upcast)
-    return (h, *_fp8_rows(x))
+    return (h, *_quant_rows("add_rmsnorm_modulate_quant", x, format))
 
 
-def add_layernorm_modulate_fp8(
-    x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *, upcast=False
+def add_layernorm_modulate_quant(
+    x,
+    y,
+    scale,
+    shift,
+    gate=None,
+    weight=None,
+    bias=None,
+    eps=1e-6,
+    *,
+    upcast=False,
+    format="e4m3_row",
 ):
     h, _ = add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps, upcast=upcast)
-    return (h, *_fp8_rows(x))
+    return (h, *_quant_rows("add_layernorm_modulate_quant", x, format))
 
 
-def quantize_fp8(x, activation="none"):
+def quantize(x, activation="none", approximate="none", *, format="e4m3_row"):
     torch._check(
-        activation in ("none", "gelu", "gelu_tanh"),
-        lambda: "ltx_kernels.quantize_fp8: activation must be 'none', 'gelu' or 'gelu_tanh'",
+        activation in ("none", "gelu"),
+        lambda: "ltx_kernels.quantize: activation must be 'none' or 'gelu'",
     )
-    return _fp8_rows(x)
+    torch._check(
+        approximate in ("none", "tanh"),
+        lambda: "ltx_kernels.quantize: approximate must be 'none' or 'tanh'",
+    )
+    return _quant_rows("quantize", x, format)

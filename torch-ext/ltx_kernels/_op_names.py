@@ -26,17 +26,21 @@ OPS = (
     "lora_linear",
 )
 
-# The FP8-output ops (inference only; `inject_optimized_kernels(..., fp8=True)`): each returns
-# float8_e4m3fn rows and one fp32 scale per row (reference.quantize_rows_fp8 gives the rule). They
-# have every piece an op of OPS has (wrapper, reference, fake, report inputs) but are not fusions
-# a user enables one by one, and they have no backward (their autograd raises, naming the op).
-FP8_OPS = (
-    "rmsnorm_modulate_fp8",
-    "layernorm_modulate_fp8",
-    "add_rmsnorm_modulate_fp8",
-    "add_layernorm_modulate_fp8",
-    "quantize_fp8",
+# The quantized-output ops (inference only; `inject_optimized_kernels(..., fp8=True)`): one op per
+# producer, each taking the output's `format` (one of QUANT_FORMATS) and returning the quantized
+# rows and their scales (reference.quantize_rows gives each format's rule). They have every piece
+# an op of OPS has (wrapper, reference, fake, report inputs) but are not fusions a user enables one
+# by one, and they have no backward (their autograd raises, naming the op).
+QUANT_OPS = (
+    "rmsnorm_modulate_quant",
+    "layernorm_modulate_quant",
+    "add_rmsnorm_modulate_quant",
+    "add_layernorm_modulate_quant",
+    "quantize",
 )
+
+# The formats of QUANT_OPS' outputs. "e4m3_row": float8_e4m3fn with one fp32 scale per row.
+QUANT_FORMATS = ("e4m3_row",)
 
 # The functional backward ops the autograd of OPS calls (autograd_ops.cpp): registered by the library
 # after the forward ops, each with a fake (_fake.py) so AOTAutograd and Inductor trace them; no

@@ -11,9 +11,9 @@ Uses:
 
 import torch
 
-from ._op_names import FP8_OPS, OPS
+from ._op_names import OPS, QUANT_FORMATS, QUANT_OPS
 
-__all__ = [*OPS, *FP8_OPS]  # the reference of op <op> is the function <op> of this module
+__all__ = [*OPS, *QUANT_OPS]  # the reference of op <op> is the function <op> of this module
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
@@ -250,7 +250,7 @@ def qk_rmsnorm_rope(
     return one(q, q_weight), one(k, k_weight)
 
 
-def gelu(x, approximate="tanh", *, compute_dtype=torch.float32, round_output=True):
+def gelu(x, approximate="none", *, compute_dtype=torch.float32, round_output=True):
     """`F.gelu(x, approximate=approximate)`: computed in compute_dtype, rounded once."""
     return _finish(
         torch.nn.functional.gelu(x.to(compute_dtype), approximate=approximate),
@@ -319,17 +319,18 @@ def lora_linear(
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8-output ops (inference only). Each computes the value v its model-dtype twin returns (rounded
-# to x.dtype as that op rounds it), then quantizes each row of v to float8_e4m3fn with one fp32
-# scale per row, the rule of quantize_rows_fp8. The GEMM that consumes them multiplies row r of q
-# by scale[r] (torch._scaled_mm's rowwise scaling).
+# Quantized-output ops (inference only). Each computes the value v its model-dtype op returns
+# (rounded to x.dtype as that op rounds it), then quantizes the rows of v to `format` with the rule
+# of quantize_rows. The GEMM that consumes them multiplies row r of q by scale[r]
+# (torch._scaled_mm's rowwise scaling).
 # ------------------------------------------------------------------------------------------------
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-FP8_MIN_AMAX = 1e-12  # the amax of an all-zero row is taken as this (scale > 0)
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+MIN_AMAX = 1e-12  # the amax of an all-zero row is taken as this (scale > 0)
 
 
-def quantize_rows_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise e4m3 quantization of v [..., K] (values exact in fp32), torchao's rowwise rule:
+def quantize_rows(v: torch.Tensor, format: str = "e4m3_row") -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of v [..., K] (values exact in fp32) quantized to `format` (QUANT_FORMATS):
+    "e4m3_row", torchao's rowwise rule:
     a = max(max |v| over the row, 1e-12) (NaN if the row has one);
     q = round_nearest_even_e4m3(clamp(fl32(v * fl32(448 / a)), -448, 448));
     scale = fl32(a / 448), the factor the GEMM multiplies row r of q by.
@@ -337,55 +338,71 @@ def quantize_rows_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     an e4m3 step (3 mantissa bits: relative error <= 2^-4 for normal values, plus fp32's 2^-23).
     (Divisions are tensor by tensor: torch's CUDA division by a Python scalar multiplies by its
     rounded reciprocal, which is not the correctly rounded quotient the kernels compute.)"""
+    if format not in QUANT_FORMATS:
+        raise ValueError(f"quantize_rows: format must be one of {QUANT_FORMATS}, got {format!r}")
     v = v.float()
     if v.shape[-1] == 0:
         amax = v.new_zeros(v.shape[:-1] + (1,))
     else:
         amax = v.abs().amax(-1, keepdim=True)
-    amax = torch.clamp(amax, min=FP8_MIN_AMAX)
-    fp8_max = torch.full_like(amax, FP8_MAX)
-    q = (v * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, (amax / fp8_max).squeeze(-1)
+    amax = torch.clamp(amax, min=MIN_AMAX)
+    code_max = torch.full_like(amax, E4M3_MAX)
+    q = (v * (code_max / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / code_max).squeeze(-1)
 
 
-def dequantize_rows_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32):
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32):
     """q * scale (row r of q times scale[r]) in `dtype`."""
     return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
 
 
-def rmsnorm_modulate_fp8(x, scale, shift, weight=None, eps=1e-6, *, upcast=False):
-    """rmsnorm_modulate's output quantized per row: returns (q, q_scale)."""
-    return quantize_rows_fp8(rmsnorm_modulate(x, scale, shift, weight, eps, upcast=upcast))
-
-
-def layernorm_modulate_fp8(x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False):
-    """layernorm_modulate's output quantized per row: returns (q, q_scale)."""
-    return quantize_rows_fp8(layernorm_modulate(x, scale, shift, weight, bias, eps, upcast=upcast))
-
-
-def add_rmsnorm_modulate_fp8(x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False):
-    """add_rmsnorm_modulate with n quantized per row: returns (h, q, q_scale)."""
-    h, n = add_rmsnorm_modulate(x, y, scale, shift, gate, weight, eps, upcast=upcast)
-    return (h, *quantize_rows_fp8(n))
-
-
-def add_layernorm_modulate_fp8(
-    x, y, scale, shift, gate=None, weight=None, bias=None, eps=1e-6, *, upcast=False
+def rmsnorm_modulate_quant(
+    x, scale, shift, weight=None, eps=1e-6, *, upcast=False, format="e4m3_row"
 ):
-    """add_layernorm_modulate with n quantized per row: returns (h, q, q_scale)."""
+    """rmsnorm_modulate's output quantized: returns (q, q_scale)."""
+    return quantize_rows(rmsnorm_modulate(x, scale, shift, weight, eps, upcast=upcast), format)
+
+
+def layernorm_modulate_quant(
+    x, scale, shift, weight=None, bias=None, eps=1e-6, *, upcast=False, format="e4m3_row"
+):
+    """layernorm_modulate's output quantized: returns (q, q_scale)."""
+    n = layernorm_modulate(x, scale, shift, weight, bias, eps, upcast=upcast)
+    return quantize_rows(n, format)
+
+
+def add_rmsnorm_modulate_quant(
+    x, y, scale, shift, gate=None, weight=None, eps=1e-6, *, upcast=False, format="e4m3_row"
+):
+    """add_rmsnorm_modulate with n quantized: returns (h, q, q_scale)."""
+    h, n = add_rmsnorm_modulate(x, y, scale, shift, gate, weight, eps, upcast=upcast)
+    return (h, *quantize_rows(n, format))
+
+
+def add_layernorm_modulate_quant(
+    x,
+    y,
+    scale,
+    shift,
+    gate=None,
+    weight=None,
+    bias=None,
+    eps=1e-6,
+    *,
+    upcast=False,
+    format="e4m3_row",
+):
+    """add_layernorm_modulate with n quantized: returns (h, q, q_scale)."""
     h, n = add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps, upcast=upcast)
-    return (h, *quantize_rows_fp8(n))
+    return (h, *quantize_rows(n, format))
 
 
-FP8_ACTIVATIONS = ("none", "gelu", "gelu_tanh")
-
-
-def quantize_fp8(x, activation="none"):
-    """Rowwise e4m3 quantization of x, or of gelu(x) rounded to x.dtype first ("gelu": erf form,
-    "gelu_tanh": tanh form; the input of an FF down projection). Returns (q, q_scale). Used on
-    activations that no norm op produces and on weights ([N, K]: one scale per output channel)."""
-    if activation not in FP8_ACTIVATIONS:
-        raise ValueError(f"quantize_fp8: activation must be one of {FP8_ACTIVATIONS}")
-    if activation != "none":
-        x = gelu(x, "tanh" if activation == "gelu_tanh" else "none")
-    return quantize_rows_fp8(x)
+def quantize(x, activation="none", approximate="none", *, format="e4m3_row"):
+    """x, or gelu(x, approximate) rounded to x.dtype first (activation "gelu": the input of an FF
+    down projection), quantized: returns (q, q_scale). Used on activations that no norm op
+    produces and on weights ([N, K]: one scale per output channel)."""
+    if activation not in ("none", "gelu"):
+        raise ValueError("quantize: activation must be 'none' or 'gelu'")
+    if activation == "gelu":
+        x = gelu(x, approximate)
+    return quantize_rows(x, format)

@@ -6,9 +6,10 @@ AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous: norm + modul
 SD35AdaLayerNormZeroX (SD3.5's dual-attention layers): the one norm with its two modulations
                                 -> layernorm_modulate twice
 
-FP8: a block whose AdaLayerNormZero / AdaLayerNormZeroSingle output feeds only FP8 Linears (FLUX's
-image stream) calls it through `call_norm(..., fp8=True)`: the normed output then comes as
-Fp8Rows from the FP8-output twin of the op, in the same pass.
+Quantized rows: a block whose AdaLayerNormZero / AdaLayerNormZeroSingle output feeds only modules
+taking quantized rows (FLUX's image stream with fp8=True) calls it through `call_norm(...,
+quant=format)`: the normed output then comes as QuantRows from the quantized form of the op, in
+the same pass.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ REPRODUCED = Reproduced(
 # ------------------------------------------------------------------------------------------------
 # n = norm(x) * (1 + scale) + shift, with scale/shift chunks of Linear(SiLU(emb))
 # ------------------------------------------------------------------------------------------------
-def _modulate(module, x, emb, scale, shift, fp8: bool = False):
+def _modulate(module, x, emb, scale, shift, quant: str | None = None):
     """steps.norm_modulate for [B, S, D] x and a per-sample [B, k*D] embedding; other layouts run
     the diffusers expression (no ops)."""
     ops = module._ltx_kernels_ops if x.dim() == 3 and emb.dim() == 2 else frozenset()
-    return steps.norm_modulate(ops, module.norm, x, scale[:, None], shift[:, None], fp8)
+    return steps.norm_modulate(ops, module.norm, x, scale[:, None], shift[:, None], quant)
 
 
 def ada_norm_zero_forward(
@@ -50,39 +51,39 @@ def ada_norm_zero_forward(
     hidden_dtype: torch.dtype | None = None,
     emb: torch.Tensor | None = None,
     *,
-    fp8: bool = False,
+    quant: str | None = None,
 ):
-    """`AdaLayerNormZero.forward` with the norm and modulation fused (fp8: call_norm)."""
+    """`AdaLayerNormZero.forward` with the norm and modulation fused (quant: call_norm)."""
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
     emb = self.linear(self.silu(emb))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = _modulate(self, x, emb, scale_msa, shift_msa, fp8)
+    x = _modulate(self, x, emb, scale_msa, shift_msa, quant)
     return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 def ada_norm_zero_single_forward(
-    self, x: torch.Tensor, emb: torch.Tensor | None = None, *, fp8: bool = False
+    self, x: torch.Tensor, emb: torch.Tensor | None = None, *, quant: str | None = None
 ):
-    """`AdaLayerNormZeroSingle.forward` with the norm and modulation fused (fp8: call_norm)."""
+    """`AdaLayerNormZeroSingle.forward` with the norm and modulation fused (quant: call_norm)."""
     emb = self.linear(self.silu(emb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-    return _modulate(self, x, emb, scale_msa, shift_msa, fp8), gate_msa
+    return _modulate(self, x, emb, scale_msa, shift_msa, quant), gate_msa
 
 
-def call_norm(norm, x: torch.Tensor, *, fp8: bool, **kwargs):
-    """norm(x, **kwargs) of an AdaLayerNormZero or AdaLayerNormZeroSingle. fp8 (its normed output
-    feeds only FP8 Linears: steps.fp8_consumers): that output as Fp8Rows (its other outputs as
-    they are) when norm runs our forward and carries no hook, which would see the rows; else the
-    module call, whose tensor each FP8 Linear quantizes (the same bits: the FP8-output op
-    quantizes exactly the bf16 op's value)."""
+def call_norm(norm, x: torch.Tensor, *, quant: str | None, **kwargs):
+    """norm(x, **kwargs) of an AdaLayerNormZero or AdaLayerNormZeroSingle. quant (a format: its
+    normed output feeds only modules taking it, quant.input_format): that output as QuantRows (its
+    other outputs as they are) when norm runs our forward and carries no hook, which would see the
+    rows; else the module call, whose tensor each consumer quantizes (the same bits: the quantized
+    op quantizes exactly the bf16 op's value)."""
     forward = type(norm).forward
-    if fp8 and forward in _FP8_FORWARDS and not has_hooks(norm):
-        return forward(norm, x, fp8=True, **kwargs)
+    if quant is not None and forward in _QUANT_FORWARDS and not has_hooks(norm):
+        return forward(norm, x, quant=quant, **kwargs)
     return norm(x, **kwargs)
 
 
-_FP8_FORWARDS = (ada_norm_zero_forward, ada_norm_zero_single_forward)
+_QUANT_FORWARDS = (ada_norm_zero_forward, ada_norm_zero_single_forward)
 
 
 def ada_norm_continuous_forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor):

@@ -21,7 +21,7 @@ consumers their output as FP8 rows (adaln.call_norm): norm1 to the image q/k/v, 
 block's norm to its q/k/v + proj_mlp GEMM (one quantization, one GEMM); norm2 hands them to the
 image FF, whose GELU hands them to the down projection. The attention output (to_out) and the
 single block's cat(attention, GELU(mlp)) (proj_out: one scale per row over both parts) are
-quantized by their Linear in one pass (quantize_fp8).
+quantized by their Linear in one pass (quantize).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import adaln, linears, recompute, steps
+from . import adaln, linears, quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
@@ -182,11 +182,14 @@ def _runs_our_processor(attn) -> bool:
     return isinstance(attn.processor, FluxKernelsAttnProcessor) and not attn.fused_projections
 
 
-def _fp8_qkv(attn, *linears) -> bool:
-    """Whether attn's input may come as Fp8Rows: our processor projects it with attn's q/k/v,
-    which with `linears` (the other consumers of the input) are hook-free FP8 Linears."""
+def _qkv_input_format(attn, *linears) -> str | None:
+    """The format in which attn's input may come as quantized rows (None: a tensor): our
+    processor projects it with attn's q/k/v, which with `linears` (the other consumers of the
+    input) all take that format (quant.input_format)."""
+    if not _runs_our_processor(attn):
+        return None
     qkv = (getattr(attn, name) for name in steps.QKV)
-    return _runs_our_processor(attn) and steps.fp8_consumers(*qkv, *linears, through=attn)
+    return quant.input_format(*qkv, *linears, through=attn)
 
 
 def _attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb, kwargs):
@@ -215,7 +218,7 @@ def double_block_forward(
     With FP8 image q/k/v, norm1 hands them its output as FP8 rows."""
     ops = self._ltx_kernels_ops
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln.call_norm(
-        self.norm1, hidden_states, emb=temb, fp8=_fp8_qkv(self.attn)
+        self.norm1, hidden_states, emb=temb, quant=_qkv_input_format(self.attn)
     )
     norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
         self.norm1_context(encoder_hidden_states, emb=temb)
@@ -280,7 +283,7 @@ def single_block_forward(
     residual = hidden_states
     attn = self.attn
     norm_hidden_states, gate = adaln.call_norm(
-        self.norm, hidden_states, emb=temb, fp8=_fp8_qkv(attn, self.proj_mlp)
+        self.norm, hidden_states, emb=temb, quant=_qkv_input_format(attn, self.proj_mlp)
     )
     direct = not joint_attention_kwargs and _runs_our_processor(attn) and not has_hooks(attn)
     projected = (

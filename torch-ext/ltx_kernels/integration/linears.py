@@ -31,10 +31,11 @@ FP8 (opt-in, inference). A block Linear chosen for FP8 becomes an `Fp8Linear` (a
 nn.Linear): its weight is quantized once per output channel to float8_e4m3fn (buffers `weight_fp8`
 [N, K] and `weight_scale` [N] fp32, not in the state dict), and its GEMM is `torch._scaled_mm`
 with rowwise scales (cuBLASLt/CUTLASS through libtorch; bias in the epilogue; bf16 out): y =
-(q_x @ q_w^T) * s_x * s_w + bias, the fp32 accumulator scaled and rounded once. Its input is an
-`Fp8Rows` (e4m3 rows plus one fp32 scale per row, produced by the norm / GELU op before it in the
-same pass) or a tensor, which it quantizes per row itself (`quantize_fp8`, one pass). The rule is
-torchao's dynamic rowwise one (reference.quantize_rows_fp8). The original bf16 weight stays the
+(q_x @ q_w^T) * s_x * s_w + bias, the fp32 accumulator scaled and rounded once. Its input is
+`quant.QuantRows` in the format it declares (`quant_input` "e4m3_row": e4m3 rows plus one fp32
+scale per row, produced by the norm / GELU op before it in the same pass) or a tensor, which it
+quantizes per row itself (`quantize`, one pass). The rule is torchao's dynamic rowwise one
+(reference.quantize_rows). The original bf16 weight stays the
 module's parameter, parked on the CPU (so GPU memory holds 1 byte per weight, not 3), untouched:
 state_dict unchanged, restored exactly by remove_optimized_kernels. Weights written after
 injection (load_state_dict into the parked parameter) are re-quantized at the next eager call. On
@@ -44,13 +45,12 @@ run the same code path up to the GEMM."""
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-from .. import lora_linear, quantize_fp8
+from ..ops import lora_linear, quantize
 from .module_checks import has_hooks, plain_tensor
+from .quant import QuantRows, quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: The weight dtype FP8 Linears take: torch._scaled_mm's rowwise scaling writes bf16 only.
@@ -66,30 +66,12 @@ _QUANTIZED_FROM = "_ltx_kernels_quantized_from"
 _STALE_HOOK = "_ltx_kernels_stale_hook"  # the load_state_dict post-hook's handle
 
 
-class Fp8Rows(NamedTuple):
-    """An activation [..., K] quantized per row: data float8_e4m3fn [..., K] and scale fp32 [...],
-    value ~ data * scale[..., None]. What the FP8-output ops return, as an Fp8Linear's input."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-
-def fp8_rows(x: torch.Tensor, activation: str = "none") -> Fp8Rows:
-    """x (or gelu(x): activation "gelu" / "gelu_tanh") quantized per row, in one pass."""
-    if x.dim() > 0 and x.size(-1) > 1 and x.stride(-1) != 1:
-        x = x.contiguous()
-    return Fp8Rows(*quantize_fp8(x, activation))
-
-
 def fp8_matmul(
-    rows: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor, bias, out_dtype
+    rows: QuantRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias, out_dtype
 ) -> torch.Tensor:
-    """rows @ weight^T * scales (+ bias) in out_dtype: [..., K] x [N, K] -> [..., N]."""
-    data, scale = rows
+    """rows @ weight^T * scales (+ bias) in out_dtype: [..., K] x [N, K] -> [..., N] (rows and
+    weight e4m3 with one scale per row)."""
+    data, scale = rows.data, rows.scale
     a, a_scale = data.reshape(-1, data.size(-1)), scale.reshape(-1, 1)
     if a.is_cuda and a.size(0) > 0:
         out = torch._scaled_mm(
@@ -112,6 +94,7 @@ class Fp8Linear(torch.nn.Linear):
     weight_scale [N] fp32 buffers; `weight` is the original parameter, parked on the CPU."""
 
     _ltx_kernels_original_class = torch.nn.Linear
+    quant_input = "e4m3_row"  # the QuantRows it takes as is (quant.input_format)
 
     def forward(self, x) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
@@ -122,7 +105,7 @@ class Fp8Linear(torch.nn.Linear):
             )
         if not torch.compiler.is_compiling():
             refresh_fp8_weight(self)
-        rows = x if isinstance(x, Fp8Rows) else fp8_rows(x)
+        rows = x if isinstance(x, QuantRows) else quantize_rows(x, self.quant_input)
         return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, self.weight.dtype)
 
     def _apply(self, fn, recurse=True):
@@ -175,7 +158,7 @@ def to_fp8(linear: torch.nn.Linear) -> None:
     writable by load_state_dict after it.)"""
     weight = linear.weight
     with torch.inference_mode(False):
-        weight_fp8, weight_scale = quantize_fp8(weight.detach())
+        weight_fp8, weight_scale = quantize(weight.detach(), format=Fp8Linear.quant_input)
         linear.register_buffer("weight_fp8", weight_fp8, persistent=False)
         linear.register_buffer("weight_scale", weight_scale, persistent=False)
         weight.data = weight.data.to("cpu")  # frees the device copy (the buffers hold the GEMM's)
@@ -212,7 +195,9 @@ def refresh_fp8_weight(linear: Fp8Linear) -> None:
     if stale or weight is not source or (version is not None and weight._version != version):
         device = linear.weight_scale.device
         with torch.inference_mode(False):
-            linear.weight_fp8, linear.weight_scale = quantize_fp8(weight.detach().to(device))
+            linear.weight_fp8, linear.weight_scale = quantize(
+                weight.detach().to(device), format=linear.quant_input
+            )
         _mark_quantized(linear)
 
 
@@ -313,7 +298,7 @@ def lora_outputs(modules, x, owner=None, key: str = "") -> tuple | None:
     one call over the fused base weights of owner's group `key` (given, and able to run now:
     fused_group), else one call per module. None when lora_terms refuses a module or a base layer
     is not a plain Linear of x's dtype: the caller runs the modules."""
-    if not isinstance(x, torch.Tensor):  # (Fp8Rows: FP8 Linears carry no adapters)
+    if not isinstance(x, torch.Tensor):  # (QuantRows: FP8 Linears carry no adapters)
         return None
     terms = [lora_terms(m, x) for m in modules]
     bases = [base_linear(m) for m in modules]
@@ -501,7 +486,7 @@ def _row_blocks(group: _Group, members, attr: str):
 
 
 def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | None:
-    """The outputs of owner's group `key` on x (a tensor or Fp8Rows) as one GEMM over its fused
+    """The outputs of owner's group `key` on x (a tensor or QuantRows) as one GEMM over its fused
     weights, split per member (views of one [..., sum of N] tensor); None when the group cannot
     run now (fused_group; members: given, or looked up)."""
     found = fused_group(owner, key, members)
@@ -509,7 +494,7 @@ def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | 
         return None
     group, members, tensors = found
     if group.attrs[0] == "weight_fp8":
-        rows = x if isinstance(x, Fp8Rows) else fp8_rows(x)
+        rows = x if isinstance(x, QuantRows) else quantize_rows(x, Fp8Linear.quant_input)
         weight, scale = tensors["weight_fp8"], tensors["weight_scale"]
         out = fp8_matmul(rows, weight, scale, tensors["bias"], members[0].weight.dtype)
     else:
@@ -520,7 +505,7 @@ def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | 
 def projections(
     owner: torch.nn.Module, key: str, names: tuple[str, ...], x, fuse_ok: bool, lora_ok: bool
 ):
-    """The outputs of owner's modules `names` on x (a tensor or Fp8Rows): with peft LoRA Linears
+    """The outputs of owner's modules `names` on x (a tensor or QuantRows): with peft LoRA Linears
     among them, lora_outputs where lora_ok; otherwise one GEMM over group `key`'s fused weights
     when fuse_ok and the group is usable now (fused_outputs); else each module in turn."""
     modules = [owner.get_submodule(n) for n in names]

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import recompute, steps
+from . import quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 from .linears import self_cross_ff_fp8_linears
@@ -58,7 +58,7 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         encoder_hidden_states, attention_mask, parallel_config = gather_cross_attention_inputs(
             self._parallel_config, encoder_hidden_states, attention_mask
         )
-        batch_size, sequence_length, _ = (  # (hidden_states may be Fp8Rows: see block_forward)
+        batch_size, sequence_length, _ = (  # (hidden_states may be QuantRows: see block_forward)
             hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
         )
         if attention_mask is not None:
@@ -111,11 +111,13 @@ def block_forward(
     )
 
     attn1 = self.attn1
-    fp8_attn1 = isinstance(attn1.processor, LTXKernelsAttnProcessor) and steps.fp8_consumers(
-        *(getattr(attn1, name) for name in steps.QKV), through=attn1
+    quant_attn1 = (
+        quant.input_format(*(getattr(attn1, name) for name in steps.QKV), through=attn1)
+        if isinstance(attn1.processor, LTXKernelsAttnProcessor)
+        else None
     )
     norm_hidden_states = steps.norm_modulate(
-        ops, self.norm1, hidden_states, scale_msa, shift_msa, fp8=fp8_attn1
+        ops, self.norm1, hidden_states, scale_msa, shift_msa, quant=quant_attn1
     )
     attn_hidden_states = steps.attention(attn1, norm_hidden_states, None, None, image_rotary_emb)
     hidden_states = steps.residual(ops, hidden_states, attn_hidden_states, gate_msa)
@@ -130,7 +132,7 @@ def block_forward(
         attn_hidden_states,
         scale_mlp,
         shift_mlp,
-        fp8=steps.feed_forward_takes_fp8(self.ff),
+        quant=steps.feed_forward_input_format(self.ff),
     )
 
     ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .. import _library
+from ..ops import _library
 
 
 def _no_saved_tensor_hooks() -> bool:

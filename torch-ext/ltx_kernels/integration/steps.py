@@ -8,37 +8,39 @@ While autograd records through a step (training), the step uses only ops in FUSE
 (FUSED_BACKWARD_COMPILED under torch.compile) and runs the diffusers code for the others, so
 training gets stock gradients at stock speed or faster.
 
-FP8 (inject_optimized_kernels(..., fp8=True)): a norm step whose output feeds only FP8 Linears
-(fp8=True, decided by the block from its modules: fp8_consumers) returns that output quantized per
-row (linears.Fp8Rows) by the FP8-output twin of its op, in the same pass; those Linears take it as
-is. Where the op does not run (disabled, operands it cannot take) the step returns the tensor and
-each FP8 Linear quantizes it itself."""
+Quantized activations (inject_optimized_kernels(..., fp8=True)): a norm step whose output feeds
+only modules that take quantized rows gets their format (`quant`, which the block asks its
+consumers for: quant.input_format) and returns that output as quant.QuantRows, quantized by the
+quantized form of its op in the same pass; those modules take it as is. Where the op does not run
+(disabled, operands it cannot take) the step returns the tensor and each consumer quantizes it
+itself."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .. import (
+from ..ops import (
     add_layernorm_modulate,
-    add_layernorm_modulate_fp8,
+    add_layernorm_modulate_quant,
     add_rmsnorm_modulate,
-    add_rmsnorm_modulate_fp8,
+    add_rmsnorm_modulate_quant,
     gated_residual,
     geglu,
     gelu,
     layernorm_modulate,
-    layernorm_modulate_fp8,
+    layernorm_modulate_quant,
     linear_gelu,
     qk_rmsnorm_rope,
     rmsnorm,
     rmsnorm_modulate,
-    rmsnorm_modulate_fp8,
+    rmsnorm_modulate_quant,
     rope,
 )
 from .injector import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, FusedAttnProcessor
-from .linears import Fp8Linear, Fp8Rows, fp8_rows, is_peft_lora, lora_outputs, projections
+from .linears import Fp8Linear, is_peft_lora, lora_outputs, projections
 from .module_checks import has_forward_hook, has_hooks, plain_tensor
+from .quant import QuantRows, input_format, quantize_rows, rows_of
 
 
 def ops_for_step(ops, *operands):
@@ -87,15 +89,6 @@ def _bf16_linear(m) -> bool:
     return isinstance(m, torch.nn.Linear) and not isinstance(m, Fp8Linear)
 
 
-def fp8_consumers(*linears, through=None) -> bool:
-    """Whether a step may hand its output to `linears` as Fp8Rows: each is a hook-free
-    Fp8Linear, and the module the rows pass through on their way (an attention module, which
-    must then run our processor: the caller checks that) is hook-free too."""
-    return all(isinstance(m, Fp8Linear) and not has_hooks(m) for m in linears) and not (
-        through is not None and has_hooks(through)
-    )
-
-
 def _same_dtype(x: torch.Tensor, *tensors) -> bool:
     return all(t is None or t.dtype == x.dtype for t in tensors)
 
@@ -138,25 +131,25 @@ def diffusers_rmsnorm(ops, norm, x):
 # ------------------------------------------------------------------------------------------------
 # Norm + modulation (AdaLN): n = norm(x) * (1 + scale) + shift
 # ------------------------------------------------------------------------------------------------
-def norm_modulate(ops, norm, x, scale, shift, fp8: bool = False):
-    """diffusers RMSNorm or nn.LayerNorm of x, modulated, in x's dtype (fp8: as Fp8Rows where
-    the op runs)."""
+def norm_modulate(ops, norm, x, scale, shift, quant: str | None = None):
+    """diffusers RMSNorm or nn.LayerNorm of x, modulated, in x's dtype (quant: a format, as
+    QuantRows where the op runs)."""
     ops = ops_for_step(ops, x, norm, scale, shift)
     if _plain(norm) and _modulation_ok(x, norm, scale, shift):
         if "rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
-            op = rmsnorm_modulate_fp8 if fp8 else rmsnorm_modulate
-            return _rows_if(fp8, op(x, scale, shift, norm.weight, norm.eps))
+            op = _producer(rmsnorm_modulate, rmsnorm_modulate_quant, quant)
+            return op(x, scale, shift, norm.weight, norm.eps)
         if "layernorm_modulate" in ops and is_plain_layernorm(norm):
-            op = layernorm_modulate_fp8 if fp8 else layernorm_modulate
-            return _rows_if(fp8, op(x, scale, shift, norm.weight, norm.bias, norm.eps))
+            op = _producer(layernorm_modulate, layernorm_modulate_quant, quant)
+            return op(x, scale, shift, norm.weight, norm.bias, norm.eps)
     return norm(x) * (1 + scale) + shift
 
 
-def _rows_if(fp8: bool, out):
-    """An FP8-output op's (q, q_scale) as Fp8Rows (after h for the add_ ops); out as it is."""
-    if not fp8:
-        return out
-    return Fp8Rows(*out) if len(out) == 2 else (out[0], Fp8Rows(*out[1:]))
+def _producer(op, quantized_op, quant: str | None):
+    """op, or with a format its quantized form returning QuantRows (after h for the add_ ops)."""
+    if quant is None:
+        return op
+    return lambda *args, **kwargs: rows_of(quant, quantized_op(*args, **kwargs, format=quant))
 
 
 def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
@@ -171,51 +164,51 @@ def _fp32_norm_fusable(norm, x, scale=None, shift=None, gate=None) -> bool:
     )
 
 
-def norm_modulate_fp32(ops, norm, x, scale=None, shift=None, fp8: bool = False):
+def norm_modulate_fp32(ops, norm, x, scale=None, shift=None, quant: str | None = None):
     """Wan: `(norm(x.float()) * (1 + scale) + shift).type_as(x)` with an fp32 LayerNorm, or
-    `norm(x.float()).type_as(x)` without modulation (Wan's norm2); fp8: as Fp8Rows where the op
-    runs."""
+    `norm(x.float()).type_as(x)` without modulation (Wan's norm2); quant: as QuantRows where the
+    op runs."""
     ops = ops_for_step(ops, x, norm, scale, shift)
     if "layernorm_modulate" in ops and _fp32_norm_fusable(norm, x, scale, shift):
-        op = layernorm_modulate_fp8 if fp8 else layernorm_modulate
-        return _rows_if(fp8, op(x, scale, shift, norm.weight, norm.bias, norm.eps, upcast=True))
+        op = _producer(layernorm_modulate, layernorm_modulate_quant, quant)
+        return op(x, scale, shift, norm.weight, norm.bias, norm.eps, upcast=True)
     n = norm(x.float())  # nn.Identity for Wan's norm2 without cross_attn_norm
     if scale is not None:
         n = n * (1 + scale) + shift
     return n.type_as(x)
 
 
-def add_norm_modulate_fp32(ops, norm, x, y, scale=None, shift=None, gate=None, fp8: bool = False):
+def add_norm_modulate_fp32(
+    ops, norm, x, y, scale=None, shift=None, gate=None, quant: str | None = None
+):
     """The upcast twin of add_norm_modulate (Wan), each output rounded once. Returns (h, n):
     h = (x.float() + y * gate).type_as(x), or x + y without gate; n = norm_modulate_fp32(h)
-    (fp8: as Fp8Rows where the op runs)."""
+    (quant: as QuantRows where the op runs)."""
     ops = ops_for_step(ops, x, y, norm, scale, shift, gate)
     if (
         "add_layernorm_modulate" in ops
         and _same_dtype(x, y)
         and _fp32_norm_fusable(norm, x, scale, shift, gate)
     ):
-        op = add_layernorm_modulate_fp8 if fp8 else add_layernorm_modulate
-        return _rows_if(
-            fp8, op(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps, upcast=True)
-        )
+        op = _producer(add_layernorm_modulate, add_layernorm_modulate_quant, quant)
+        return op(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps, upcast=True)
     h = x + y if gate is None else residual_fp32(ops, x, y, gate)
-    return h, norm_modulate_fp32(ops, norm, h, scale, shift, fp8)
+    return h, norm_modulate_fp32(ops, norm, h, scale, shift, quant)
 
 
-def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None, fp8: bool = False):
+def add_norm_modulate(ops, norm, x, y, scale, shift, gate=None, quant: str | None = None):
     """h = x + y * gate (x + y without gate); n = norm(h) * (1 + scale) + shift. Returns (h, n)
-    (fp8: n as Fp8Rows where the op runs)."""
+    (quant: n as QuantRows where the op runs)."""
     ops = ops_for_step(ops, x, y, norm, scale, shift, gate)
     if _plain(norm) and _modulation_ok(x, norm, scale, shift, gate) and _same_dtype(x, y):
         if "add_rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
-            op = add_rmsnorm_modulate_fp8 if fp8 else add_rmsnorm_modulate
-            return _rows_if(fp8, op(x, y, scale, shift, gate, norm.weight, norm.eps))
+            op = _producer(add_rmsnorm_modulate, add_rmsnorm_modulate_quant, quant)
+            return op(x, y, scale, shift, gate, norm.weight, norm.eps)
         if "add_layernorm_modulate" in ops and is_plain_layernorm(norm):
-            op = add_layernorm_modulate_fp8 if fp8 else add_layernorm_modulate
-            return _rows_if(fp8, op(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps))
+            op = _producer(add_layernorm_modulate, add_layernorm_modulate_quant, quant)
+            return op(x, y, scale, shift, gate, norm.weight, norm.bias, norm.eps)
     h = residual(ops, x, y, gate)
-    return h, norm_modulate(ops, norm, h, scale, shift, fp8)
+    return h, norm_modulate(ops, norm, h, scale, shift, quant)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,7 +262,7 @@ ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")  # a joint attention's te
 def fused_projections(ops, attn, x, key: str = "qkv", names=QKV):
     """attn.to_q(x), attn.to_k(x), attn.to_v(x) (or the modules `names`) as one GEMM over the
     weights injection fused, with their LoRA adapters in the same lora_linear call
-    (linears.projections), where it can; x may be Fp8Rows."""
+    (linears.projections), where it can; x may be QuantRows."""
     lora_ok = "lora_linear" in ops_for_step(ops, x)
     return projections(attn, key, names, x, "fused_projections" in ops, lora_ok)
 
@@ -289,8 +282,8 @@ def attention(attn, hidden_states, encoder_hidden_states=None, attention_mask=No
     module (LTX, FLUX, Wan: their forward passes these to the processor in this order), calling
     our processor directly when nothing hooks attn: the module's forward only filters keyword
     arguments, through inspect.signature of its processor on every call, which costs more host
-    time than a 2688-token attention's kernels take to launch. hidden_states may be Fp8Rows
-    (fp8_consumers(..., through=attn))."""
+    time than a 2688-token attention's kernels take to launch. hidden_states may be QuantRows
+    (quant.input_format(..., through=attn))."""
     if isinstance(attn.processor, FusedAttnProcessor) and not has_hooks(attn):
         return attn.processor(attn, hidden_states, encoder_hidden_states, attention_mask, rotary)
     return attn(hidden_states, encoder_hidden_states, attention_mask, rotary)
@@ -380,7 +373,7 @@ def _same_rope_tables(x, cos_sin) -> bool:
 def feed_forward(ops, ff, x):
     """diffusers FeedForward (net = [activation with its projection, Dropout, Linear, ...]) with the
     GELU-tanh projection as one GEMM with a GELU epilogue, or GELU/GEGLU as our op. With FP8
-    projections (x may then be Fp8Rows: feed_forward_takes_fp8) the GELU and the down
+    projections (x may then be QuantRows: feed_forward_input_format) the GELU and the down
     projection's input quantization are one pass."""
     net = list(ff.net)
     act = net[0]
@@ -400,29 +393,30 @@ def feed_forward(ops, ff, x):
     if h is None:
         h = act(x)
     for module in net[1:]:
-        if not (isinstance(h, Fp8Rows) and isinstance(module, torch.nn.Dropout)):
+        if not (isinstance(h, QuantRows) and isinstance(module, torch.nn.Dropout)):
             h = module(h)  # (rows pass inactive Dropouts only: _gelu_for)
     return h
 
 
-def feed_forward_takes_fp8(ff) -> bool:
-    """Whether feed_forward takes its input as Fp8Rows: a hook-free GELU whose projection is an
-    FP8 Linear."""
+def feed_forward_input_format(ff) -> str | None:
+    """The format in which feed_forward takes its input as QuantRows (None: a tensor): its
+    projection's, under a hook-free GELU."""
     act = ff.net[0]
-    return type(act).__name__ == "GELU" and _plain(act) and fp8_consumers(act.proj)
+    return input_format(act.proj) if type(act).__name__ == "GELU" and _plain(act) else None
 
 
 def _gelu_for(ops, h, approximate: str, rest):
-    """gelu(h) for the modules `rest` after it: quantized per row in the same pass (Fp8Rows) when
-    the first of them past inactive Dropouts is an FP8 Linear. The FP8 form runs where the bf16
-    step would run our kernel (linear_gelu for GELU-tanh, gelu otherwise)."""
+    """gelu(h) for the modules `rest` after it: quantized in the same pass (QuantRows) when the
+    first of them past inactive Dropouts takes quantized rows. The quantized form runs where the
+    bf16 step would run our kernel (linear_gelu for GELU-tanh, gelu otherwise)."""
     if ("linear_gelu" if approximate == "tanh" else "gelu") not in ops:
         return F.gelu(h, approximate=approximate)
     for module in rest:
         if isinstance(module, torch.nn.Dropout) and (module.p == 0 or not module.training):
             continue
-        if fp8_consumers(module):
-            return fp8_rows(h, "gelu_tanh" if approximate == "tanh" else "gelu")
+        quant = input_format(module)
+        if quant is not None:
+            return quantize_rows(h, quant, "gelu", approximate)
         break
     return gelu(h, approximate)
 
@@ -441,7 +435,7 @@ def gated_attention_feed_forward(
         scale_mlp[:, None],
         shift_mlp[:, None],
         gate_msa[:, None],
-        fp8=feed_forward_takes_fp8(ff),
+        quant=feed_forward_input_format(ff),
     )
     return residual(ops, x, feed_forward(ops, ff, norm_x), gate_mlp[:, None])
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import recompute, steps
+from . import quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules
 from .injector import FusedAttnProcessor
@@ -154,7 +154,7 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
 
         if encoder_hidden_states is None and not attn.fused_projections:
             query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
-        else:  # (hidden_states may be Fp8Rows: to_q takes them)
+        else:  # (hidden_states may be QuantRows: to_q takes them)
             query, key, value = self.get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         query, key = qk_norm_rope(self.ops, attn, query, key, rotary_emb)
         value = _heads(attn, value)
@@ -199,12 +199,12 @@ def _projection_helpers(attn):
 # ------------------------------------------------------------------------------------------------
 # Blocks
 # ------------------------------------------------------------------------------------------------
-def _takes_fp8(attn, names=("to_q",)) -> bool:
-    """Whether attn takes its input as FP8 rows: our processor, its projections `names` (those of
-    the input) hook-free FP8 Linears."""
-    return isinstance(attn.processor, WanKernelsAttnProcessor) and steps.fp8_consumers(
-        *(getattr(attn, name) for name in names), through=attn
-    )
+def _input_format(attn, names=("to_q",)) -> str | None:
+    """The format in which attn takes its input as quantized rows (None: a tensor): our
+    processor, and the one its projections `names` (those of the input) take (quant.input_format)."""
+    if not isinstance(attn.processor, WanKernelsAttnProcessor):
+        return None
+    return quant.input_format(*(getattr(attn, name) for name in names), through=attn)
 
 
 def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb, attention_mask=None):
@@ -215,11 +215,16 @@ def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb, a
         hidden_states = hidden_states.contiguous()  # our ops read rows (same values)
 
     norm_hidden_states = steps.norm_modulate_fp32(
-        ops, self.norm1, hidden_states, scale_msa, shift_msa, fp8=_takes_fp8(self.attn1, steps.QKV)
+        ops,
+        self.norm1,
+        hidden_states,
+        scale_msa,
+        shift_msa,
+        quant=_input_format(self.attn1, steps.QKV),
     )
     attn_output = steps.attention(self.attn1, norm_hidden_states, None, attention_mask, rotary_emb)
     hidden_states, norm_hidden_states = steps.add_norm_modulate_fp32(
-        ops, self.norm2, hidden_states, attn_output, gate=gate_msa, fp8=_takes_fp8(self.attn2)
+        ops, self.norm2, hidden_states, attn_output, gate=gate_msa, quant=_input_format(self.attn2)
     )
 
     attn_output = steps.attention(self.attn2, norm_hidden_states, encoder_hidden_states)
@@ -230,7 +235,7 @@ def _layer(self, hidden_states, encoder_hidden_states, modulation, rotary_emb, a
         attn_output,
         c_scale_msa,
         c_shift_msa,
-        fp8=steps.feed_forward_takes_fp8(self.ffn),
+        quant=steps.feed_forward_input_format(self.ffn),
     )
 
     ff_output = steps.feed_forward(ops, self.ffn, norm_hidden_states)

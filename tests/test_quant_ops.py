@@ -1,5 +1,5 @@
-"""The FP8-output ops (ltx_kernels.FP8_OPS) on CPU and CUDA. Each must return exactly the rowwise
-quantization (reference.quantize_rows_fp8: scales bit-exact, e4m3 values the correctly rounded
+"""The quantized-output ops (ltx_kernels.QUANT_OPS) in their format "e4m3_row" on CPU and CUDA. Each
+must return exactly the rowwise quantization (reference.quantize_rows: scales bit-exact, e4m3 values the correctly rounded
 ones) of the value its model-dtype twin returns, which test_norm_modulate.py and
 test_residual_activations.py check against float64; the add_ ops' h must be that op's h bit for
 bit. Also: the e4m3 rounding itself against torch's conversion (every value, every tie), zero and
@@ -24,11 +24,12 @@ from helpers import (
 from test_norm_modulate import OPS as NORM_OPS
 from test_norm_modulate import make_case
 
-ACTIVATIONS = ["none", "gelu", "gelu_tanh"]
+# (activation, approximate) of quantize
+ACTIVATIONS = [("none", "none"), ("gelu", "none"), ("gelu", "tanh")]
 # The scale of a row whose amax is 0 (fp32: 1e-12 / 448).
-ZERO_ROW_SCALE = (torch.tensor(reference.FP8_MIN_AMAX) / reference.FP8_MAX).item()
+ZERO_ROW_SCALE = (torch.tensor(reference.MIN_AMAX) / reference.E4M3_MAX).item()
 # Odd rows (scalar tails), model widths, the longest cached row (8192 bf16 for the norm ops, 16384
-# for quantize_fp8) and longer rows (the streaming kernels).
+# for quantize) and longer rows (the streaming kernels).
 NORM_SHAPES = [(1, 111), (7, 2048), (5, 5125), (3, 8192), (2, 9000), (4096, 2048)]
 QUANTIZE_SHAPES = [(1, 111), (7, 2048), (5, 8192), (3, 13824), (2, 16384), (2, 20000), (4096, 2048)]
 
@@ -38,9 +39,9 @@ def _skip_big_on_cpu(device, shape):
         pytest.skip("4096 rows run on CUDA only (the CPU twin's rows are independent)")
 
 
-def assert_exact_fp8(q, q_scale, value, what):
-    """(q, q_scale) is exactly reference.quantize_rows_fp8(value)."""
-    ref_q, ref_scale = reference.quantize_rows_fp8(value)
+def assert_exact_e4m3(q, q_scale, value, what):
+    """(q, q_scale) is exactly reference.quantize_rows(value, "e4m3_row")."""
+    ref_q, ref_scale = reference.quantize_rows(value)
     assert q.dtype == torch.float8_e4m3fn and q_scale.dtype == torch.float32, what
     assert q.shape == value.shape and q_scale.shape == value.shape[:-1], what
     assert q.is_contiguous() and q_scale.is_contiguous(), what
@@ -52,7 +53,7 @@ def assert_exact_fp8(q, q_scale, value, what):
     # The rule itself: q * scale is within half an e4m3 step of the value (3 mantissa bits; the
     # subnormal step 2^-9 below 2^-6, in units of the row scale).
     v = value.double()
-    error = (reference.dequantize_rows_fp8(q, q_scale, torch.float64) - v).abs()
+    error = (reference.dequantize_rows(q, q_scale, torch.float64) - v).abs()
     bound = 2.0**-4 * v.abs() + 2.0**-10 * q_scale.double().unsqueeze(-1)
     assert (error <= bound).all(), f"{what}: dequantized values off by more than half a step"
 
@@ -75,7 +76,7 @@ def _every_e4m3_value_and_tie():
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_e4m3_rounding_of_every_value_and_tie(device, dtype):
     row = _every_e4m3_value_and_tie().to(device, dtype)
-    q, q_scale = ltx_kernels.quantize_fp8(row)
+    q, q_scale = ltx_kernels.quantize(row)
     assert q_scale.item() == 1.0
     expected = row.clamp(-448, 448).to(torch.float8_e4m3fn)  # torch: round to nearest even
     assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
@@ -87,8 +88,8 @@ def test_zero_nan_and_huge_rows(device):
     x[1, 5] = float("nan")
     x[2] *= 1e30
     x[3, :32] = 1e-30  # below e4m3's subnormals once scaled
-    q, q_scale = ltx_kernels.quantize_fp8(x)
-    ref_q, ref_scale = reference.quantize_rows_fp8(x)
+    q, q_scale = ltx_kernels.quantize(x)
+    ref_q, ref_scale = reference.quantize_rows(x)
     assert q_scale[0].item() == ZERO_ROW_SCALE
     assert (q[0].float() == 0).all()
     assert torch.isnan(q_scale[1]) and torch.isnan(q[1].float()).all()
@@ -97,97 +98,96 @@ def test_zero_nan_and_huge_rows(device):
 
 
 # ------------------------------------------------------------------------------------------------
-# quantize_fp8
+# quantize
 # ------------------------------------------------------------------------------------------------
 def _activated(x, activation):
-    """The value quantize_fp8 quantizes, from our own gelu op (the same GELU code per device)."""
-    if activation == "none":
-        return x
-    return ltx_kernels.gelu(x, "tanh" if activation == "gelu_tanh" else "none")
+    """The value quantize quantizes, from our own gelu op (the same GELU code per device)."""
+    kind, approximate = activation
+    return x if kind == "none" else ltx_kernels.gelu(x, approximate)
 
 
 @pytest.mark.parametrize("shape", QUANTIZE_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_quantize_fp8(device, activation, dtype, shape):
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+def test_quantize(device, activation, dtype, shape):
     _skip_big_on_cpu(device, shape)
     x = (3 * torch.randn(shape, device=device)).to(dtype)
-    q, q_scale = ltx_kernels.quantize_fp8(x, activation)
-    assert_exact_fp8(q, q_scale, _activated(x, activation), f"quantize_fp8({activation})")
+    q, q_scale = ltx_kernels.quantize(x, *activation)
+    assert_exact_e4m3(q, q_scale, _activated(x, activation), f"quantize{activation}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_quantize_fp8_strided_rows(device, dtype, layout):
+def test_quantize_strided_rows(device, dtype, layout):
     x = make_activation((3, 5, 2048), dtype, device, layout)
-    q, q_scale = ltx_kernels.quantize_fp8(x, "gelu_tanh")
-    assert_exact_fp8(q, q_scale, _activated(x, "gelu_tanh"), layout)
+    q, q_scale = ltx_kernels.quantize(x, "gelu", "tanh")
+    assert_exact_e4m3(q, q_scale, _activated(x, ("gelu", "tanh")), layout)
 
 
-def test_quantize_fp8_of_a_linear_weight(device):
+def test_quantize_of_a_linear_weight(device):
     """Per output channel: the rows of a [N, K] weight."""
     weight = torch.randn(96, 64, device=device).to(torch.bfloat16)
-    q, q_scale = ltx_kernels.quantize_fp8(weight)
+    q, q_scale = ltx_kernels.quantize(weight)
     assert q_scale.shape == (96,)
-    assert_exact_fp8(q, q_scale, weight, "weight")
+    assert_exact_e4m3(q, q_scale, weight, "weight")
 
 
 # ------------------------------------------------------------------------------------------------
-# The norm ops' FP8 forms
+# The norm ops' quantized forms
 # ------------------------------------------------------------------------------------------------
 def _run_both(case):
-    """(h, n) of the model-dtype op and (h, q, q_scale) of its FP8 form, for one case."""
+    """(h, n) of the model-dtype op and (h, q, q_scale) of its quantized form, for one case."""
     h, n = case.run()
-    out = getattr(ltx_kernels, case.op + "_fp8")(*case.args(), upcast=case.upcast)
+    out = getattr(ltx_kernels, case.op + "_quant")(*case.args(), upcast=case.upcast)
     return h, n, ((None, *out) if h is None else out)
 
 
-def check_norm_fp8(case, what):
+def check_norm_quant(case, what):
     h, n, (h8, q, q_scale) = _run_both(case)
     if h is not None:
         assert torch.equal(h8, h), f"{what}: h differs from {case.op}'s"
-    assert_exact_fp8(q, q_scale, n, what)
+    assert_exact_e4m3(q, q_scale, n, what)
 
 
 @pytest.mark.parametrize("precision", ["model", "upcast_fp32"])
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", NORM_OPS)
-def test_norm_fp8(device, op, dtype, shape, precision):
+def test_norm_quant(device, op, dtype, shape, precision):
     _skip_big_on_cpu(device, shape)
     case = make_case(op, shape, dtype, device, precision, "D")
-    check_norm_fp8(case, case.describe())
+    check_norm_quant(case, case.describe())
 
 
 @pytest.mark.parametrize("broadcast", BROADCASTS)
 @pytest.mark.parametrize("op", NORM_OPS)
-def test_norm_fp8_broadcast_forms(device, op, broadcast):
+def test_norm_quant_broadcast_forms(device, op, broadcast):
     case = make_case(op, (2, 12, 264), torch.bfloat16, device, "model", broadcast)
-    check_norm_fp8(case, case.describe())
+    check_norm_quant(case, case.describe())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("op", NORM_OPS)
-def test_norm_fp8_strided_rows(device, op, layout):
+def test_norm_quant_strided_rows(device, op, layout):
     case = make_case(op, (3, 5, 2048), torch.bfloat16, device, "model", "BSD", layout)
-    check_norm_fp8(case, case.describe())
+    check_norm_quant(case, case.describe())
 
 
 @pytest.mark.parametrize("drop", [("scale", "shift"), ("weight", "bias", "gate")], ids=str)
 @pytest.mark.parametrize("op", NORM_OPS)
-def test_norm_fp8_none_operands(device, op, drop):
+def test_norm_quant_none_operands(device, op, drop):
     case = make_case(op, (2, 7, 264), torch.bfloat16, device, "model", "B1D", drop=drop)
-    check_norm_fp8(case, case.describe())
+    check_norm_quant(case, case.describe())
 
 
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (3, 0)], ids=str)
-@pytest.mark.parametrize("op", [*(o + "_fp8" for o in NORM_OPS), "quantize_fp8"])
+@pytest.mark.parametrize("op", [*(o + "_quant" for o in NORM_OPS), "quantize"])
 def test_empty(device, op, shape):
-    if op == "quantize_fp8":
-        out = ltx_kernels.quantize_fp8(torch.randn(shape, device=device))
+    if op == "quantize":
+        out = ltx_kernels.quantize(torch.randn(shape, device=device))
         q, q_scale = out
     else:
-        case = make_case(op[: -len("_fp8")], shape, torch.bfloat16, device, "model", "D")
+        case = make_case(op[: -len("_quant")], shape, torch.bfloat16, device, "model", "D")
         out = getattr(ltx_kernels, op)(*case.args())
         q, q_scale = out[-2:]
     assert q.shape == shape and q.dtype == torch.float8_e4m3fn
@@ -199,28 +199,28 @@ def test_empty(device, op, shape):
 # ------------------------------------------------------------------------------------------------
 # Custom-op contract: opcheck, compile, CUDA graphs, no backward, errors
 # ------------------------------------------------------------------------------------------------
-def _fp8_args(op, device, seq=9):
-    if op == "quantize_fp8":
-        return (torch.randn(2, seq, 96, device=device).to(torch.bfloat16), "gelu_tanh")
+def _quant_args(op, device, seq=9):
+    if op == "quantize":
+        return (torch.randn(2, seq, 96, device=device).to(torch.bfloat16), "gelu", "tanh")
     return make_case(
-        op[: -len("_fp8")], (2, seq, 96), torch.bfloat16, device, "model", "B1D"
+        op[: -len("_quant")], (2, seq, 96), torch.bfloat16, device, "model", "B1D"
     ).args()
 
 
-@pytest.mark.parametrize("op", ltx_kernels.FP8_OPS)
+@pytest.mark.parametrize("op", ltx_kernels.QUANT_OPS)
 def test_opcheck(device, op):
-    torch.library.opcheck(getattr(torch.ops.ltx_kernels, op), _fp8_args(op, device))
+    torch.library.opcheck(getattr(torch.ops.ltx_kernels, op), _quant_args(op, device))
 
 
-@pytest.mark.parametrize("op", ["add_rmsnorm_modulate_fp8", "quantize_fp8"])
+@pytest.mark.parametrize("op", ["add_rmsnorm_modulate_quant", "quantize"])
 def test_compiles_once(device, op):
-    assert_compiles_once(getattr(ltx_kernels, op), lambda seq: _fp8_args(op, device, seq))
+    assert_compiles_once(getattr(ltx_kernels, op), lambda seq: _quant_args(op, device, seq))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ltx_kernels.FP8_OPS)
+@pytest.mark.parametrize("op", ltx_kernels.QUANT_OPS)
 def test_cuda_graph_capture(op):
-    args = _fp8_args(op, "cuda")
+    args = _quant_args(op, "cuda")
     graph, outputs = capture_graph(lambda: getattr(ltx_kernels, op)(*args))
     expected = [t.clone() for t in getattr(ltx_kernels, op)(*args)]
     for t in outputs:
@@ -230,9 +230,11 @@ def test_cuda_graph_capture(op):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-@pytest.mark.parametrize("op", ltx_kernels.FP8_OPS)
+@pytest.mark.parametrize("op", ltx_kernels.QUANT_OPS)
 def test_backward_raises_naming_the_op(device, op):
-    args = [a.detach().requires_grad_() if torch.is_tensor(a) else a for a in _fp8_args(op, device)]
+    args = [
+        a.detach().requires_grad_() if torch.is_tensor(a) else a for a in _quant_args(op, device)
+    ]
     out = getattr(ltx_kernels, op)(*args)
     with pytest.raises(RuntimeError, match=f"ltx_kernels.{op} has no backward"):
         out[-1].sum().backward()
@@ -240,9 +242,13 @@ def test_backward_raises_naming_the_op(device, op):
 
 def test_errors(device):
     x = torch.randn(3, 64, device=device)
-    with pytest.raises(RuntimeError, match="ltx_kernels.quantize_fp8: activation must be"):
-        ltx_kernels.quantize_fp8(x, "relu")
-    with pytest.raises(RuntimeError, match="ltx_kernels.quantize_fp8: x must be float32"):
-        ltx_kernels.quantize_fp8(x.double())
-    with pytest.raises(RuntimeError, match="ltx_kernels.rmsnorm_modulate_fp8: scale must have"):
-        ltx_kernels.rmsnorm_modulate_fp8(x, torch.randn(63, device=device), None)
+    with pytest.raises(RuntimeError, match="ltx_kernels.quantize: activation must be"):
+        ltx_kernels.quantize(x, "relu")
+    with pytest.raises(RuntimeError, match="ltx_kernels.quantize: approximate must be"):
+        ltx_kernels.quantize(x, "gelu", "gelu_tanh")
+    with pytest.raises(RuntimeError, match="ltx_kernels.quantize: format must be 'e4m3_row'"):
+        ltx_kernels.quantize(x, format="e4m3")
+    with pytest.raises(RuntimeError, match="ltx_kernels.quantize: x must be float32"):
+        ltx_kernels.quantize(x.double())
+    with pytest.raises(RuntimeError, match="ltx_kernels.rmsnorm_modulate_quant: scale must have"):
+        ltx_kernels.rmsnorm_modulate_quant(x, torch.randn(63, device=device), None)
