@@ -428,3 +428,41 @@ ltx_check_t ltx_check_quantize(const ltx_rows_t* out, const ltx_quant_t* quant, 
   if (approximate != LTX_GELU_NONE && approximate != LTX_GELU_TANH) return malformed("approximate");
   return ok();
 }
+
+/* attention: q, k, v, out of one dtype T; out q's sizes, k q's batch and heads, v k's sizes. */
+ltx_check_t ltx_check_attention(const ltx_attention_args_t* a) {
+  const char* const names[3] = {"k", "v", "out"};
+  const ltx_rows_t* operands[3];
+  int i;
+  if (!a) return malformed("args");
+  operands[0] = &a->k;
+  operands[1] = &a->v;
+  operands[2] = &a->out;
+  LTX_RETURN_IF_FAILED(float_or_float64_dtype("q", a->q.dtype));
+  for (i = 0; i < 3; ++i)
+    LTX_RETURN_IF_FAILED(
+        dtype_of(LTX_ERR_INVALID_ARGUMENT, names[i], operands[i]->dtype, "q", a->q.dtype));
+  if (a->key_lengths.data && a->key_lengths.dtype != LTX_INT32 && a->key_lengths.dtype != LTX_INT64)
+    return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_INDEX_DTYPE, "key_lengths",
+                      a->key_lengths.dtype, NULL, a->key_lengths.dtype);
+  if (!ltx_valid_rows(&a->q)) return malformed("q");
+  for (i = 0; i < 3; ++i)
+    if (!ltx_valid_rows(operands[i])) return malformed(names[i]);
+  if (a->k.size[0] != a->q.size[0] || a->k.size[2] != a->q.size[2])
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "k", "q");
+  for (i = 0; i < LTX_MAX_ROW_DIMS; ++i) {
+    if (a->v.size[i] != a->k.size[i])
+      return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "v", "k");
+    if (a->out.size[i] != a->q.size[i])
+      return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "out", "q");
+  }
+  if (a->head_dim < 0) return malformed("head_dim");
+  if (!(a->scale > -INFINITY && a->scale < INFINITY)) { /* (NaN fails both) */
+    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
+                           .rule = LTX_RULE_FINITE,
+                           .arg = "scale",
+                           .value = a->scale};
+    return c;
+  }
+  return ok();
+}

@@ -29,6 +29,9 @@ typedef enum ltx_rule {
   LTX_RULE_EVEN_HEAD_DIM,          /* a rotation needs an even head_dim (value) */
   LTX_RULE_ROT_DIM,                /* rot_dim (value) must be head_dim (expected) */
   LTX_RULE_ROT_DIM_OR_HALF,        /* rot_dim (value) must be head_dim (expected) or half of it */
+  LTX_RULE_INDEX_DTYPE,            /* arg must be int32 or int64 */
+  LTX_RULE_SHAPE_OF,               /* arg's sizes must agree with ref's (the op says which) */
+  LTX_RULE_FINITE,                 /* arg (value) must be finite */
 } ltx_rule_t;
 
 /* What a check found. */
@@ -59,6 +62,7 @@ ltx_check_t ltx_check_quantize(const ltx_rows_t* out, const ltx_quant_t* quant, 
 ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout,
                                     const ltx_rows_t* x, int64_t hidden,
                                     ltx_gelu_approximate_t approximate, int gated);
+ltx_check_t ltx_check_attention(const ltx_attention_args_t* args);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,7 @@
 // .cu files of kernel_src/ only). The C code is valid C++: its math calls take double arguments,
 // so C++ overloads pick the same functions, and ltx_kernels.h declares the entry points extern
 // "C".
+#include "attention/attention_cpu.c"
 #include "checks.c"
 #include "gated_residual_cpu.c"
 #include "gelu_cpu.c"

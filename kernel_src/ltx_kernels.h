@@ -30,6 +30,8 @@ typedef enum ltx_dtype {
   LTX_BFLOAT16 = 2,
   LTX_FLOAT64 = 3,
   LTX_FLOAT8_E4M3 = 4, /* float8_e4m3fn: only quantized outputs (below) */
+  LTX_INT32 = 5,       /* int32 and int64: only index vectors (attention's key lengths) */
+  LTX_INT64 = 6,
 } ltx_dtype_t;
 
 /* Status codes (CUDA launchers may also return a positive cudaError_t). */
@@ -389,6 +391,47 @@ int ltx_quantize_cuda(ltx_rows_t out, ltx_quant_t quant, ltx_rows_t x, int64_t h
 int ltx_quantize_cpu(ltx_rows_t out, ltx_quant_t quant, ltx_rows_t x, int64_t hidden,
                      ltx_activation_t activation, ltx_gelu_approximate_t approximate,
                      int64_t row_begin, int64_t row_end);
+
+/*
+ * Attention: non-causal softmax attention of q [batch, q_len, heads, head_dim] over k and v
+ * [batch, kv_len, heads, head_dim] (diffusers' layout), per batch b and head h:
+ *   n_b      = the keys attended: key_lengths[b] clamped to [0, kv_len] (kv_len without lengths)
+ *   s_ij     = scale * q[b, i, h, :] . k[b, j, h, :]                for j < n_b
+ *   m_i      = max_j s_ij,   l_i = sum_j exp(s_ij - m_i)
+ *   out[b, i, h, :] = round_T(sum_j exp(s_ij - m_i) * v[b, j, h, :] / l_i)
+ *   lse[b, h, i]    = m_i + log(l_i)                                 (natural log)
+ * A batch element with n_b = 0 gets out = 0 and lse = -inf. q, k, v and out are ltx_rows_t of
+ * head_dim-element rows with sizes {batch, len, heads} (row (b, s, h) at b * stride[0] + s *
+ * stride[1] + h * stride[2]: any strides, so slices of a fused qkv tensor are read in place).
+ * Dtypes: q, k, v, out: T; lse: float32 (float64 when T is); key_lengths: int32 or int64.
+ * The CUDA launcher takes T float16 or bfloat16, head_dim 64 or 128 and rows at 16-byte boundaries
+ * (ltx_attention_cuda_takes_*, ltx_rows_aligned); it computes q.k and p.v on tensor cores (T
+ * operands, fp32 accumulation), the probabilities p rounded to T before p.v, the sums in fp32. The
+ * C twin takes T float32, float16, bfloat16 or float64 and any head_dim, computes in double and
+ * rounds out once (via fp32, to T; exact in float64).
+ */
+typedef struct ltx_attention_args {
+  ltx_rows_t out;           /* {batch, q_len, heads} rows of head_dim */
+  ltx_rows_t q;             /* {batch, q_len, heads} */
+  ltx_rows_t k, v;          /* {batch, kv_len, heads} */
+  void* lse;                /* [batch, heads, q_len] contiguous; NULL: not written */
+  ltx_vector_t key_lengths; /* [batch] contiguous int32/int64; data NULL: every key */
+  int64_t head_dim;
+  double scale; /* (the CUDA kernel rounds scale * log2(e) to fp32) */
+} ltx_attention_args_t;
+
+/* Whether the CUDA launcher takes a dtype T and a head_dim (its third limit, 16-byte aligned rows:
+ * ltx_rows_aligned(&rows, 2, 16)); the C twin takes any. */
+static inline int ltx_attention_cuda_takes_head_dim(int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128;
+}
+static inline int ltx_attention_cuda_takes_dtype(ltx_dtype_t dtype) {
+  return dtype == LTX_FLOAT16 || dtype == LTX_BFLOAT16;
+}
+
+int ltx_attention_cuda(const ltx_attention_args_t* args, ltx_stream_t stream);
+/* Over query rows [row_begin, row_end) only, in q's row order ((b * q_len + i) * heads + h). */
+int ltx_attention_cpu(const ltx_attention_args_t* args, int64_t row_begin, int64_t row_end);
 
 #ifdef __cplusplus
 }

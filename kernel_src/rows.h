@@ -22,8 +22,10 @@ static inline int ltx_valid_dtype(ltx_dtype_t dtype) {
 
 static inline int ltx_dtype_size(ltx_dtype_t dtype) {
   switch (dtype) {
-    case LTX_FLOAT64: return 8;
-    case LTX_FLOAT32: return 4;
+    case LTX_FLOAT64:
+    case LTX_INT64: return 8;
+    case LTX_FLOAT32:
+    case LTX_INT32: return 4;
     case LTX_FLOAT8_E4M3: return 1;
     default: return 2;
   }

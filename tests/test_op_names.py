@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ltx_kernels
-from ltx_kernels import BACKWARD_OPS, OPS, QUANT_OPS, _fake, ops, reference
+from ltx_kernels import ATTENTION_OPS, BACKWARD_OPS, OPS, QUANT_OPS, _fake, ops, reference
 from ltx_kernels import _op_names as op_table
 from ltx_kernels.__main__ import smoke_inputs
 from ltx_kernels._op_names import RECOMPUTE_SCOPE_OP, REFERENCE_VJP_OP
@@ -37,7 +37,7 @@ def test_ops_are_the_registered_ops():
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("ltx_kernels::")
     }
-    every = (*OPS, *QUANT_OPS, *BACKWARD_OPS, REFERENCE_VJP_OP, RECOMPUTE_SCOPE_OP)
+    every = (*OPS, *QUANT_OPS, *ATTENTION_OPS, *BACKWARD_OPS, REFERENCE_VJP_OP, RECOMPUTE_SCOPE_OP)
     assert len(set(every)) == len(every)
     assert set(every) == registered
 
@@ -59,9 +59,10 @@ PIECES = {
 }
 
 
-# The quantized ops have every piece; the backward ops have a fake and nothing else of these.
-EXPECTED = {piece: set(OPS + QUANT_OPS) for piece in PIECES} | {
-    "fakes (_fake.<op>)": set(OPS + QUANT_OPS + BACKWARD_OPS)
+# The quantized ops and attention have every piece; the backward ops have a fake and nothing else
+# of these.
+EXPECTED = {piece: set(OPS + QUANT_OPS + ATTENTION_OPS) for piece in PIECES} | {
+    "fakes (_fake.<op>)": set(OPS + QUANT_OPS + ATTENTION_OPS + BACKWARD_OPS)
 }
 
 

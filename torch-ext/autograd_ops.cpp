@@ -18,10 +18,11 @@
 // reference_vjp of the plain norm at the saved h and the residual's linear part in ATen; rope,
 // qk_rmsnorm_rope: reference_vjp; gelu, geglu: ATen's GELU derivative; linear_gelu and lora_linear
 // are ATen already). The first-order backward (grad mode off) is the fused path alone.
-// The backward ops and the quantized ops record a node that raises when differentiated, naming the
-// op. Training memory: within recompute_scope (integration/recompute.py), a norm output or a LoRA
-// projection's output that lora_linear or qk_rmsnorm_rope saves is saved as the call that gives it
-// again (the section "Outputs recomputed in backward" below).
+// The backward ops, the quantized ops and attention (no backward yet) record a node that raises
+// when differentiated, naming the op. Training memory: within recompute_scope
+// (integration/recompute.py), a norm output or a LoRA projection's output that lora_linear or
+// qk_rmsnorm_rope saves is saved as the call that gives it again (the section "Outputs recomputed
+// in backward" below).
 #include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -706,8 +707,8 @@ Tensor lora_linear_op(const Tensor& x, const Tensor& weight, const OptTensor& bi
 }
 
 // ------------------------------------------------------------------------------------------------
-// Ops without a derivative (the backward ops, the quantized ops): their outputs get a node that
-// raises when differentiated, naming the op, never a gradient silently cut off.
+// Ops without a derivative (the backward ops, the quantized ops, attention for now): their outputs
+// get a node that raises when differentiated, naming the op, never a gradient silently cut off.
 std::string op_name(const c10::OperatorHandle& op) {
   const std::string& name = op.schema().name();
   return "ltx_kernels." + name.substr(name.find("::") + 2);
@@ -723,6 +724,12 @@ std::string quant_message(const c10::OperatorHandle& op) {
   return op_name(op) +
          " has no backward: the FP8 path (inject_optimized_kernels(..., fp8=True)) is for "
          "inference; train with the bf16 ops (fp8=False)";
+}
+
+std::string attention_message(const c10::OperatorHandle& op) {
+  return op_name(op) +
+         " has no backward yet (its derivative is a later issue): under autograd attend with "
+         "torch.nn.functional.scaled_dot_product_attention";
 }
 
 // A new autograd node: held by std::shared_ptr up to torch 2.14, by c10::intrusive_ptr from 2.15.
@@ -806,6 +813,9 @@ TORCH_LIBRARY_IMPL_EXPAND(LTX_OPS_NAMESPACE, Autograd, m) {
         "add_layernorm_modulate_quant", "quantize"})
     m.impl(name,
            torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&quant_message>>());
+  m.impl(
+      "attention",
+      torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&attention_message>>());
   for (const char* name : {"gelu_backward", "geglu_backward", "norm_modulate_backward",
                            "rope_backward", "qk_rmsnorm_rope_backward"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<

@@ -69,7 +69,9 @@ inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
     case at::kHalf: return LTX_FLOAT16;
     case at::kBFloat16: return LTX_BFLOAT16;
     case at::kDouble: return LTX_FLOAT64;
-    case at::kFloat8_e4m3fn: return LTX_FLOAT8_E4M3;        // (quantized outputs only)
+    case at::kFloat8_e4m3fn: return LTX_FLOAT8_E4M3;  // (quantized outputs only)
+    case at::kInt: return LTX_INT32;                  // (index vectors only)
+    case at::kLong: return LTX_INT64;
     default: LTX_CHECK(false, "unsupported dtype ", type);  // callers check first
   }
   return LTX_FLOAT32;  // unreachable
@@ -81,6 +83,8 @@ inline at::ScalarType to_scalar_type(ltx_dtype_t dtype) {
     case LTX_BFLOAT16: return at::kBFloat16;
     case LTX_FLOAT64: return at::kDouble;
     case LTX_FLOAT8_E4M3: return at::kFloat8_e4m3fn;
+    case LTX_INT32: return at::kInt;
+    case LTX_INT64: return at::kLong;
     default: return at::kFloat;
   }
 }
@@ -290,6 +294,9 @@ inline std::string check_message(const char* op, const ltx_check_t& c, ArgNames 
     case LTX_RULE_ROT_DIM_OR_HALF:
       return cat(op, ": ", arg, " must have last dimension ", c.expected, " or ", c.expected / 2,
                  " (both halves share it), got ", c.value);
+    case LTX_RULE_INDEX_DTYPE: return cat(op, ": ", arg, " must be int32 or int64, got ", dtype);
+    case LTX_RULE_SHAPE_OF: return cat(op, ": ", arg, "'s shape does not agree with ", ref, "'s");
+    case LTX_RULE_FINITE: return cat(op, ": ", arg, " must be finite, got ", c.value);
     default: return cat(op, ": invalid launcher argument ", arg);
   }
 }

@@ -1,7 +1,8 @@
 // The ltx_kernels op library: the schema of every op, in one table. Each op has one impl for both
-// backends (norm_ops.cpp, rope_ops.cpp, elementwise_ops.cpp): it checks what is torch's, allocates
-// the outputs and runs the C launchers through run_launcher (binding_utils.h). Meta comes from the
-// fake implementations in _fake.py; ltx_kernels.reference has each op's exact formula.
+// backends (norm_ops.cpp, rope_ops.cpp, elementwise_ops.cpp, attention_ops.cpp): it checks what is
+// torch's, allocates the outputs and runs the C launchers through run_launcher (binding_utils.h).
+// Meta comes from the fake implementations in _fake.py; ltx_kernels.reference has each op's exact
+// formula.
 #include "torch_binding.h"
 
 #include "ltx_registration.h"
@@ -71,6 +72,11 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   def("quantize(Tensor x, str activation='none', str approximate='none', *, "
       "str format='e4m3_row') -> (Tensor, Tensor)",
       "quantize", &quantize);
+  // Softmax attention (non-causal) of q [B, Sq, H, D] over k, v [B, Sk, H, D], each batch element
+  // over its first key_lengths[b] keys; returns (out [B, Sq, H, D], lse [B, H, Sq] or empty).
+  def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_lengths=None, float? scale=None, *, "
+      "bool return_lse=False) -> (Tensor, Tensor)",
+      "attention", &attention);
   // Backward ops (functional; the autograd of the ops above calls them, _autograd.py).
   // The gradient of x for gelu's output gradient (x's shape and dtype).
   def("gelu_backward(Tensor grad_out, Tensor x, str approximate='none') -> Tensor", "gelu_backward",

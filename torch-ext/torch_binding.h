@@ -88,6 +88,12 @@ at::Tensor geglu_backward(const at::Tensor& grad_out, const at::Tensor& x,
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, c10::string_view activation,
                                             c10::string_view approximate, c10::string_view format);
 
+// attention_ops.cpp
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v,
+                                             const std::optional<at::Tensor>& key_lengths,
+                                             std::optional<double> scale, bool return_lse);
+
 // linear_ops.cpp
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias);

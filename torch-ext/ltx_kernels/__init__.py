@@ -7,9 +7,9 @@ implementation, a fake implementation for torch.compile/export, and a pure-PyTor
 """
 
 from . import reference
-from ._op_names import BACKWARD_OPS, OPS, QUANT_FORMATS, QUANT_OPS
+from ._op_names import ATTENTION_OPS, BACKWARD_OPS, OPS, QUANT_FORMATS, QUANT_OPS
 from .integration import InjectionReport, inject_optimized_kernels, remove_optimized_kernels
-from .ops import *  # noqa: F403  (the op wrappers: ops.__all__, every op of OPS and QUANT_OPS)
+from .ops import *  # noqa: F403  (the op wrappers: ops.__all__, every op of the op tables)
 from .ops import _library as _library  # (for integration's lazy check that the library loaded)
 from .ops import load_error
 
@@ -17,10 +17,12 @@ __version__ = "0.1.0"
 __all__ = [
     *OPS,
     *QUANT_OPS,
+    *ATTENTION_OPS,
     "reference",
     "OPS",
     "QUANT_OPS",
     "QUANT_FORMATS",
+    "ATTENTION_OPS",
     "BACKWARD_OPS",
     "load_error",
     "inject_optimized_kernels",

@@ -39,6 +39,13 @@ def smoke_inputs(device: str) -> dict:
         "add_rmsnorm_modulate_quant": (x, y, mod, mod, mod),
         "add_layernorm_modulate_quant": (x, y, mod, mod, mod),
         "quantize": (x, "gelu", "tanh"),
+        # (head_dim 64, the CUDA kernel's; batch element 1 attends its first 4 keys)
+        "attention": (
+            rand(2, 5, 3, 64),
+            rand(2, 7, 3, 64),
+            rand(2, 7, 3, 64),
+            torch.tensor([7, 4], dtype=torch.int32, device=device),
+        ),
     }
 
 
@@ -100,7 +107,7 @@ def main() -> int:
         return 1
     print("  extension        loaded")
     failures = 0
-    for op in ltx_kernels.OPS + ltx_kernels.QUANT_OPS:
+    for op in ltx_kernels.OPS + ltx_kernels.QUANT_OPS + ltx_kernels.ATTENTION_OPS:
         for device in devices:
             status = _check_op(op, device)
             failures += not status.startswith("ok")

@@ -297,3 +297,26 @@ def quantize(x, activation="none", approximate="none", *, format="e4m3_row"):
         lambda: "ltx_kernels.quantize: approximate must be 'none' or 'tanh'",
     )
     return _quant_rows("quantize", x, format)
+
+
+def _check_attention_shape(name, t, shape, what):
+    torch._check(
+        t.dim() == len(shape) and all(a == b for a, b in zip(t.shape, shape) if b is not None),
+        lambda: f"ltx_kernels.attention: {name} must have {what}, got shape {list(t.shape)}",
+    )
+
+
+def attention(q, k, v, key_lengths=None, scale=None, *, return_lse=False):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        torch._check(
+            t.dim() == 4,
+            lambda: f"ltx_kernels.attention: {name} must be 4-D [batch, seq_len, heads, head_dim]",
+        )
+    batch, q_len, heads, head_dim = q.shape
+    _check_attention_shape("k", k, (batch, None, heads, head_dim), "q's batch, heads and head_dim")
+    _check_attention_shape("v", v, tuple(k.shape), "k's shape")
+    if key_lengths is not None:
+        _check_attention_shape("key_lengths", key_lengths, (batch,), "shape [batch]")
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = q.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=lse_dtype)
+    return q.new_empty(q.shape), lse

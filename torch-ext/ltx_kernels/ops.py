@@ -1,13 +1,15 @@
-"""The op wrappers: `ltx_kernels.<op>` for every op of `_op_names.OPS` and `QUANT_OPS`, each calling
+"""The op wrappers: `ltx_kernels.<op>` for every op of `_op_names.OPS`, `QUANT_OPS` and
+`ATTENTION_OPS`, each calling
 `torch.ops.ltx_kernels.<op>` (the compiled library, loaded here with its fakes and autograd) with
 its documented defaults. The package's `__init__` re-exports them."""
 
 import torch
 
 from . import reference
-from ._op_names import BACKWARD_OPS, OPS, QUANT_OPS
+from ._op_names import ATTENTION_OPS, BACKWARD_OPS, OPS, QUANT_OPS
 
-__all__ = [*OPS, *QUANT_OPS]  # the wrapper of op <op> is the function <op> of this module
+# the wrapper of op <op> is the function <op> of this module
+__all__ = [*OPS, *QUANT_OPS, *ATTENTION_OPS]
 
 #: Why the compiled extension failed to load, or None. When set, calling an op raises.
 load_error: Exception | None = None
@@ -16,7 +18,7 @@ try:
     from ._op_namespace import ops as _ops
     from . import _autograd, _fake
 
-    _fake.register(OPS + QUANT_OPS + BACKWARD_OPS)
+    _fake.register(OPS + QUANT_OPS + ATTENTION_OPS + BACKWARD_OPS)
     _autograd.register()
 except (
     ImportError,
@@ -245,3 +247,23 @@ def quantize(x, activation: str = "none", approximate: str = "none", *, format="
     x [..., K] float32/float16/bfloat16, contiguous last dim, rows may be strided. Also quantizes
     Linear weights [N, K] (one scale per output channel)."""
     return _library().quantize(x, activation, approximate, format=format)
+
+
+def attention(q, k, v, key_lengths=None, scale=None, *, return_lse: bool = False):
+    """Softmax attention, non-causal: `softmax(q @ k^T * scale) @ v` per batch element and head, in
+    diffusers' layout. q [B, Sq, H, D], k and v [B, Sk, H, D] (the same H), any strides with a
+    contiguous last dim (slices of a fused qkv projection are read where they are). Returns out
+    [B, Sq, H, D] (contiguous, q's dtype), or with return_lse=True (out, lse): lse [B, H, Sq] the
+    natural-log log-sum-exp of each query's scaled scores (float32; float64 for float64 inputs),
+    what ring attention merges partial outputs with.
+    key_lengths: None (every key), or an int32/int64 [B] tensor on q's device: batch element b
+    attends keys [0, key_lengths[b]) only (values clamped to [0, Sk]). A length of 0 gives out = 0
+    and lse = -inf (no key to attend: not the NaN of a softmax over nothing).
+    scale: default D**-0.5.
+    CUDA: float16/bfloat16, head_dim 64 or 128 (other head dims raise; attend with
+    F.scaled_dot_product_attention there), rows 16-byte aligned; tensor cores with fp32
+    accumulation, the probabilities rounded to q's dtype before `p @ v`. CPU: also float32 and
+    float64, any head_dim, computed in double and rounded once (reference.attention is the exact
+    formula). No backward yet: differentiating it raises."""
+    out, lse = _library().attention(q, k, v, key_lengths, scale, return_lse=return_lse)
+    return (out, lse) if return_lse else out

@@ -11,9 +11,10 @@ Uses:
 
 import torch
 
-from ._op_names import OPS, QUANT_FORMATS, QUANT_OPS
+from ._op_names import ATTENTION_OPS, OPS, QUANT_FORMATS, QUANT_OPS
 
-__all__ = [*OPS, *QUANT_OPS]  # the reference of op <op> is the function <op> of this module
+# the reference of op <op> is the function <op> of this module
+__all__ = [*OPS, *QUANT_OPS, *ATTENTION_OPS]
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
@@ -406,3 +407,41 @@ def quantize(x, activation="none", approximate="none", *, format="e4m3_row"):
     if activation == "gelu":
         x = gelu(x, approximate)
     return quantize_rows(x, format)
+
+
+def attention(
+    q,
+    k,
+    v,
+    key_lengths=None,
+    scale=None,
+    *,
+    return_lse=False,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
+    """Softmax attention (non-causal) as ltx_kernels.attention defines it, in compute_dtype:
+    s = scale * q k^T per batch element and head over the keys j < key_lengths[b] (clamped to
+    [0, Sk]; every key without lengths), lse = logsumexp(s) (natural log), out = exp(s - lse) v,
+    rounded once to q.dtype ([B, Sq, H, D] contiguous); lse [B, H, Sq] float32 (float64 for
+    float64 inputs). No keys: out 0, lse -inf. round_output=False leaves both in compute_dtype.
+    compute_dtype=float64 is the exact value the op's output is a rounding of: the C twin computes
+    it in double; the CUDA kernel also rounds the probabilities to q.dtype before `p @ v` (an error
+    of at most one rounding of q.dtype times max |v|)."""
+    c = compute_dtype
+    head_dim, kv_len = q.shape[-1], k.shape[1]
+    scale = (head_dim**-0.5 if head_dim > 0 else 1.0) if scale is None else scale
+    qh, kh, vh = (t.to(c).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+    s = (qh @ kh.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
+    if key_lengths is not None:
+        n = key_lengths.to(torch.int64).clamp(0, kv_len)
+        attended = torch.arange(kv_len, device=q.device) < n[:, None]  # [B, Sk]
+        s = s.masked_fill(~attended[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf for a query without keys
+    no_keys = torch.isneginf(lse).unsqueeze(-1)
+    p = torch.where(no_keys, 0.0, torch.exp(s - lse.unsqueeze(-1)))
+    out = (p @ vh).transpose(1, 2)
+    if round_output:
+        out = out.to(q.dtype).contiguous()
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,53 @@
+// Attention (CUDA): the launcher of ltx_attention_cuda (see ltx_kernels.h for what it computes).
+// It runs the op's argument rules (ltx_check_attention), then this implementation's limits (T
+// float16 or bfloat16, head_dim 64 or 128, rows at 16-byte boundaries), fills AttentionParams and
+// runs the kernel body, flash_mma.cuh, on the given stream. A faster body (the Hopper pipeline)
+// replaces flash_mma.cuh behind the same AttentionParams; this file stays.
+#include "../device/launch.cuh"
+#include "../rows.h"
+#include "attention_params.cuh"
+#include "flash_mma.cuh"
+
+namespace ltx {
+namespace {
+
+constexpr double kLog2e = 1.44269504088896340736;
+
+template <typename T, int kHeadDim>
+int attention_typed(const ltx_attention_args_t& a, cudaStream_t stream) {
+  AttentionParams<T> p;
+  p.out = HeadRows<T>::of(a.out);
+  p.q = HeadRows<const T>::of(a.q);
+  p.k = HeadRows<const T>::of(a.k);
+  p.v = HeadRows<const T>::of(a.v);
+  p.lse = static_cast<float*>(a.lse);
+  p.key_lengths = a.key_lengths.data;
+  p.key_lengths_int64 = a.key_lengths.dtype == LTX_INT64;
+  p.batch = a.q.size[0];
+  p.q_len = a.q.size[1];
+  p.heads = a.q.size[2];
+  p.kv_len = a.k.size[1];
+  p.scale_log2 = static_cast<float>(a.scale * kLog2e);
+  return flash_mma::run<T, kHeadDim>(p, stream);
+}
+
+}  // namespace
+}  // namespace ltx
+
+extern "C" int ltx_attention_cuda(const ltx_attention_args_t* args, ltx_stream_t stream) {
+  using namespace ltx;
+  const ltx_check_t check = ltx_check_attention(args);
+  if (check.status != LTX_OK) return check.status;
+  const ltx_attention_args_t& a = *args;
+  if (!ltx_attention_cuda_takes_dtype(a.q.dtype)) return LTX_ERR_UNSUPPORTED_DTYPE;
+  if (!ltx_attention_cuda_takes_head_dim(a.head_dim)) return LTX_ERR_INVALID_ARGUMENT;
+  const ltx_rows_t* const operands[4] = {&a.out, &a.q, &a.k, &a.v};
+  for (const ltx_rows_t* r : operands)  // (an empty operand's data is never read)
+    if (ltx_num_rows(r) > 0 && !ltx_rows_aligned(r, 2, 16)) return LTX_ERR_INVALID_ARGUMENT;
+  if (ltx_num_rows(&a.q) == 0) return LTX_OK;
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.q.dtype == LTX_BFLOAT16)
+    return a.head_dim == 64 ? attention_typed<__nv_bfloat16, 64>(a, s)
+                            : attention_typed<__nv_bfloat16, 128>(a, s);
+  return a.head_dim == 64 ? attention_typed<__half, 64>(a, s) : attention_typed<__half, 128>(a, s);
+}

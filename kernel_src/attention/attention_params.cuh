@@ -1,0 +1,47 @@
+// The attention kernels' view of ltx_attention_args_t (ltx_kernels.h): what the launcher
+// (attention.cu) hands to a kernel body. A kernel body (flash_mma.cuh today) reads q, k, v and
+// key_lengths and writes out and lse through these; the launcher, its checks and the C twin do not
+// depend on how the body computes.
+#pragma once
+
+#include <stdint.h>
+
+#include "../ltx_kernels.h"
+
+namespace ltx {
+
+// Rows of head_dim elements of a [batch, len, heads, head_dim] tensor at any element strides (an
+// ltx_rows_t with sizes {batch, len, heads}); 64-bit offsets.
+template <typename T>
+struct HeadRows {
+  T* data;
+  int64_t batch_stride, seq_stride, head_stride;
+
+  static HeadRows of(const ltx_rows_t& r) {
+    return HeadRows{static_cast<T*>(r.data), r.stride[0], r.stride[1], r.stride[2]};
+  }
+  __device__ __forceinline__ T* row(int64_t b, int64_t s, int64_t h) const {
+    return data + b * batch_stride + s * seq_stride + h * head_stride;
+  }
+};
+
+template <typename T>
+struct AttentionParams {
+  HeadRows<T> out;
+  HeadRows<const T> q, k, v;
+  float* lse;               // [batch, heads, q_len] contiguous; nullptr: not written
+  const void* key_lengths;  // [batch] int32 or int64 (key_lengths_int64); nullptr: every key
+  bool key_lengths_int64;
+  int64_t batch, heads, q_len, kv_len;
+  float scale_log2;  // scale * log2(e): scores in base 2, so that softmax runs on exp2
+
+  // The keys batch element b attends: key_lengths[b] clamped to [0, kv_len].
+  __device__ __forceinline__ int64_t attended_keys(int64_t b) const {
+    if (key_lengths == nullptr) return kv_len;
+    const int64_t n = key_lengths_int64 ? static_cast<const int64_t*>(key_lengths)[b]
+                                        : static_cast<const int32_t*>(key_lengths)[b];
+    return n < 0 ? 0 : n > kv_len ? kv_len : n;
+  }
+};
+
+}  // namespace ltx
