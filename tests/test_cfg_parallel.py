@@ -9,7 +9,6 @@ The CPU-only quirk of test_context_parallel.py is handled the same way: diffuser
 `rank % torch.accelerator.device_count()`, 0 on a CPU-only torch (patched to 1 in the workers).
 """
 
-import copy
 import json
 import os
 import socket
@@ -38,9 +37,11 @@ def _ulysses(degree):
     return None if degree == 1 else ContextParallelConfig(ulysses_degree=degree)
 
 
-def _ltx_pipeline(model):
+def _ltx_pipeline():
     from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
 
+    torch.manual_seed(0)
+    model = ltx.tiny_model(torch.float32)
     scheduler = FlowMatchEulerDiscreteScheduler()
     return LTXPipeline(scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=model)
 
@@ -67,8 +68,11 @@ def _ltx_call(pipe, guidance_scale=3.0):
     )[0]
 
 
-def _wan_pipeline(model):
+def _wan_pipeline():
     from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    torch.manual_seed(0)
+    model = wan.tiny_model(torch.float32)
 
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
@@ -96,31 +100,86 @@ def _wan_call(pipe, guidance_scale=3.0):
     )[0]
 
 
+def _generate_video_script():
+    """scripts/generate_video.py as a module (its tiny random pipelines)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "generate_video" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "generate_video.py"
+        spec = importlib.util.spec_from_file_location("generate_video", path)
+        sys.modules["generate_video"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["generate_video"])
+    return sys.modules["generate_video"]
+
+
+def _ltx2_pipeline():
+    """generate_video.py's tiny LTX-2 (2.0) pipeline: video and audio, text connectors."""
+    return _generate_video_script().build_random_pipeline("ltx-2", torch.float32, "cpu", tiny=True)
+
+
+def _ltx2_call(pipe, guidance_scale=3.0):
+    """Two steps of 9 frames 64 x 64 (8 video tokens) on a left-padded 8-token prompt, with
+    LTX2Pipeline's default guidance: CFG, STG (at the second block) and modality isolation, the
+    video and audio latents concatenated."""
+    generator = torch.Generator().manual_seed(1)
+    width = _generate_video_script().text_width(pipe)
+    text = torch.randn(2, 1, 8, width, generator=generator)
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[:, :2] = 0
+    video, audio = pipe(
+        prompt_embeds=text[0],
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=text[1],
+        negative_prompt_attention_mask=mask,
+        num_frames=9,
+        height=64,
+        width=64,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance_scale,
+        spatio_temporal_guidance_blocks=[1],
+        max_sequence_length=8,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        return_dict=False,
+    )
+    return torch.cat([video.flatten(), audio.flatten()])
+
+
 FAMILIES = {
-    "ltx": (lambda: ltx.tiny_model(torch.float32), _ltx_pipeline, _ltx_call),
-    "wan": (lambda: wan.tiny_model(torch.float32), _wan_pipeline, _wan_call),
+    "ltx": (_ltx_pipeline, _ltx_call),
+    "ltx2": (_ltx2_pipeline, _ltx2_call),
+    "wan": (_wan_pipeline, _wan_call),
 }
 
 
-def _case(family, ulysses):
-    """The pipeline with its transformer injected and enable_cfg_parallel against stock diffusers
-    in this process; the (batch, tokens) each call of the last block saw on this rank."""
-    build_model, build_pipeline, call = FAMILIES[family]
-    torch.manual_seed(0)
-    reference = build_model()
-    model = copy.deepcopy(reference)
-    expected = call(build_pipeline(reference))
-    pipe = build_pipeline(model)
-    ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+def _case(family, ulysses, order="before"):
+    """The pipeline with its transformer injected before or after enable_cfg_parallel against
+    stock diffusers in this process; the (batch, tokens) each call of the last block saw on this
+    rank. Injected after: then removed, the hooks on the model and how many modules came back."""
+    build_pipeline, call = FAMILIES[family]
+    expected = call(build_pipeline())
+    pipe = build_pipeline()
+    model, stock_class = pipe.transformer, type(pipe.transformer)
+    if order == "before":
+        ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
     enable_cfg_parallel(pipe, _ulysses(ulysses))
+    if order == "after":
+        ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
     seen = []
-    blocks = model.transformer_blocks if family == "ltx" else model.blocks
+    blocks = model.blocks if family == "wan" else model.transformer_blocks
     blocks[-1].register_forward_pre_hook(  # (Wan's plan splits the tokens at its first block)
         lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
         with_kwargs=True,
     )
     out = call(pipe)
-    return {"out": rel_l2(out, expected), "latents": out.flatten().tolist(), "seen": seen}
+    result = {"out": rel_l2(out, expected), "latents": out.flatten().tolist(), "seen": seen}
+    if order == "after":
+        result["restored"] = ltx_kernels.remove_optimized_kernels(pipe)
+        result["hooks"] = list(model._diffusers_hook.hooks)
+        result["class"] = type(model) is stock_class
+    return result
 
 
 def _raises(run):
@@ -132,8 +191,8 @@ def _raises(run):
 
 
 def _guidance_off(family):
-    build_model, build_pipeline, call = FAMILIES[family]
-    pipe = build_pipeline(build_model())
+    build_pipeline, call = FAMILIES[family]
+    pipe = build_pipeline()
     enable_cfg_parallel(pipe)
     return _raises(lambda: call(pipe, guidance_scale=1.0))
 
@@ -146,7 +205,7 @@ def _no_guidance_pipeline():
 
 
 def _world_not_divisible():
-    pipe = _ltx_pipeline(ltx.tiny_model(torch.float32))
+    pipe = _ltx_pipeline()
     return _raises(lambda: enable_cfg_parallel(pipe, _ulysses(2)))  # 2 processes: 2 x 2 needed
 
 
@@ -155,6 +214,8 @@ CASES = {
     2: {
         "ltx": lambda: _case("ltx", 1),
         "wan": lambda: _case("wan", 1),
+        "ltx2": lambda: _case("ltx2", 1),
+        "ltx_inject_after": lambda: _case("ltx", 1, "after"),
         "guidance_off_ltx": lambda: _guidance_off("ltx"),
         "guidance_off_wan": lambda: _guidance_off("wan"),
         "no_guidance_pipeline": _no_guidance_pipeline,
@@ -163,6 +224,8 @@ CASES = {
     4: {
         "ltx_ulysses": lambda: _case("ltx", 2),
         "wan_ulysses": lambda: _case("wan", 2),
+        "ltx2_ulysses": lambda: _case("ltx2", 2),
+        "ltx_ulysses_inject_after": lambda: _case("ltx", 2, "after"),
     },
 }
 #: Cases that must raise, with a part of the expected message.
@@ -175,7 +238,21 @@ RAISES = {
 #: (batch, tokens) of each last-block call on every rank: LTX one batched call a step, half the
 #: batch a group (Ulysses: half the tokens a rank); Wan one of the two calls a step a group.
 SEEN = {"ltx": [[1, 8]] * STEPS, "ltx_ulysses": [[1, 4]] * STEPS}
-SEEN.update(wan=SEEN["ltx"], wan_ulysses=SEEN["ltx_ulysses"])
+SEEN.update(wan=SEEN["ltx"], wan_ulysses=SEEN["ltx_ulysses"], ltx_inject_after=SEEN["ltx"])
+SEEN.update(ltx_ulysses_inject_after=SEEN["ltx_ulysses"])
+# LTX-2: the batched call, then the STG pass (group 0) or the modality pass (group 1), a step
+SEEN.update(ltx2=[[1, 8]] * 2 * STEPS, ltx2_ulysses=[[1, 4]] * 2 * STEPS)
+#: Injected after enable_cfg_parallel, then removed: how many modules came back (blocks, two
+#: processors and fused q/k/v projections each, the model) and the hooks left on the model,
+#: innermost first. (Wan under context parallelism is injected first: diffusers' split hook sits
+#: on its first block.)
+RESTORED = {
+    "ltx_inject_after": (3 * ltx.TINY["num_layers"] + 1, ["ltx_kernels_cfg_parallel"]),
+    "ltx_ulysses_inject_after": (
+        3 * ltx.TINY["num_layers"] + 1,
+        ["cp_input---", "ltx_kernels_cfg_parallel"],
+    ),
+}
 
 
 def _worker(rank, world, port, results_dir):
@@ -241,3 +318,14 @@ def test_raises_clearly(results, world, case):
     for by_case in results(world):
         raised = by_case[case]["raised"]
         assert raised and RAISES[case] in raised, raised
+
+
+@pytest.mark.parametrize("world, case", _world_cases(RESTORED))
+def test_inject_after_then_remove_restores_under_the_hooks(results, world, case):
+    """Injected after enable_cfg_parallel (beneath its hook and diffusers' split hook, lifted and
+    put back), remove_optimized_kernels gives the stock model back with both hooks on it."""
+    restored, hooks = RESTORED[case]
+    for by_case in results(world):
+        result = by_case[case]
+        assert result["hooks"] == hooks and result["class"], result
+        assert result["restored"] == restored, result["restored"]

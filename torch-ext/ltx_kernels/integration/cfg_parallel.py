@@ -2,7 +2,7 @@
 (unconditional and conditional) on two GPU groups, with context parallelism (Ulysses / ring)
 inside each group, e.g. 2 groups x Ulysses 2 on 4 GPUs.
 
-    ltx_kernels.inject_optimized_kernels(pipe)  # first
+    ltx_kernels.inject_optimized_kernels(pipe)  # before or after
     enable_cfg_parallel(pipe, ContextParallelConfig(ulysses_degree=2))  # 4 processes
 
 The processes form a (cfg, ring, ulysses) device mesh: ranks [0, N) are group 0, [N, 2N) group 1,
@@ -31,32 +31,55 @@ from dataclasses import dataclass
 
 import torch
 
-from .context_parallel import _GatherSequence
+from .context_parallel import CFG_PARALLEL_HOOK, _GatherSequence
 
-#: The diffusers hook name on each transformer.
-HOOK = "ltx_kernels_cfg_parallel"
 GROUPS = 2  # the guidance branches: unconditional and conditional
 
 
 @dataclass(frozen=True)
+class Twins:
+    """Two single-branch passes a step (LTX-2's STG and modality-isolation passes) where the
+    second's arguments are the first's with `changes`, made when the pipeline's property `when`
+    is true: at the first call, group 0 runs it and group 1 the second; the second call returns
+    the second pass's output (its arguments checked against the prediction)."""
+
+    first: str  # cache contexts
+    second: str
+    changes: dict
+    when: str
+
+
+@dataclass(frozen=True)
 class Branches:
-    """How a pipeline class calls its transformer for the two guidance branches: in one call on
-    the batch of both (`batched`, in cache context `contexts[0]`) or one call each (in cache
-    contexts `contexts`, in this order)."""
+    """How a pipeline class calls its transformer, by cache context: `batched`, the two guidance
+    branches in one call on their concatenated batch; `separate`, one call each, in this order;
+    `twins`, two further passes run side by side. A call in any other context runs whole on
+    every group."""
 
-    batched: bool
-    contexts: tuple[str, ...]
+    batched: str | None = None
+    separate: tuple[str, str] | None = None
+    twins: Twins | None = None
 
 
-_BATCHED = Branches(batched=True, contexts=("cond_uncond",))
+_LTX = Branches(batched="cond_uncond")
+_LTX2 = Branches(
+    batched="cond_uncond",
+    twins=Twins(
+        first="uncond_stg",
+        second="uncond_modality",
+        changes={"isolate_modalities": True, "spatio_temporal_guidance_blocks": None},
+        when="do_modality_isolation_guidance",
+    ),
+)
+_WAN = Branches(separate=("cond", "uncond"))
 PIPELINES = {
-    "LTXPipeline": _BATCHED,
-    "LTXImageToVideoPipeline": _BATCHED,
-    "LTXConditionPipeline": _BATCHED,
-    "LTX2Pipeline": _BATCHED,
-    "LTX2ImageToVideoPipeline": _BATCHED,
-    "WanPipeline": Branches(batched=False, contexts=("cond", "uncond")),
-    "WanImageToVideoPipeline": Branches(batched=False, contexts=("cond", "uncond")),
+    "LTXPipeline": _LTX,
+    "LTXImageToVideoPipeline": _LTX,
+    "LTXConditionPipeline": _LTX,
+    "LTX2Pipeline": _LTX2,
+    "LTX2ImageToVideoPipeline": _LTX2,
+    "WanPipeline": _WAN,
+    "WanImageToVideoPipeline": _WAN,
 }
 
 
@@ -65,9 +88,10 @@ def enable_cfg_parallel(pipe, context_parallel=None) -> None:
     (one process per GPU, e.g. torchrun), each half under `context_parallel` (a diffusers
     ContextParallelConfig: Ulysses / ring over the half's GPUs; None: one GPU a branch).
 
-    Call after inject_optimized_kernels and instead of the transformer's enable_parallelism (it
-    calls that on each half). Every pipeline call must have guidance on (guidance_scale > 1);
-    every rank must make the same calls with the same inputs, as under context parallelism."""
+    Call instead of the transformer's enable_parallelism (it calls that on each half), before or
+    after inject_optimized_kernels (injected after, remove_optimized_kernels can restore the
+    model). Every pipeline call must have guidance on (guidance_scale > 1); every rank must make
+    the same calls with the same inputs, as under context parallelism."""
     import torch.distributed as dist
 
     name = type(pipe).__name__
@@ -119,7 +143,8 @@ def enable_cfg_parallel(pipe, context_parallel=None) -> None:
             config.mesh = mesh
             transformer.enable_parallelism(config=config)
         hook = _CfgParallelHook(pipe, PIPELINES[name], mesh["cfg"])
-        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(hook, HOOK)
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.register_hook(hook, CFG_PARALLEL_HOOK)
 
 
 def _transformers(pipe) -> list[tuple[str, torch.nn.Module]]:
@@ -161,7 +186,9 @@ class _CfgParallelHook:
         self.group = cfg_mesh.get_group()
         self.index = cfg_mesh.get_local_rank()  # this rank's guidance group: 0 or 1
         self.state = StateManager(_NoState)
-        self.pending = None  # separate calls: (the first call's output tensor, whether computed)
+        # What a later call takes: separate, the first call's output; twins, (the second twin's
+        # arguments, its output).
+        self.pending = None
 
     def initialize_hook(self, module):
         return module
@@ -182,19 +209,24 @@ class _CfgParallelHook:
     def new_forward(self, module, *args, **kwargs):
         context = self.state._context
         name = None if context is None else context.name
-        if name not in self.branches.contexts:  # (LTX-2's STG pass: one branch, run whole)
-            return self.fn_ref.original_forward(*args, **kwargs)
-        pipe = self.pipe()
-        if pipe is not None and not pipe.do_classifier_free_guidance:
-            raise RuntimeError(
-                f"enable_cfg_parallel: {type(pipe).__name__} was called with guidance off "
-                f"(guidance_scale {pipe.guidance_scale} <= 1): one branch, nothing to run in "
-                "parallel; call it with guidance_scale > 1, or on a pipeline without "
-                "enable_cfg_parallel"
-            )
-        if self.branches.batched:
-            return self._batched(module, args, kwargs)
-        return self._separate(module, name, args, kwargs)
+        branches, pipe = self.branches, self.pipe()
+        if name == branches.batched or name in (branches.separate or ()):
+            if pipe is not None and not pipe.do_classifier_free_guidance:
+                raise RuntimeError(
+                    f"enable_cfg_parallel: {type(pipe).__name__} was called with guidance off "
+                    "(do_classifier_free_guidance is False: guidance_scale <= 1): one branch, "
+                    "nothing to run in parallel; call it with guidance_scale > 1, or on a "
+                    "pipeline without enable_cfg_parallel"
+                )
+            if name == branches.batched:
+                return self._batched(module, args, kwargs)
+            return self._separate(module, name, args, kwargs)
+        twins = branches.twins
+        if twins and name == twins.first and pipe is not None and getattr(pipe, twins.when):
+            return self._first_twin(module, args, kwargs)
+        if twins and name == twins.second and self.pending is not None:
+            return self._second_twin(module, args, kwargs)
+        return self.fn_ref.original_forward(*args, **kwargs)  # (one pass, on every group)
 
     def _batched(self, module, args, kwargs):
         """This group's half of the batch through the model, then the whole batch's output."""
@@ -217,12 +249,13 @@ class _CfgParallelHook:
     def _separate(self, module, name, args, kwargs):
         """Group 0 runs the first branch's call, group 1 the second's; after the second, the
         outputs are exchanged and the first call's tensor filled where it was not computed."""
-        first = name == self.branches.contexts[0]
+        contexts = self.branches.separate
+        first = name == contexts[0]
         if first != (self.pending is None):
-            expected = self.branches.contexts[0 if self.pending is None else 1]
+            expected = contexts[0 if self.pending is None else 1]
             raise RuntimeError(
                 f"enable_cfg_parallel: a transformer call in cache context {name!r} where "
-                f"{expected!r} was expected (each step calls {' then '.join(self.branches.contexts)})"
+                f"{expected!r} was expected (each step calls {' then '.join(contexts)})"
             )
         return_dict = kwargs.get("return_dict", True)
         if first:
@@ -241,12 +274,49 @@ class _CfgParallelHook:
             return _wrap(both[1], return_dict)
         if (both.shape[1:], both.dtype) != (first_sample.shape, first_sample.dtype):
             raise RuntimeError(
-                f"enable_cfg_parallel: the {self.branches.contexts[0]!r} call returned "
+                f"enable_cfg_parallel: the {contexts[0]!r} call returned "
                 f"{tuple(both.shape[1:])} {both.dtype}, not the {tuple(first_sample.shape)} "
                 f"{first_sample.dtype} its output was laid out as"
             )
         first_sample.copy_(both[0])
         return computed
+
+    def _first_twin(self, module, args, kwargs):
+        """Group 0 runs this pass, group 1 the second twin (these arguments with its changes);
+        both outputs exchanged, the second kept for its call."""
+        kwargs = _keywords(module, args, kwargs)
+        second = {**kwargs, **self.branches.twins.changes}
+        output = self.fn_ref.original_forward(**(second if self.index else kwargs))
+        both = _map_tensors(output, lambda x: _GatherSequence.apply(x.unsqueeze(0), 0, self.group))
+        self.pending = (second, _map_tensors(both, lambda x: x[1]))
+        return _map_tensors(both, lambda x: x[0])
+
+    def _second_twin(self, module, args, kwargs):
+        """The output the first twin's call computed for this call, its arguments checked."""
+        (predicted, output), self.pending = self.pending, None
+        kwargs = _keywords(module, args, kwargs)
+        differing = sorted(
+            key
+            for key in predicted.keys() | kwargs.keys()
+            if not _same(predicted.get(key), kwargs.get(key))
+        )
+        if differing:
+            raise RuntimeError(
+                f"enable_cfg_parallel: the {self.branches.twins.second!r} call's arguments "
+                f"{differing} differ from the {self.branches.twins.first!r} call's with "
+                f"{self.branches.twins.changes}, with which it was run ahead"
+            )
+        return output
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)))
+        )
+    return a == b
 
 
 def _keywords(module, args, kwargs) -> dict:
