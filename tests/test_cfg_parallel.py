@@ -329,3 +329,70 @@ def test_inject_after_then_remove_restores_under_the_hooks(results, world, case)
         result = by_case[case]
         assert result["hooks"] == hooks and result["class"], result
         assert result["restored"] == restored, result["restored"]
+
+
+def _generate_video_worker(rank, world, port, output, flags):
+    """scripts/generate_video.py under a torchrun-like environment (gloo on the CPU)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
+        torch.accelerator.device_count = lambda: 1
+    _generate_video_script().main(
+        ["--tiny", *flags, "--num-frames", "9", "--height", "64", "--width", "64"]
+        + ["--steps", "2", "--warmup-iterations", "0", "--runs", "1", "--no-progress"]
+        + ["--no-video", "--dtype", "fp32", "--compare", "--configs", "baseline,kernels"]
+        + ["--output", output]
+    )
+
+
+@pytest.mark.parametrize(
+    "world, flags, layout",
+    [
+        (2, ["--cfg-parallel"], "cfg x 2 GPUs"),
+        (2, ["--cfg-parallel", "--model-id", "Lightricks/LTX-2"], "cfg x 2 GPUs"),
+        (4, ["--cfg-parallel", "--context-parallel", "ulysses"], "cfg 2 x ulysses 2 GPUs"),
+    ],
+    ids=["ltx", "ltx2", "ltx_ulysses"],
+)
+def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
+    """torchrun --nproc_per_node N scripts/generate_video.py --cfg-parallel [--context-parallel
+    ulysses] --compare: the rows (kernels on one GPU, then the baseline and the kernels on all),
+    their latents equal within fp32 rounding, the results written by rank 0."""
+    output = tmp_path / "video.mp4"
+    mp.spawn(
+        _generate_video_worker,
+        args=(world, _free_port(), str(output), flags),
+        nprocs=world,
+        join=True,
+    )
+    results = json.loads(output.with_suffix(".json").read_text())
+    rows = {row["config"]: row for row in results["results"]}
+    assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]
+    assert rows["kernels-1gpu"]["rel_l2"] <= TOLERANCE  # one GPU vs the parallel baseline
+    assert 0 < rows["kernels"]["rel_l2"] <= TOLERANCE
+    if "Lightricks/LTX-2" in flags:  # the audio waveforms too
+        assert rows["kernels"]["audio_rel_l2"] <= TOLERANCE
+    assert layout in rows["kernels"]["notes"] and layout in rows["baseline"]["notes"]
+    assert results["settings"]["cfg_parallel"]
+
+
+@pytest.mark.parametrize(
+    "world, flags, message",
+    [
+        (2, ["--guidance-scale", "1"], "--cfg-parallel: needs classifier-free guidance"),
+        (4, [], "--cfg-parallel: 4 GPUs; launch 2 (one guidance branch each), or an even"),
+        (3, ["--context-parallel", "ulysses"], "--cfg-parallel: 3 GPUs"),
+    ],
+    ids=["guidance_off", "four_gpus_without_context_parallel", "odd_gpu_count"],
+)
+def test_generate_video_cfg_parallel_flag_errors(monkeypatch, capsys, world, flags, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit):
+        _generate_video_script().parse_args(["--tiny", "--cfg-parallel", *flags])
+    assert message in capsys.readouterr().err
