@@ -357,8 +357,14 @@ def _generate_video_worker(rank, world, port, output, flags):
         (2, ["--cfg-parallel"], "cfg x 2 GPUs"),
         (2, ["--cfg-parallel", "--model-id", "Lightricks/LTX-2"], "cfg x 2 GPUs"),
         (4, ["--cfg-parallel", "--context-parallel", "ulysses"], "cfg 2 x ulysses 2 GPUs"),
+        (  # LTXConditionPipeline: per-token timesteps [2B, S], split by batch, then by tokens
+            4,
+            ["--cfg-parallel", "--context-parallel", "ulysses"]
+            + ["--model-id", "Lightricks/LTX-Video-0.9.7-dev"],
+            "cfg 2 x ulysses 2 GPUs",
+        ),
     ],
-    ids=["ltx", "ltx2", "ltx_ulysses"],
+    ids=["ltx", "ltx2", "ltx_ulysses", "ltx_condition_ulysses"],
 )
 def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
     """torchrun --nproc_per_node N scripts/generate_video.py --cfg-parallel [--context-parallel

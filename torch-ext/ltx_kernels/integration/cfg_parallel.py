@@ -12,16 +12,19 @@ branch and exchanges the results between the two groups (the "cfg" dim), so that
 returns what one GPU would and the pipeline (guidance sum, scheduler, callbacks) runs unchanged
 and identically on every rank. The branches need no communication before that exchange.
 
-How a pipeline calls its branches (PIPELINES):
+How a pipeline calls its transformer (PIPELINES; the pipeline names each call's cache context):
 - batched (LTX-Video, LTX-2): one call on the branches concatenated along the batch, in the cache
   context "cond_uncond". Each group runs its half of the batch (every tensor argument whose first
   dim is the batch is halved) and one all-gather across the groups puts the whole batch back.
-  LTX-2's further passes (STG, modality isolation: one branch each, other contexts) run whole on
-  every group: right, not faster.
 - separate (Wan): one call per branch, "cond" then "uncond", the first call's output not read
   before the second call. Group 0 runs the first call and group 1 returns an empty tensor of the
   output's shape for it; group 1 runs the second; after the second call one all-gather exchanges
   the two outputs and group 1 fills the first call's tensor in place.
+- twins (LTX-2's STG and modality-isolation passes, one branch each, "uncond_stg" then
+  "uncond_modality"): the second's arguments are the first's with two flags changed, so at the
+  first call group 0 runs it and group 1 runs the second, one all-gather exchanges them, and the
+  second call returns what group 1 computed (its arguments checked against those it ran with).
+  With one of the two passes off, the other runs whole on every group (right, not faster).
 """
 
 from __future__ import annotations
@@ -180,7 +183,6 @@ class _CfgParallelHook:
         from diffusers.hooks.hooks import StateManager
 
         self.fn_ref = None  # set by diffusers' HookRegistry.register_hook
-
         self.pipe = weakref.ref(pipe)  # (the pipeline holds the transformer, which holds this)
         self.branches = branches
         self.group = cfg_mesh.get_group()
@@ -250,23 +252,23 @@ class _CfgParallelHook:
         """Group 0 runs the first branch's call, group 1 the second's; after the second, the
         outputs are exchanged and the first call's tensor filled where it was not computed."""
         contexts = self.branches.separate
-        first = name == contexts[0]
-        if first != (self.pending is None):
-            expected = contexts[0 if self.pending is None else 1]
+        first = name == contexts[0]  # (a first call drops what an interrupted step left)
+        if not first and self.pending is None:
             raise RuntimeError(
-                f"enable_cfg_parallel: a transformer call in cache context {name!r} where "
-                f"{expected!r} was expected (each step calls {' then '.join(contexts)})"
+                f"enable_cfg_parallel: a transformer call in cache context {name!r} without one "
+                f"in {contexts[0]!r} before it (each step calls {' then '.join(contexts)})"
             )
+        kwargs = _keywords(module, args, kwargs)
         return_dict = kwargs.get("return_dict", True)
         if first:
             if self.index == 0:
-                output = self.fn_ref.original_forward(*args, **kwargs)
+                output = self.fn_ref.original_forward(**kwargs)
                 self.pending = _sample(output)
                 return output
-            hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            self.pending = _output_like(hidden_states, module.config)  # filled after the second
+            # filled after the second call
+            self.pending = _output_like(kwargs["hidden_states"], module.config)
             return _wrap(self.pending, return_dict)
-        computed = self.fn_ref.original_forward(*args, **kwargs) if self.index == 1 else None
+        computed = self.fn_ref.original_forward(**kwargs) if self.index == 1 else None
         local = self.pending if computed is None else _sample(computed)
         both = _GatherSequence.apply(local.unsqueeze(0), 0, self.group)  # [first, second]
         first_sample, self.pending = self.pending, None
