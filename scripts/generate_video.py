@@ -8,6 +8,7 @@ whole pipeline.
   python scripts/generate_video.py --fp8 --compile                        # opt-in FP8 GEMMs
   python scripts/generate_video.py --weights random --model-id Lightricks/LTX-2 --compare
   torchrun --nproc_per_node 2 scripts/generate_video.py --context-parallel ulysses --compare
+  torchrun --nproc_per_node 4 scripts/generate_video.py --cfg-parallel --context-parallel ulysses
 
 Models (--model-id, a hub id or the name of its configs/*.json): Lightricks/LTX-Video (0.9.0/0.9.1)
 and Lightricks/LTX-Video-0.9.5 (2B) through LTXPipeline; Lightricks/LTX-Video-0.9.7-dev and
@@ -57,7 +58,10 @@ baseline rows run the diffusers code through them (inject_optimized_kernels(ops=
 comparable. --compare adds a first row: the kernels on
 one GPU (every rank alone). Compiling is per block there. Ring attention runs on cuDNN (the backend
 that returns the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writes
-the outputs.
+the outputs. --cfg-parallel (guidance on) runs the two classifier-free-guidance branches on two
+halves of the GPUs (ltx_kernels.integration.enable_cfg_parallel; LTX-2's STG and modality passes
+side by side too), each half under --context-parallel when given (4 GPUs: 2 x Ulysses 2), else
+one GPU a branch (2 GPUs).
 
 Outputs: the video (--output: .mp4, .mov, .mkv, .avi or .gif, .mp4 when no extension is given;
 the extension and the folders are checked before the run; written by diffusers' export_to_video,
@@ -412,6 +416,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(torchrun --nproc_per_node N scripts/generate_video.py --context-parallel ulysses)",
     )
     parser.add_argument(
+        "--cfg-parallel",
+        action="store_true",
+        help="the two guidance branches on two halves of the GPUs of a torchrun launch, each "
+        "half under --context-parallel when given (torchrun --nproc_per_node 4 "
+        "scripts/generate_video.py --cfg-parallel --context-parallel ulysses)",
+    )
+    parser.add_argument(
         "--tiny",
         action="store_true",
         help="a tiny random model (2 blocks, small VAE) for smoke tests on any device",
@@ -476,19 +487,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("compile_scope", "compile_mode"):
         if getattr(args, name) is not None and not compiles:
             parser.error(f"--{name.replace('_', '-')}: no effect without --compile (or --compare)")
-    if args.context_parallel:
+    args.parallel = " ".join(
+        option
+        for option, given in (
+            ("--cfg-parallel", args.cfg_parallel),
+            (f"--context-parallel {args.context_parallel}", args.context_parallel),
+        )
+        if given
+    )  # the parallel flags, "" on one GPU
+    if args.parallel:
         if "WORLD_SIZE" not in os.environ:
             parser.error(
-                "--context-parallel: launch with torchrun, one process per GPU: torchrun "
-                "--nproc_per_node N scripts/generate_video.py --context-parallel "
-                f"{args.context_parallel} ..."
+                f"{args.parallel}: launch with torchrun, one process per GPU: torchrun "
+                f"--nproc_per_node N scripts/generate_video.py {args.parallel} ..."
             )
         if args.cpu_offload:
-            parser.error("--context-parallel: not with --cpu-offload (each GPU holds the model)")
+            parser.error(f"{args.parallel}: not with --cpu-offload (each GPU holds the model)")
         if args.compile_scope == "full":
             parser.error(
-                "--context-parallel: compile per block (--compile-scope blocks, the default "
-                "there); diffusers' sequence gather around the whole model does not compile"
+                f"{args.parallel}: compile per block (--compile-scope blocks, the default "
+                "there); the parallel hooks around the whole model do not compile"
+            )
+        world = int(os.environ["WORLD_SIZE"])
+        if args.cfg_parallel and (world % 2 or (world > 2 and not args.context_parallel)):
+            parser.error(
+                f"--cfg-parallel: {world} GPUs; launch 2 (one guidance branch each), or an even "
+                "number with --context-parallel (each half splits the sequence)"
+            )
+        if args.cfg_parallel and args.guidance_scale <= 1:
+            parser.error(
+                f"--cfg-parallel: needs classifier-free guidance (--guidance-scale > 1; "
+                f"{args.model_id} runs with {args.guidance_scale})"
             )
         args.compile_scope = "blocks"
         if args.compare:
@@ -779,7 +808,7 @@ def apply_config(pipe, config: str, args) -> str:
     the baseline runs the diffusers code through our processors (module docstring)."""
     notes = []
     parts = config.split("+")
-    parallel = args.context_parallel and config != "kernels-1gpu"
+    parallel = args.parallel and config != "kernels-1gpu"
     if config.startswith("kernels") or parallel:
         if args.cpu_offload:
             pipe.remove_all_hooks()
@@ -817,8 +846,7 @@ def apply_config(pipe, config: str, args) -> str:
         _UNDO.enter_context(bench_utils.torchao_fp8_rowwise(pipe.transformer))
         notes.append("torchao Float8DynamicActivationFloat8WeightConfig(PerRow), every Linear")
     if parallel:
-        world = torch.distributed.get_world_size()
-        notes.append(f"{args.context_parallel} x {world} GPUs")
+        notes.append(parallel_layout(args))
     if parts[-1] == "compile":
         torch._dynamo.reset()
         options = dict(fullgraph=True, mode=args.compile_mode)
@@ -1048,12 +1076,7 @@ def describe(args, env: dict, weights: str) -> str:
         f"precision: {args.dtype} | resolution: {args.width}x{args.height} | frames: "
         f"{args.num_frames} | steps: {args.steps} | guidance: {args.guidance_scale} | batch: "
         f"{args.batch_size} | weights: {weights}"
-        + (
-            f" | context parallel: {args.context_parallel} x "
-            f"{torch.distributed.get_world_size()} GPUs"
-            if args.context_parallel
-            else ""
-        )
+        + (f" | parallel: {parallel_layout(args)}" if args.parallel else "")
     )
 
 
@@ -1189,7 +1212,7 @@ def save_audio(audio: torch.Tensor, sample_rate: int, video: Path) -> tuple[str,
 # Several GPUs.
 
 
-def start_context_parallel() -> tuple[torch.device, int]:
+def start_distributed() -> tuple[torch.device, int]:
     """(this process's device, rank) of a torchrun launch: one GPU per process, NCCL (gloo on a
     machine without GPUs, for tests)."""
     import torch.distributed as dist
@@ -1205,32 +1228,51 @@ def start_context_parallel() -> tuple[torch.device, int]:
     return device, rank
 
 
-def enable_context_parallel(pipe, args) -> None:
-    """diffusers' context parallelism on the transformer, after checking that the GPUs divide what
-    it splits: the video tokens, the text tokens and (Ulysses) the attention heads."""
+def parallel_layout(args) -> str:
+    """How the GPUs of a parallel launch split the work, e.g. "ulysses x 2 GPUs", "cfg x 2
+    GPUs", "cfg 2 x ulysses 2 GPUs"."""
+    world = torch.distributed.get_world_size()
+    if not args.cfg_parallel:
+        return f"{args.context_parallel} x {world} GPUs"
+    if not args.context_parallel:
+        return f"cfg x {world} GPUs"
+    return f"cfg 2 x {args.context_parallel} {world // 2} GPUs"
+
+
+def enable_parallel(pipe, args) -> None:
+    """--context-parallel: diffusers' context parallelism on the transformer, after checking that
+    the GPUs (of each guidance half, with --cfg-parallel) divide what it splits: the video tokens,
+    the text tokens and (Ulysses) the attention heads. --cfg-parallel: enable_cfg_parallel."""
     from diffusers import ContextParallelConfig
 
-    world = torch.distributed.get_world_size()
-    config = pipe.transformer.config
-    vae = pipe.vae
-    tokens = (
-        ((args.num_frames - 1) // vae.temporal_compression_ratio + 1)
-        * (args.height // vae.spatial_compression_ratio)
-        * (args.width // vae.spatial_compression_ratio)
-    )
-    splits = {"video tokens": tokens, "text tokens": family_of(pipe).text_tokens}
-    if args.context_parallel == "ulysses":
-        splits["attention heads"] = config.num_attention_heads
-    for what, count in splits.items():
-        if count % world:
-            raise SystemExit(
-                f"--context-parallel {args.context_parallel}: {world} GPUs do not divide the "
-                f"{count} {what}; use a GPU count that does (or change the size)"
-            )
-    if args.context_parallel == "ring" and not args.attention_backend:
-        pipe.transformer.set_attention_backend("_native_cudnn")
-    degree = "ulysses_degree" if args.context_parallel == "ulysses" else "ring_degree"
-    pipe.transformer.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
+    degree = torch.distributed.get_world_size() // (2 if args.cfg_parallel else 1)
+    config = None  # each half's ContextParallelConfig
+    if args.context_parallel:
+        vae = pipe.vae
+        tokens = (
+            ((args.num_frames - 1) // vae.temporal_compression_ratio + 1)
+            * (args.height // vae.spatial_compression_ratio)
+            * (args.width // vae.spatial_compression_ratio)
+        )
+        splits = {"video tokens": tokens, "text tokens": family_of(pipe).text_tokens}
+        if args.context_parallel == "ulysses":
+            splits["attention heads"] = pipe.transformer.config.num_attention_heads
+        for what, count in splits.items():
+            if count % degree:
+                raise SystemExit(
+                    f"{args.parallel}: {degree} GPUs do not divide the {count} {what}; use a "
+                    "GPU count that does (or change the size)"
+                )
+        if args.context_parallel == "ring" and not args.attention_backend:
+            pipe.transformer.set_attention_backend("_native_cudnn")
+        name = "ulysses_degree" if args.context_parallel == "ulysses" else "ring_degree"
+        config = ContextParallelConfig(**{name: degree})
+    if args.cfg_parallel:
+        from ltx_kernels.integration import enable_cfg_parallel
+
+        enable_cfg_parallel(pipe, config)
+    else:
+        pipe.transformer.enable_parallelism(config=config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1240,15 +1282,15 @@ def main(argv=None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank = 0
-    if args.context_parallel:
-        device, rank = start_context_parallel()
+    if args.parallel:
+        device, rank = start_distributed()
         if rank:  # rank 0 reports
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
             args.no_progress, args.no_video = True, True
     try:
         return _generate(args, device, rank)
     finally:
-        if args.context_parallel:
+        if args.parallel:
             if rank:
                 sys.stdout.close()
                 sys.stdout = sys.__stdout__
@@ -1280,13 +1322,11 @@ def _generate(args, device: torch.device, rank: int) -> list[Row]:
     inputs = pipeline_inputs(pipe, args, device, dtype)
 
     rows, calls, last = [], {}, None
+    parallel = False  # whether enable_parallel ran
     for config in args.configs:
-        if (
-            args.context_parallel
-            and config != "kernels-1gpu"
-            and pipe.transformer._parallel_config is None
-        ):
-            enable_context_parallel(pipe, args)
+        if args.parallel and config != "kernels-1gpu" and not parallel:
+            enable_parallel(pipe, args)  # (once: diffusers cannot undo it)
+            parallel = True
         print(f"\n== {CONFIG_TITLES[config]}", flush=True)
         try:
             row, last = measure(pipe, config, inputs, args, device)

@@ -25,6 +25,7 @@ import torch
 
 from .._op_names import OPS
 from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
+from .cfg_parallel import enable_cfg_parallel
 from .injector import (
     DISABLE_ENV,
     FUSED_BACKWARD,
@@ -46,6 +47,7 @@ __all__ = [
     "FUSED_BACKWARD_COMPILED",
     "FUSIONS",
     "InjectionReport",
+    "enable_cfg_parallel",
     "inject_optimized_kernels",
     "register_inductor_fallbacks",
     "remove_optimized_kernels",

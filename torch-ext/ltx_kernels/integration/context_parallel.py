@@ -89,47 +89,59 @@ def gather_sequence(x: torch.Tensor, dim: int, cp_config) -> torch.Tensor:
     return _GatherSequence.apply(x, dim, cp_config._flattened_mesh.get_group())
 
 
-#: diffusers' name for the hook enable_parallelism puts on the model itself (its plan's "" entry,
-#: which splits the model's inputs).
+#: The hooks parallelism puts on the model itself, innermost first: diffusers' context-parallel
+#: split hook (enable_parallelism: its plan's "" entry, which splits the model's inputs) and
+#: enable_cfg_parallel's (cfg_parallel.py), each optional.
 _MODEL_SPLIT_HOOK = "cp_input---"
+CFG_PARALLEL_HOOK = "ltx_kernels_cfg_parallel"
+_PARALLEL_HOOKS = (_MODEL_SPLIT_HOOK, CFG_PARALLEL_HOOK)
 
 
-def has_only_model_split_hook(model: torch.nn.Module) -> bool:
-    """True when diffusers' context-parallel split hook is the only hook wrapping model.forward
-    (no other diffusers hook, no accelerate hook, no torch forward hook)."""
+def has_only_parallel_hooks(model: torch.nn.Module) -> bool:
+    """True when model.forward is wrapped by parallelism's hooks only (_PARALLEL_HOOKS, in their
+    order: no other diffusers hook, no accelerate hook, no torch forward hook)."""
     from diffusers.hooks import HookRegistry
 
     registry = getattr(model, "_diffusers_hook", None)
+    if not isinstance(registry, HookRegistry) or not registry.hooks:
+        return False
+    names = list(registry.hooks)
     return (
-        isinstance(registry, HookRegistry)
-        and list(registry.hooks) == [_MODEL_SPLIT_HOOK]
+        names == [name for name in _PARALLEL_HOOKS if name in names]
         and not hasattr(model, "_hf_hook")
         and not (model._forward_hooks or model._forward_pre_hooks)
     )
 
 
 @contextlib.contextmanager
-def beneath_model_split_hook(model: torch.nn.Module, replan):
-    """For a body that swaps the model's forward after enable_parallelism: when diffusers' split
-    hook is the only hook on the model, lifts it for the body and puts it back on the new forward,
-    its plan entry passed through `replan` (a `_cp_plan` -> `_cp_plan` function, e.g.
-    split_token_timesteps), so that the model is as if injected before enable_parallelism. Yields
-    the plan entry it lifted (None, doing nothing, when the model has no such hook or others too)."""
-    if not has_only_model_split_hook(model):
-        yield None
+def beneath_parallel_hooks(model: torch.nn.Module, replan):
+    """For a body that swaps the model's forward after enable_parallelism / enable_cfg_parallel:
+    when parallelism's hooks are the only hooks on the model, lifts them for the body and puts
+    them back on the new forward, diffusers' split hook with its plan entry passed through
+    `replan` (a `_cp_plan` -> `_cp_plan` function, e.g. split_token_timesteps), so that the model
+    is as if injected before. Yields (whether it lifted hooks, the split plan entry it lifted or
+    None); (False, None), doing nothing, when the model has no such hook or others too."""
+    if not has_only_parallel_hooks(model):
+        yield False, None
         return
     registry = model._diffusers_hook
-    hook = registry.get_hook(_MODEL_SPLIT_HOOK)
-    registry.remove_hook(_MODEL_SPLIT_HOOK)
+    lifted = {name: registry.get_hook(name) for name in registry.hooks}
+    for name in reversed(list(lifted)):  # outermost first
+        registry.remove_hook(name)
+    split = lifted.get(_MODEL_SPLIT_HOOK)
     try:
-        yield hook.metadata
+        yield True, None if split is None else split.metadata
     except BaseException:
-        registry.register_hook(hook, _MODEL_SPLIT_HOOK)  # as it was
+        for name, hook in lifted.items():  # as it was
+            registry.register_hook(hook, name)
         raise
-    from diffusers.hooks.context_parallel import ContextParallelSplitHook
+    if split is not None:
+        from diffusers.hooks.context_parallel import ContextParallelSplitHook
 
-    plan = replan({"": hook.metadata})[""]
-    registry.register_hook(ContextParallelSplitHook(plan, hook.parallel_config), _MODEL_SPLIT_HOOK)
+        plan = replan({"": split.metadata})[""]
+        lifted[_MODEL_SPLIT_HOOK] = ContextParallelSplitHook(plan, split.parallel_config)
+    for name, hook in lifted.items():
+        registry.register_hook(hook, name)
 
 
 def split_token_timesteps(cp_plan):

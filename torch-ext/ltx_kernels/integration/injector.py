@@ -79,7 +79,8 @@ DISABLE_ENV = "LTX_KERNELS_DISABLE"
 _ORIGINAL_CLASS = "_ltx_kernels_original_class"
 _OPS = "_ltx_kernels_ops"
 _ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
-# The plan entry of diffusers' split hook on a model injected after enable_parallelism.
+# On a model injected after enable_parallelism / enable_cfg_parallel (beneath their hooks): the
+# plan entry of diffusers' split hook (None without one).
 _UNPATCHED_SPLIT_PLAN = "_ltx_kernels_unpatched_split_plan"
 # What diffusers sets on every attention processor that has it (set_attention_backend,
 # enable_parallelism): carried over both ways when a processor is replaced or restored.
@@ -235,16 +236,16 @@ class Injector:
         """Gives `module` a same-named subclass of its class whose forward is `forward`.
         required=False: a hooked module is skipped (reported) instead of raising. `replan`: for a
         model, how the subclass's context-parallel plan (`_cp_plan`) differs from its class's (a
-        plan -> plan function); after enable_parallelism, diffusers' split hook on the model is
-        lifted and put back on the new forward with that plan."""
+        plan -> plan function); after enable_parallelism / enable_cfg_parallel, their hooks on the
+        model are lifted and put back on the new forward, diffusers' split hook with that plan."""
         if replan is None:
             return self._swap_forward(name, module, forward, kind, required)
-        with context_parallel.beneath_model_split_hook(module, replan) as unpatched_plan:
+        with context_parallel.beneath_parallel_hooks(module, replan) as (lifted, unpatched_plan):
             if not self._swap_forward(name, module, forward, kind, required):
                 return False
             patched_class = type(module)
             patched_class._cp_plan = replan(getattr(patched_class, "_cp_plan", None))
-            if unpatched_plan is not None:  # for remove_optimized_kernels
+            if lifted:  # for remove_optimized_kernels
                 module.__dict__[_UNPATCHED_SPLIT_PLAN] = unpatched_plan
             return True
 
@@ -396,12 +397,13 @@ def resolve_ops(ops) -> frozenset[str]:
 
 
 def _restore_class(module: torch.nn.Module, original_class: type) -> None:
-    """Gives a patched module its class back (a model injected after enable_parallelism: beneath
-    diffusers' split hook, which gets diffusers' plan back)."""
+    """Gives a patched module its class back (a model injected after enable_parallelism /
+    enable_cfg_parallel: beneath their hooks, diffusers' split hook with diffusers' plan back)."""
+    beneath_hooks = _UNPATCHED_SPLIT_PLAN in vars(module)
     unpatched_plan = module.__dict__.pop(_UNPATCHED_SPLIT_PLAN, None)
     with (
-        context_parallel.beneath_model_split_hook(module, lambda _: {"": unpatched_plan})
-        if unpatched_plan is not None
+        context_parallel.beneath_parallel_hooks(module, lambda _: {"": unpatched_plan})
+        if beneath_hooks
         else contextlib.nullcontext()
     ):
         if "forward" in vars(module):  # stale bound patched forward left by a removed hook
@@ -417,14 +419,14 @@ def is_injected(module: torch.nn.Module) -> bool:
 
 def check_restorable(name: str, module: torch.nn.Module) -> None:
     """Raises when a patched module got a forward hook after injection (the hook holds the
-    patched forward), but diffusers' own split hook on a model injected after
-    enable_parallelism."""
+    patched forward), but parallelism's hooks on a model injected after enable_parallelism /
+    enable_cfg_parallel."""
     if (
         hasattr(type(module), _ORIGINAL_CLASS)
         and has_forward_hook(module)
         and not (
             _UNPATCHED_SPLIT_PLAN in vars(module)
-            and context_parallel.has_only_model_split_hook(module)
+            and context_parallel.has_only_parallel_hooks(module)
         )
     ):
         raise RuntimeError(

@@ -1,0 +1,404 @@
+"""enable_cfg_parallel on the CPU: gloo processes run tiny pipelines (the transformer injected, no
+VAE, latents out) with their two guidance branches on two groups of processes, 2 processes (one
+a branch) and 4 (2 groups x Ulysses 2), and every rank's latents must equal one process running
+the same pipeline with stock diffusers, bit for bit between the ranks (the guidance sum, the
+scheduler and the callbacks run on every rank on the same outputs). One spawn per world size
+runs every case; the tests read its results.
+
+The CPU-only quirk of test_context_parallel.py is handled the same way: diffusers computes
+`rank % torch.accelerator.device_count()`, 0 on a CPU-only torch (patched to 1 in the workers).
+"""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ltx_kernels
+from inject_helpers import rel_l2
+from ltx_kernels.integration import enable_cfg_parallel
+from model_zoo import ltx, wan
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo"
+)
+
+TOLERANCE = 1e-5  # fp32: the split changes the summation order only (Ulysses), or nothing
+STEPS = 2
+
+
+def _ulysses(degree):
+    from diffusers import ContextParallelConfig
+
+    return None if degree == 1 else ContextParallelConfig(ulysses_degree=degree)
+
+
+def _ltx_pipeline():
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    torch.manual_seed(0)
+    model = ltx.tiny_model(torch.float32)
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    return LTXPipeline(scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=model)
+
+
+def _ltx_call(pipe, guidance_scale=3.0):
+    """Two steps of 9 frames 64 x 64 (2 x 2 x 2 latent tokens) on a padded 6-token prompt."""
+    generator = torch.Generator().manual_seed(1)
+    text = torch.randn(2, 1, ltx.TEXT, ltx.TINY["caption_channels"], generator=generator)
+    mask = torch.ones(1, ltx.TEXT, dtype=torch.long)
+    mask[:, ltx.TEXT - 2 :] = 0
+    return pipe(
+        prompt_embeds=text[0],
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=text[1],
+        negative_prompt_attention_mask=mask,
+        num_frames=9,
+        height=64,
+        width=64,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance_scale,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        return_dict=False,
+    )[0]
+
+
+def _wan_pipeline():
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    torch.manual_seed(0)
+    model = wan.tiny_model(torch.float32)
+
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    return WanPipeline(
+        tokenizer=None, text_encoder=None, vae=None, scheduler=scheduler, transformer=model
+    )
+
+
+def _wan_call(pipe, guidance_scale=3.0):
+    """Two steps of 5 frames 32 x 32 (2 x 4 x 4 latents: 8 tokens) on a 5-token prompt."""
+    generator = torch.Generator().manual_seed(1)
+    text = torch.randn(2, 1, 5, wan.TINY["text_dim"], generator=generator)
+    return pipe(
+        prompt_embeds=text[0],
+        negative_prompt_embeds=text[1],
+        num_frames=5,
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance_scale,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        return_dict=False,
+    )[0]
+
+
+def _generate_video_script():
+    """scripts/generate_video.py as a module (its tiny random pipelines)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "generate_video" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "generate_video.py"
+        spec = importlib.util.spec_from_file_location("generate_video", path)
+        sys.modules["generate_video"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["generate_video"])
+    return sys.modules["generate_video"]
+
+
+def _ltx2_pipeline():
+    """generate_video.py's tiny LTX-2 (2.0) pipeline: video and audio, text connectors."""
+    return _generate_video_script().build_random_pipeline("ltx-2", torch.float32, "cpu", tiny=True)
+
+
+def _ltx2_call(pipe, guidance_scale=3.0):
+    """Two steps of 9 frames 64 x 64 (8 video tokens) on a left-padded 8-token prompt, with
+    LTX2Pipeline's default guidance: CFG, STG (at the second block) and modality isolation, the
+    video and audio latents concatenated."""
+    generator = torch.Generator().manual_seed(1)
+    width = _generate_video_script().text_width(pipe)
+    text = torch.randn(2, 1, 8, width, generator=generator)
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[:, :2] = 0
+    video, audio = pipe(
+        prompt_embeds=text[0],
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=text[1],
+        negative_prompt_attention_mask=mask,
+        num_frames=9,
+        height=64,
+        width=64,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance_scale,
+        spatio_temporal_guidance_blocks=[1],
+        max_sequence_length=8,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        return_dict=False,
+    )
+    return torch.cat([video.flatten(), audio.flatten()])
+
+
+FAMILIES = {
+    "ltx": (_ltx_pipeline, _ltx_call),
+    "ltx2": (_ltx2_pipeline, _ltx2_call),
+    "wan": (_wan_pipeline, _wan_call),
+}
+
+
+def _case(family, ulysses, order="before"):
+    """The pipeline with its transformer injected before or after enable_cfg_parallel against
+    stock diffusers in this process; the (batch, tokens) each call of the last block saw on this
+    rank. Injected after: then removed, the hooks on the model and how many modules came back."""
+    build_pipeline, call = FAMILIES[family]
+    expected = call(build_pipeline())
+    pipe = build_pipeline()
+    model, stock_class = pipe.transformer, type(pipe.transformer)
+    if order == "before":
+        ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+    enable_cfg_parallel(pipe, _ulysses(ulysses))
+    if order == "after":
+        ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+    seen = []
+    blocks = model.blocks if family == "wan" else model.transformer_blocks
+    blocks[-1].register_forward_pre_hook(  # (Wan's plan splits the tokens at its first block)
+        lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
+        with_kwargs=True,
+    )
+    out = call(pipe)
+    result = {"out": rel_l2(out, expected), "latents": out.flatten().tolist(), "seen": seen}
+    if order == "after":
+        result["restored"] = ltx_kernels.remove_optimized_kernels(pipe)
+        result["hooks"] = list(model._diffusers_hook.hooks)
+        result["class"] = type(model) is stock_class
+    return result
+
+
+def _raises(run):
+    try:
+        run()
+    except (TypeError, ValueError, RuntimeError) as error:
+        return {"raised": f"{type(error).__name__}: {error}"}
+    return {"raised": None}
+
+
+def _guidance_off(family):
+    build_pipeline, call = FAMILIES[family]
+    pipe = build_pipeline()
+    enable_cfg_parallel(pipe)
+    return _raises(lambda: call(pipe, guidance_scale=1.0))
+
+
+def _no_guidance_pipeline():
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    pipe = FluxPipeline(FlowMatchEulerDiscreteScheduler(), None, None, None, None, None, None)
+    return _raises(lambda: enable_cfg_parallel(pipe))
+
+
+def _world_not_divisible():
+    pipe = _ltx_pipeline()
+    return _raises(lambda: enable_cfg_parallel(pipe, _ulysses(2)))  # 2 processes: 2 x 2 needed
+
+
+#: World size -> {case: function}.
+CASES = {
+    2: {
+        "ltx": lambda: _case("ltx", 1),
+        "wan": lambda: _case("wan", 1),
+        "ltx2": lambda: _case("ltx2", 1),
+        "ltx_inject_after": lambda: _case("ltx", 1, "after"),
+        "guidance_off_ltx": lambda: _guidance_off("ltx"),
+        "guidance_off_wan": lambda: _guidance_off("wan"),
+        "no_guidance_pipeline": _no_guidance_pipeline,
+        "world_not_divisible": _world_not_divisible,
+    },
+    4: {
+        "ltx_ulysses": lambda: _case("ltx", 2),
+        "wan_ulysses": lambda: _case("wan", 2),
+        "ltx2_ulysses": lambda: _case("ltx2", 2),
+        "ltx_ulysses_inject_after": lambda: _case("ltx", 2, "after"),
+    },
+}
+#: Cases that must raise, with a part of the expected message.
+RAISES = {
+    "guidance_off_ltx": "LTXPipeline was called with guidance off",
+    "guidance_off_wan": "WanPipeline was called with guidance off",
+    "no_guidance_pipeline": "FluxPipeline is not supported",
+    "world_not_divisible": "the world size 2 must be 2 (guidance branches) x the context-parallel",
+}
+#: (batch, tokens) of each last-block call on every rank: LTX one batched call a step, half the
+#: batch a group (Ulysses: half the tokens a rank); Wan one of the two calls a step a group.
+SEEN = {"ltx": [[1, 8]] * STEPS, "ltx_ulysses": [[1, 4]] * STEPS}
+SEEN.update(wan=SEEN["ltx"], wan_ulysses=SEEN["ltx_ulysses"], ltx_inject_after=SEEN["ltx"])
+SEEN.update(ltx_ulysses_inject_after=SEEN["ltx_ulysses"])
+# LTX-2: the batched call, then the STG pass (group 0) or the modality pass (group 1), a step
+SEEN.update(ltx2=[[1, 8]] * 2 * STEPS, ltx2_ulysses=[[1, 4]] * 2 * STEPS)
+#: Injected after enable_cfg_parallel, then removed: how many modules came back (blocks, two
+#: processors and fused q/k/v projections each, the model) and the hooks left on the model,
+#: innermost first. (Wan under context parallelism is injected first: diffusers' split hook sits
+#: on its first block.)
+RESTORED = {
+    "ltx_inject_after": (3 * ltx.TINY["num_layers"] + 1, ["ltx_kernels_cfg_parallel"]),
+    "ltx_ulysses_inject_after": (
+        3 * ltx.TINY["num_layers"] + 1,
+        ["cp_input---", "ltx_kernels_cfg_parallel"],
+    ),
+}
+
+
+def _worker(rank, world, port, results_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("cpu:gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
+        torch.accelerator.device_count = lambda: 1
+    results = {}
+    try:
+        for name, case in CASES[world].items():
+            try:
+                results[name] = case()
+            except Exception as error:  # noqa: BLE001  (reported per case by the tests)
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """World size -> per rank {case: result}, of one spawn of that many gloo processes (run on
+    first use)."""
+    spawned = {}
+
+    def of(world):
+        if world not in spawned:
+            directory = tmp_path_factory.mktemp(f"cfg_parallel_{world}")
+            mp.spawn(_worker, args=(world, _free_port(), str(directory)), nprocs=world, join=True)
+            spawned[world] = [
+                json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world)
+            ]
+        return spawned[world]
+
+    return of
+
+
+def _world_cases(names):
+    return [(world, name) for world, cases in CASES.items() for name in cases if name in names]
+
+
+@pytest.mark.parametrize("world, case", _world_cases(SEEN))
+def test_matches_one_process_stock_on_every_rank(results, world, case):
+    ranks = results(world)
+    for rank, by_case in enumerate(ranks):
+        result = by_case[case]
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        assert result["out"] <= TOLERANCE, f"rank {rank}: latents rel. L2 {result['out']:.3g}"
+        assert result["latents"] == ranks[0][case]["latents"], f"rank {rank} differs from rank 0"
+        assert result["seen"] == SEEN[case], f"rank {rank}: the last block saw {result['seen']}"
+
+
+@pytest.mark.parametrize("world, case", _world_cases(RAISES))
+def test_raises_clearly(results, world, case):
+    for by_case in results(world):
+        raised = by_case[case]["raised"]
+        assert raised and RAISES[case] in raised, raised
+
+
+@pytest.mark.parametrize("world, case", _world_cases(RESTORED))
+def test_inject_after_then_remove_restores_under_the_hooks(results, world, case):
+    """Injected after enable_cfg_parallel (beneath its hook and diffusers' split hook, lifted and
+    put back), remove_optimized_kernels gives the stock model back with both hooks on it."""
+    restored, hooks = RESTORED[case]
+    for by_case in results(world):
+        result = by_case[case]
+        assert result["hooks"] == hooks and result["class"], result
+        assert result["restored"] == restored, result["restored"]
+
+
+def _generate_video_worker(rank, world, port, output, flags):
+    """scripts/generate_video.py under a torchrun-like environment (gloo on the CPU)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
+        torch.accelerator.device_count = lambda: 1
+    _generate_video_script().main(
+        ["--tiny", *flags, "--num-frames", "9", "--height", "64", "--width", "64"]
+        + ["--steps", "2", "--warmup-iterations", "0", "--runs", "1", "--no-progress"]
+        + ["--no-video", "--dtype", "fp32", "--compare", "--configs", "baseline,kernels"]
+        + ["--output", output]
+    )
+
+
+@pytest.mark.parametrize(
+    "world, flags, layout",
+    [
+        (2, ["--cfg-parallel"], "cfg x 2 GPUs"),
+        (2, ["--cfg-parallel", "--model-id", "Lightricks/LTX-2"], "cfg x 2 GPUs"),
+        (4, ["--cfg-parallel", "--context-parallel", "ulysses"], "cfg 2 x ulysses 2 GPUs"),
+        (  # LTXConditionPipeline: per-token timesteps [2B, S], split by batch, then by tokens
+            4,
+            ["--cfg-parallel", "--context-parallel", "ulysses"]
+            + ["--model-id", "Lightricks/LTX-Video-0.9.7-dev"],
+            "cfg 2 x ulysses 2 GPUs",
+        ),
+    ],
+    ids=["ltx", "ltx2", "ltx_ulysses", "ltx_condition_ulysses"],
+)
+def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
+    """torchrun --nproc_per_node N scripts/generate_video.py --cfg-parallel [--context-parallel
+    ulysses] --compare: the rows (kernels on one GPU, then the baseline and the kernels on all),
+    their latents equal within fp32 rounding, the results written by rank 0."""
+    output = tmp_path / "video.mp4"
+    mp.spawn(
+        _generate_video_worker,
+        args=(world, _free_port(), str(output), flags),
+        nprocs=world,
+        join=True,
+    )
+    results = json.loads(output.with_suffix(".json").read_text())
+    rows = {row["config"]: row for row in results["results"]}
+    assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]
+    assert rows["kernels-1gpu"]["rel_l2"] <= TOLERANCE  # one GPU vs the parallel baseline
+    assert 0 < rows["kernels"]["rel_l2"] <= TOLERANCE
+    if "Lightricks/LTX-2" in flags:  # the audio waveforms too
+        assert rows["kernels"]["audio_rel_l2"] <= TOLERANCE
+    assert layout in rows["kernels"]["notes"] and layout in rows["baseline"]["notes"]
+    assert results["settings"]["cfg_parallel"]
+
+
+@pytest.mark.parametrize(
+    "world, flags, message",
+    [
+        (2, ["--guidance-scale", "1"], "--cfg-parallel: needs classifier-free guidance"),
+        (4, [], "--cfg-parallel: 4 GPUs; launch 2 (one guidance branch each), or an even"),
+        (3, ["--context-parallel", "ulysses"], "--cfg-parallel: 3 GPUs"),
+    ],
+    ids=["guidance_off", "four_gpus_without_context_parallel", "odd_gpu_count"],
+)
+def test_generate_video_cfg_parallel_flag_errors(monkeypatch, capsys, world, flags, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit):
+        _generate_video_script().parse_args(["--tiny", "--cfg-parallel", *flags])
+    assert message in capsys.readouterr().err
