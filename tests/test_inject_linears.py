@@ -29,7 +29,11 @@ from model_zoo import ltx2 as ltx2_zoo
 from model_zoo import wan as wan_zoo
 from model_zoo.ltx import TINY, full_inputs, tiny_inputs, tiny_model
 
-from diffusers import LTXVideoTransformer3DModel  # noqa: E402  (inject_helpers skips without it)
+from diffusers import (  # noqa: E402  (inject_helpers skips without it)
+    HunyuanVideo15Transformer3DModel,
+    LTX2VideoTransformer3DModel,
+    LTXVideoTransformer3DModel,
+)
 
 BF16 = torch.bfloat16
 QKV = ("to_q", "to_k", "to_v")
@@ -836,11 +840,62 @@ def test_full_size_fp8_gpu():
         assert torch.equal(output_of(call(model)), output_of(eager))
 
 
-def _real_size(family: str):
-    """(model, inputs) at real widths on the GPU: FLUX.1 (one double and one single block, 4096
-    image + 512 text tokens) or Wan 2.1 1.3B (2 of its 30 layers, 81 frames at 480x832)."""
+# HunyuanVideo-1.5 480p (hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v), two blocks
+HUNYUAN_VIDEO_15_480P_TWO_BLOCKS = dict(
+    in_channels=65,
+    out_channels=32,
+    num_attention_heads=16,
+    attention_head_dim=128,
+    num_layers=2,
+    num_refiner_layers=2,
+    qk_norm="rms_norm",
+    text_embed_dim=3584,
+    text_embed_2_dim=1472,
+    image_embed_dim=1152,
+    rope_theta=256.0,
+    rope_axes_dim=(16, 56, 56),
+    target_size=640,
+    task_type="t2v",
+)
+
+
+def _real_size(family: str, device="cuda", frames: int = 16):
+    """(model, inputs) at real widths: FLUX.1 (one double and one single block, 4096 image + 512
+    text tokens), Wan 2.1 1.3B (2 of its 30 layers, 81 frames at 480x832), LTX-2.3 (two blocks,
+    image-to-video, 2 x (16 x 16 x 24 video + 126 audio) tokens, 1024 text) or HunyuanVideo-1.5
+    480p (two blocks, 8 x 30 x 53 tokens); `frames` (LTX-2, HunyuanVideo-1.5: latent frames) and
+    `device` for a smaller check off the GPU."""
     if family == "wan":
         return wan_zoo.layers_of_1_3b(BF16)
+    if family == "ltx2-2.3-stg":
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LTX2VideoTransformer3DModel(**ltx2_zoo.config("2.3", full=True, num_layers=2))
+        clip = dict(frames=frames, height=16, width=24, audio_frames=126, text=1024)
+        inputs = ltx2_zoo.inputs(BF16, "2.3", "i2v", full=True, device=device, **clip)
+        return model.to(BF16).eval(), inputs
+    if family == "hunyuanvideo-1.5":
+        import step_inputs
+
+        config = HUNYUAN_VIDEO_15_480P_TWO_BLOCKS
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = HunyuanVideo15Transformer3DModel(**config).to(BF16).eval()
+            inputs = step_inputs.hunyuan_video15(
+                config,
+                lambda *shape: torch.randn(*shape, dtype=BF16),
+                batch=1,
+                frames=frames // 2,
+                height=30,
+                width=53,
+                text=256,
+                text_2=64,
+                image_tokens=729,
+                image=lambda *shape: torch.zeros(*shape, dtype=BF16),
+                timestep=torch.tensor([500.0], dtype=BF16),
+                masks=(torch.ones(1, 256), torch.ones(1, 64)),
+            )
+        return model, inputs
     generator = torch.Generator("cuda").manual_seed(0)
 
     def randn(*shape):
@@ -871,17 +926,21 @@ def _real_size(family: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["flux", "wan"])
-def test_real_size_fp8_gpu(family):
+@pytest.mark.parametrize("preset", FP8_PRESETS)
+@pytest.mark.parametrize("family", ["flux", "wan", "ltx2-2.3-stg", "hunyuanvideo-1.5"])
+def test_real_size_fp8_gpu(family, preset):
     torch.manual_seed(0)
     model, inputs = _real_size(family)
     call = caller(inputs)
     _, injected, _ = eager_and_injected(model, call)
     ltx_kernels.remove_optimized_kernels(model)
-    report = fp8_injected(model)
-    assert report.patched["Linear (FP8 GEMM)"] == len(fp8_linear_names(model, family))
+    report = fp8_injected(model, fp8_linears=preset)
+    assert report.patched["Linear (FP8 GEMM)"] == len(fp8_linear_names(model, family, preset))
     with torch.no_grad():
-        out = output_of(call(model))
-    error = rel_l2(out, output_of(injected))
-    print(f"{family} at real widths, FP8: relative L2 vs bf16 kernels {error:.2e}")
-    assert error <= FP8_VS_BF16
+        out = samples(call(model))
+    errors = [rel_l2(a, b) for a, b in zip(out, samples(injected), strict=True)]
+    print(
+        f"{family} at real widths, FP8 {preset}: relative L2 vs bf16 kernels "
+        + ", ".join(f"{e:.2e}" for e in errors)
+    )
+    assert all(error <= FP8_VS_BF16 for error in errors)
