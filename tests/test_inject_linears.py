@@ -170,9 +170,19 @@ def _ltx2(release: str, variant=None):
     )
 
 
+def _redrawn(model):
+    """model with its blocks' Linear weights drawn again from the global RNG (fp8_model's seed:
+    model_zoo.hunyuan seeds its models itself)."""
+    with torch.no_grad():
+        for module in model.transformer_blocks.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0, module.in_features**-0.5)
+    return model
+
+
 def _hunyuan(v15: bool, variant=None, **config):
     return (
-        lambda: hunyuan_zoo.tiny_model(BF16, v15=v15, **config),
+        lambda: _redrawn(hunyuan_zoo.tiny_model(BF16, v15=v15, **config)),
         lambda: hunyuan_zoo.tiny_inputs(BF16, v15=v15, variant=variant),
         {"transformer_blocks": hunyuan.FP8_PRESETS},  # (HunyuanVideo's single blocks: bf16)
         hunyuan.FP8_DEFAULT,
@@ -578,7 +588,8 @@ LAYER = ("layernorm_modulate_quant", "add_layernorm_modulate_quant", "quantize")
         # the text and cross-modal queries quantize theirs (quantize: 7 per stream)
         ("ltx2-2.3-stg", "all", RMS, (1, 3, 14)),
         # HunyuanVideo-1.5 (image stream): the AdaLN norm1 for q/k/v, norm2 for the FF; to_out
-        # and the GELU quantize
+        # and the GELU quantize ("all": the text stream's the same)
+        ("hunyuanvideo-1.5", "all", LAYER, (2, 2, 4)),  # and the text stream's
         ("hunyuanvideo-1.5", "ffn+self_attn", LAYER, (1, 1, 2)),
         ("hunyuanvideo-1.5", "ffn", LAYER, (0, 1, 1)),
         # LTX-Video 13B's per-token modulation: the same as per sample

@@ -27,11 +27,13 @@ are dropped where every batch element has as many ("drop_padded_keys"), otherwis
 [B, 1, 1, S] key mask; HunyuanVideo-1.5's [B, 1, S, S] pair mask is never built (its padded query
 rows come out zero, as SDPA gives them under it).
 FP8 (fp8=True; FP8_PRESETS, default "ffn+self_attn", for the double blocks of HunyuanVideo-1.5
-and HunyuanVideo): the image stream's FF ("ffn") and its q/k/v and out ("ffn+self_attn" = "all":
-the text stream stays bf16, as the AdaLN linears, embedders, proj_in/proj_out). norm1 (the
-AdaLayerNormZero, adaln.call_norm) hands the image q/k/v their input as FP8 rows, norm2 the FF,
-whose GELU hands them to the down projection; the attention output is quantized by to_out (one
-pass). HunyuanVideo's single blocks stay bf16.
+and HunyuanVideo): the image stream's FF ("ffn") and its q/k/v and out ("ffn+self_attn"); "all"
+adds the text stream's (its q/k/v, out and FF: as large as the image stream's, on a few hundred
+tokens: the weight memory more than the time). The AdaLN linears, embedders and proj_in/proj_out
+stay bf16. norm1 (norm1_context: the AdaLayerNormZero, adaln.call_norm) hands the image (text)
+q/k/v their input as FP8 rows, norm2 (norm2_context) the FF, whose GELU hands them to the down
+projection; the attention outputs are quantized by to_out / to_add_out (one pass each).
+HunyuanVideo's single blocks stay bf16.
 Left stock: the token refiner and the text/image projections (a few hundred text tokens, once per
 forward); the I2V token-replace blocks (`HunyuanVideoTokenReplace*`: first-frame rows with their
 own modulation) run the diffusers code and are reported as skipped; their attention is patched.
@@ -215,12 +217,13 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
 # ------------------------------------------------------------------------------------------------
 # Blocks
 # ------------------------------------------------------------------------------------------------
-def _qkv_input_format(attn) -> str | None:
-    """The format in which attn's image input may come as quantized rows (None: a tensor): our
-    processor, and the one its q/k/v take (quant.input_format)."""
+def _qkv_input_format(attn, names=steps.QKV) -> str | None:
+    """The format in which attn's image input (text input: names = steps.ADDED_QKV) may come as
+    quantized rows (None: a tensor): our processor, and the one those q/k/v take
+    (quant.input_format)."""
     if not isinstance(attn.processor, HunyuanVideoKernelsAttnProcessor):
         return None
-    return quant.input_format(*(getattr(attn, name) for name in steps.QKV), through=attn)
+    return quant.input_format(*(getattr(attn, name) for name in names), through=attn)
 
 
 @recompute.scoped
@@ -241,8 +244,11 @@ def double_block_forward(
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln.call_norm(
         self.norm1, hidden_states, emb=temb, quant=_qkv_input_format(self.attn)
     )
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
-        self.norm1_context(encoder_hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = adaln.call_norm(
+        self.norm1_context,
+        encoder_hidden_states,
+        emb=temb,
+        quant=_qkv_input_format(self.attn, steps.ADDED_QKV),
     )
     attn_output, context_attn_output = self.attn(
         hidden_states=norm_hidden_states,
@@ -346,7 +352,14 @@ def _report_unfused_activations(name: str, block, kind: str, injector) -> None:
 
 #: The double block's Linears that run in FP8 with fp8=True, per preset (module docstring), and
 #: the default (the FFN + self-attention the quality record suggests, until measured).
-FP8_PRESETS = fp8_presets(ff_projections("ff"), attention_projections("attn"))
+FP8_PRESETS = fp8_presets(
+    ff_projections("ff"),
+    attention_projections("attn"),
+    (
+        *attention_projections("attn", (*steps.ADDED_QKV, "to_add_out")),
+        *ff_projections("ff_context"),
+    ),
+)
 FP8_DEFAULT = "ffn+self_attn"
 
 

@@ -27,7 +27,9 @@ dropout in effect: p = 0 or eval mode) with x's dtype and nothing hooks the modu
 or its adapter layers (lora_terms); anything else runs the module as peft does. The group fuses the
 members' base layers, so adapters added before or after injection keep the fused base GEMM.
 
-FP8 (opt-in, inference). A block Linear chosen for FP8 becomes an `Fp8Linear` (a subclass of
+FP8 (opt-in, inference). Which block Linears run FP8 is a named preset (FP8_PRESETS: "ffn",
+"ffn+self_attn", "all"), each family's blocks' Linears listed per preset (fp8_presets) with the
+family's default. A block Linear chosen for FP8 becomes an `Fp8Linear` (a subclass of
 nn.Linear): its weight is quantized once per output channel to float8_e4m3fn (buffers `weight_fp8`
 [N, K] and `weight_scale` [N] fp32, not in the state dict), and its GEMM is `torch._scaled_mm`
 with rowwise scales (cuBLASLt/CUTLASS through libtorch; bias in the epilogue; bf16 out): y =
