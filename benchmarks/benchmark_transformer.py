@@ -52,7 +52,7 @@ import bench_utils  # noqa: E402
 import transformer_cases  # noqa: E402
 
 import ltx_kernels  # noqa: E402
-from ltx_kernels.integration import FUSIONS  # noqa: E402
+from ltx_kernels.integration import FP8_PRESETS, FUSIONS  # noqa: E402
 
 
 def time_step(fn, reps: int):
@@ -267,6 +267,12 @@ def main():
         default=None,
         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)",
     )
+    parser.add_argument(
+        "--fp8-linears",
+        choices=FP8_PRESETS,
+        default=None,
+        help="the fp8 columns: which Linears run FP8 (default: the model family's preset)",
+    )
     parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
     parser.add_argument(
         "--profile",
@@ -286,6 +292,7 @@ def main():
         parser, args.columns, transformer_cases.COLUMNS + transformer_cases.FP8_COLUMNS
     )
     transformer_cases.COMPILE_MODE = args.compile_mode
+    transformer_cases.FP8_LINEARS = args.fp8_linears
     tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [None])
     env = bench_utils.environment()
     print(

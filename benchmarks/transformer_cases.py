@@ -328,7 +328,10 @@ def configured(column, model):
     with contextlib.ExitStack() as undo:
         if injected:
             ops = set(FUSIONS) - without
-            ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8="fp8" in parts, ops=ops)
+            fp8 = "fp8" in parts
+            ltx_kernels.inject_optimized_kernels(
+                model, verbose=False, fp8=fp8, ops=ops, fp8_linears=FP8_LINEARS if fp8 else None
+            )
             undo.callback(ltx_kernels.remove_optimized_kernels, model)
         if "torchao-fp8" in parts:
             undo.enter_context(bench_utils.torchao_fp8_rowwise(model))
@@ -337,6 +340,8 @@ def configured(column, model):
 
 #: torch.compile's mode for the compiled columns (--compile-mode), None: the default.
 COMPILE_MODE = None
+#: The FP8 preset of the fp8 columns (--fp8-linears: which Linears run FP8), None: the family's.
+FP8_LINEARS = None
 
 
 def _compiled(parts, model):

@@ -43,11 +43,11 @@ cache, the peer to compare with) and "Optimized kernels + cache". The latent dri
 cached row include what the cache skips. LTX-Video only (Family.no_cache says why not LTX-2).
 
 FP8 (--fp8, or the --compare configurations kernels+fp8 and kernels+fp8+compile): the kernels with
-inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (docs/fp8.md; a model without an FP8
-path, LTX-2 for now, stays bf16 and the row's note says so). torchao-fp8+compile is
-the path a user would pick instead: torchao's float8 dynamic rowwise quantization of every Linear
-of the transformer (torchao from PyPI), compiled; torchao replaces the weights, the bf16 ones wait
-on the CPU and come back after the row.
+inject_optimized_kernels(..., fp8=True), the opt-in FP8 path (docs/fp8.md; --fp8-linears picks the
+preset of which Linears run FP8; a model without an FP8 path stays bf16 and the row's note says
+so). torchao-fp8+compile is the path a user would pick instead: torchao's float8 dynamic rowwise
+quantization of every Linear of the transformer (torchao from PyPI), compiled; torchao replaces
+the weights, the bf16 ones wait on the CPU and come back after the row.
 
 Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU; every
 checkpoint): the transformer runs under diffusers' context parallelism (enable_parallelism), the
@@ -89,6 +89,7 @@ from pathlib import Path
 import torch
 
 import ltx_kernels
+from ltx_kernels.integration import FP8_PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_utils  # noqa: E402  (configs/*.json, random_model, the torchao anchor)
@@ -306,6 +307,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--fp8",
         action="store_true",
         help="with the kernels: FP8 GEMMs (inject_optimized_kernels(..., fp8=True), opt-in)",
+    )
+    parser.add_argument(
+        "--fp8-linears",
+        choices=FP8_PRESETS,
+        default=None,
+        help="with FP8: which Linears run FP8 (default: the model family's preset)",
     )
     parser.add_argument(
         "--fp8-bf16-blocks",
@@ -815,7 +822,12 @@ def apply_config(pipe, config: str, args) -> str:
         ops = None if config.startswith("kernels") else ()
         fp8 = "fp8" in parts
         report = ltx_kernels.inject_optimized_kernels(
-            pipe, ops=ops, verbose=False, fp8=fp8, fp8_bf16_blocks=args.fp8_bf16_blocks
+            pipe,
+            ops=ops,
+            verbose=False,
+            fp8=fp8,
+            fp8_linears=args.fp8_linears if fp8 else None,
+            fp8_bf16_blocks=args.fp8_bf16_blocks,
         )
         if args.cpu_offload:
             pipe.enable_model_cpu_offload()

@@ -1096,8 +1096,9 @@ FEATURES = (
         inject_options=dict(fp8=True),
         dtype=torch.bfloat16,
         tolerance=FP8_VS_BF16,
-        # tiny Wan's 24-wide projections: not multiples of 16 (torch._scaled_mm), kept bf16
-        tiny_fallback=dict(wan=("Linear (FP8 GEMM)",)),
+        # tiny Wan's 24-wide projections and tiny LTX-2's 8-wide audio stream: not multiples of
+        # 16 (torch._scaled_mm), kept bf16
+        tiny_fallback=dict(wan=("Linear (FP8 GEMM)",), ltx2=("Linear (FP8 GEMM)",)),
         note="bf16; against stock bf16 at the FP8 bound; after: injected inside it",
     ),
 )

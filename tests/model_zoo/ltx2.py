@@ -87,6 +87,13 @@ FULL = dict(
     timestep_scale_multiplier=1000,
     cross_attn_timestep_scale_multiplier=1000,
 )
+# Widths FP8 takes (multiples of 16: torch._scaled_mm): video 2 heads of 16, audio 2 heads of 8.
+FP8_WIDTHS = dict(
+    attention_head_dim=16,
+    cross_attention_dim=32,
+    audio_attention_head_dim=8,
+    audio_cross_attention_dim=16,
+)
 FRAMES, HEIGHT, WIDTH, AUDIO_FRAMES, TEXT = 2, 4, 4, 5, 6
 
 
@@ -117,13 +124,14 @@ def inputs(
     text=TEXT,
     full=False,
     device="cpu",
+    **overrides,
 ):
     """One forward's keyword arguments (step_inputs.ltx2, as benchmarks/transformer_cases.py's),
     random timesteps; a text sample is padded. variant: None (text-to-video); "i2v": per-token
     video timesteps [B, S] with the first frame's tokens at 0 (the conditioning image, as
     LTX2ImageToVideoPipeline passes them) and, for 2.5, the keyframe mask on them; "stg":
     spatio-temporal guidance at block 1, perturbing the second sample.
-    full: the full-size model's widths (TINY's otherwise)."""
+    full: the full-size model's widths (TINY's otherwise); overrides: the model's (config)."""
     generator = torch.Generator(device).manual_seed(1)
 
     def randn(*shape):
@@ -131,7 +139,7 @@ def inputs(
 
     timestep = torch.rand(batch, generator=generator, device=device) * 1000
     kwargs = step_inputs.ltx2(
-        config(release, full),
+        config(release, full, **overrides),
         randn,
         batch=batch,
         frames=frames,

@@ -26,6 +26,7 @@ import torch
 from .._op_names import OPS
 from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
 from .cfg_parallel import enable_cfg_parallel
+from .linears import FP8_PRESETS
 from .injector import (
     DISABLE_ENV,
     FUSED_BACKWARD,
@@ -43,6 +44,7 @@ from .injector import (
 __all__ = [
     "DISABLE_ENV",
     "FAMILIES",
+    "FP8_PRESETS",
     "FUSED_BACKWARD",
     "FUSED_BACKWARD_COMPILED",
     "FUSIONS",
@@ -100,6 +102,7 @@ def inject_optimized_kernels(
     verbose: bool = True,
     *,
     fp8: bool = False,
+    fp8_linears: str | None = None,
     fp8_bf16_blocks: int = 0,
 ) -> InjectionReport:
     """Patches every supported block of a diffusers pipeline or model (LTX-Video, FLUX.1, Wan 2.x,
@@ -111,8 +114,9 @@ def inject_optimized_kernels(
     Linears the model's patcher names (attention projections but the text-side K/V, the FF) get
     float8_e4m3fn weights with per-output-channel scales, and the ops before them emit their
     activations as e4m3 with one scale per row (linears.py, README "FP8"); embedders,
-    proj_in/proj_out, norms and attention stay bf16. fp8_bf16_blocks=N keeps the first and last N
-    blocks of each model in bf16.
+    modulation, proj_in/proj_out, norms and attention stay bf16. fp8_linears: which block Linears
+    (linears.FP8_PRESETS: "ffn", "ffn+self_attn", "all"; None: each family's default, its
+    FP8_DEFAULT). fp8_bf16_blocks=N keeps the first and last N blocks of each model in bf16.
     Inject after loading and before offloading, caching or compiling. Returns an InjectionReport
     (printed when verbose). Raises on a model that is already injected."""
     from .. import _library
@@ -120,12 +124,17 @@ def inject_optimized_kernels(
     _library()  # raises with the build error when the extension did not load
     register_inductor_fallbacks()
     ops = resolve_ops(ops)
+    if fp8_linears is not None and (not fp8 or fp8_linears not in FP8_PRESETS):
+        raise ValueError(
+            f"inject_optimized_kernels: fp8_linears={fp8_linears!r} "
+            + (f"is none of {FP8_PRESETS}" if fp8 else "needs fp8=True")
+        )
     if fp8_bf16_blocks < 0:
         raise ValueError(
             f"inject_optimized_kernels: fp8_bf16_blocks must be >= 0, got {fp8_bf16_blocks}"
         )
     report = InjectionReport(ops=tuple(name for name in FUSIONS if name in ops), fp8=fp8)
-    injector = Injector(ops, report, fp8)
+    injector = Injector(ops, report, fp8, fp8_linears)
     for prefix, model in _models(pipe_or_model):
         modules = list(model.named_modules())
         for name, module in modules:

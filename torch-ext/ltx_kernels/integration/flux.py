@@ -15,8 +15,9 @@ Single block (`FluxSingleTransformerBlock`):
                                          its MLP part (bf16: linear_gelu's epilogue measured faster)
 Each stream's q/k/v projections run as one GEMM (fused_projections).
 
-FP8 (fp8=True): the image stream's Linears (q/k/v, out, FF; the single block's q/k/v, proj_mlp
-and proj_out); the text stream and the AdaLN linears stay bf16. The AdaLN norms hand their FP8
+FP8 (fp8=True; DOUBLE_ and SINGLE_FP8_PRESETS, default "all"): the image stream's Linears (q/k/v,
+out, FF; the single block's q/k/v, proj_mlp and proj_out; "ffn": the FF, proj_mlp and proj_out
+only); the text stream and the AdaLN linears stay bf16. The AdaLN norms hand their FP8
 consumers their output as FP8 rows (adaln.call_norm): norm1 to the image q/k/v, the single
 block's norm to its q/k/v + proj_mlp GEMM (one quantization, one GEMM); norm2 hands them to the
 image FF, whose GELU hands them to the down projection. The attention output (to_out) and the
@@ -34,6 +35,7 @@ from . import adaln, linears, quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
+from .linears import attention_projections, ff_projections, fp8_presets
 from .module_checks import has_hooks
 
 
@@ -315,16 +317,12 @@ DOUBLE_ATTN = "FluxAttention (double: q/k norm + RoPE per stream)"
 SINGLE_ATTN = "FluxAttention (single: q/k norm + RoPE)"
 
 
-#: The Linears that run in FP8 with fp8=True: the image stream's (module docstring).
-DOUBLE_FP8_LINEARS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "ff.net.0.proj",
-    "ff.net.2",
-)
-SINGLE_FP8_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
+#: The Linears that run in FP8 with fp8=True, per preset: the image stream's (module docstring);
+#: the single block's proj_out (its attention output and MLP down projection in one) counts as
+#: FF. The default "all" (= "ffn+self_attn" here) is what was measured (docs/fp8.md).
+DOUBLE_FP8_PRESETS = fp8_presets(ff_projections("ff"), attention_projections("attn"))
+SINGLE_FP8_PRESETS = fp8_presets(("proj_mlp", "proj_out"), attention_projections("attn", steps.QKV))
+FP8_DEFAULT = "all"
 
 
 #: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
@@ -361,7 +359,7 @@ def patch_double_block(name: str, block, injector) -> None:
     if not _reproduces(name, block, injector):
         return
     injector.swap_forward(name, block, double_block_forward, "FluxTransformerBlock")
-    injector.fp8_linears(name, block, DOUBLE_FP8_LINEARS)
+    injector.fp8_linears(name, block, "FLUX", DOUBLE_FP8_PRESETS, FP8_DEFAULT)
     if _patch_attention(f"{name}.attn", block.attn, DOUBLE_ATTN, injector):
         injector.fuse_projections(f"{name}.attn", block.attn, "qkv", steps.QKV)
         injector.fuse_projections(f"{name}.attn", block.attn, "added_qkv", steps.ADDED_QKV)
@@ -375,7 +373,7 @@ def patch_single_block(name: str, block, injector) -> None:
     if not _reproduces(name, block, injector):
         return
     injector.swap_forward(name, block, single_block_forward, "FluxSingleTransformerBlock")
-    injector.fp8_linears(name, block, SINGLE_FP8_LINEARS)
+    injector.fp8_linears(name, block, "FLUX", SINGLE_FP8_PRESETS, FP8_DEFAULT)
     if _patch_attention(f"{name}.attn", block.attn, SINGLE_ATTN, injector):
         # FP8: q/k/v with proj_mlp (named first: where it fuses, it replaces the q/k/v group), one
         # quantization and one GEMM for the four. Not in bf16, where linear_gelu's GELU epilogue

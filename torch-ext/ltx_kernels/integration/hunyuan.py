@@ -26,6 +26,14 @@ Attention masks (they hide padded text keys) become key lengths (attention.py): 
 are dropped where every batch element has as many ("drop_padded_keys"), otherwise a broadcast
 [B, 1, 1, S] key mask; HunyuanVideo-1.5's [B, 1, S, S] pair mask is never built (its padded query
 rows come out zero, as SDPA gives them under it).
+FP8 (fp8=True; FP8_PRESETS, default "ffn+self_attn", for the double blocks of HunyuanVideo-1.5
+and HunyuanVideo): the image stream's FF ("ffn") and its q/k/v and out ("ffn+self_attn"); "all"
+adds the text stream's (its q/k/v, out and FF: as large as the image stream's, on a few hundred
+tokens: the weight memory more than the time). The AdaLN linears, embedders and proj_in/proj_out
+stay bf16. norm1 (norm1_context: the AdaLayerNormZero, adaln.call_norm) hands the image (text)
+q/k/v their input as FP8 rows, norm2 (norm2_context) the FF, whose GELU hands them to the down
+projection; the attention outputs are quantized by to_out / to_add_out (one pass each).
+HunyuanVideo's single blocks stay bf16.
 Left stock: the token refiner and the text/image projections (a few hundred text tokens, once per
 forward); the I2V token-replace blocks (`HunyuanVideoTokenReplace*`: first-frame rows with their
 own modulation) run the diffusers code and are reported as skipped; their attention is patched.
@@ -36,10 +44,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import recompute, steps
+from . import adaln, quant, recompute, steps
 from .attention import attend, padded_key_lengths
 from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
+from .linears import attention_projections, ff_projections, fp8_presets
 
 #: The diffusers code the patches reproduce (diffusers_compat.Reproduced); FramePack
 #: (transformer_hunyuan_video_framepack.py) imports transformer_hunyuan_video's blocks.
@@ -208,6 +217,15 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
 # ------------------------------------------------------------------------------------------------
 # Blocks
 # ------------------------------------------------------------------------------------------------
+def _qkv_input_format(attn, names=steps.QKV) -> str | None:
+    """The format in which attn's image input (text input: names = steps.ADDED_QKV) may come as
+    quantized rows (None: a tensor): our processor, and the one those q/k/v take
+    (quant.input_format)."""
+    if not isinstance(attn.processor, HunyuanVideoKernelsAttnProcessor):
+        return None
+    return quant.input_format(*(getattr(attn, name) for name in names), through=attn)
+
+
 @recompute.scoped
 def double_block_forward(
     self,
@@ -220,13 +238,17 @@ def double_block_forward(
     **kwargs,
 ):
     """`HunyuanVideoTransformerBlock.forward` (= `HunyuanVideo15TransformerBlock.forward`) on the
-    fused ops (same arguments, same rounding points). Returns (hidden_states, encoder_states)."""
+    fused ops (same arguments, same rounding points). Returns (hidden_states, encoder_states).
+    With FP8 image q/k/v, norm1 hands them its output as FP8 rows."""
     ops = self._ltx_kernels_ops
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
-        hidden_states, emb=temb
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln.call_norm(
+        self.norm1, hidden_states, emb=temb, quant=_qkv_input_format(self.attn)
     )
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
-        self.norm1_context(encoder_hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = adaln.call_norm(
+        self.norm1_context,
+        encoder_hidden_states,
+        emb=temb,
+        quant=_qkv_input_format(self.attn, steps.ADDED_QKV),
     )
     attn_output, context_attn_output = self.attn(
         hidden_states=norm_hidden_states,
@@ -328,9 +350,22 @@ def _report_unfused_activations(name: str, block, kind: str, injector) -> None:
             injector.skip(f"{kind} MLP", f"{name}.act_mlp", reason)
 
 
-def _block_patcher(forward, attn_kind: str, v15: bool = False):
+#: The double block's Linears that run in FP8 with fp8=True, per preset (module docstring), and
+#: the default (the FFN + self-attention the quality record suggests, until measured).
+FP8_PRESETS = fp8_presets(
+    ff_projections("ff"),
+    attention_projections("attn"),
+    (
+        *attention_projections("attn", (*steps.ADDED_QKV, "to_add_out")),
+        *ff_projections("ff_context"),
+    ),
+)
+FP8_DEFAULT = "ffn+self_attn"
+
+
+def _block_patcher(forward, attn_kind: str, v15: bool = False, fp8: bool = False):
     """Patch function of a block class; forward None: the block stays stock (token replace),
-    only its attention is patched."""
+    only its attention is patched; fp8: its FP8_PRESETS Linears run in FP8 with fp8=True."""
 
     def patch(name: str, block, injector) -> None:
         kind = type(block).__name__
@@ -347,6 +382,8 @@ def _block_patcher(forward, attn_kind: str, v15: bool = False):
             )
         else:
             injector.swap_forward(name, block, forward, kind)
+            if fp8:
+                injector.fp8_linears(name, block, "HunyuanVideo", FP8_PRESETS, FP8_DEFAULT)
             _report_unfused_activations(name, block, kind, injector)
         _patch_attention(f"{name}.attn", block.attn, attn_kind, injector, v15)
 
@@ -362,9 +399,11 @@ def patch_embed(name: str, module, injector) -> None:
 
 
 PATCHERS = {
-    "HunyuanVideoTransformerBlock": _block_patcher(double_block_forward, DOUBLE_ATTN),
+    "HunyuanVideoTransformerBlock": _block_patcher(double_block_forward, DOUBLE_ATTN, fp8=True),
     "HunyuanVideoSingleTransformerBlock": _block_patcher(single_block_forward, SINGLE_ATTN),
-    "HunyuanVideo15TransformerBlock": _block_patcher(double_block_forward, V15_ATTN, v15=True),
+    "HunyuanVideo15TransformerBlock": _block_patcher(
+        double_block_forward, V15_ATTN, v15=True, fp8=True
+    ),
     "HunyuanVideoTokenReplaceTransformerBlock": _block_patcher(None, DOUBLE_ATTN),
     "HunyuanVideoTokenReplaceSingleTransformerBlock": _block_patcher(None, SINGLE_ATTN),
     "HunyuanVideoPatchEmbed": patch_embed,

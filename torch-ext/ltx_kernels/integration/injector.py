@@ -17,7 +17,8 @@ How a module is patched, and why that way:
   module as diffusers does. So a step never bypasses a hook.
 
 Linears (linears.py): a patcher names the projections of one input that run as one GEMM
-(fuse_projections) and, for fp8=True, the block Linears that run in FP8 (fp8_linears); both are
+(fuse_projections) and, for fp8=True, the block Linears that run in FP8 per preset (fp8_linears:
+the family's default preset, or the one inject_optimized_kernels was given); both are
 applied per model once its blocks are patched (finish_model), FP8 first, so that FP8 projections
 fuse their FP8 weights.
 """
@@ -98,6 +99,8 @@ class InjectionReport:
 
     ops: tuple[str, ...]
     fp8: bool = False
+    # family -> the FP8 preset its blocks ran (linears.FP8_PRESETS), with fp8=True
+    fp8_presets: dict = dataclasses.field(default_factory=dict)
     patched: Counter = dataclasses.field(default_factory=Counter)
     skipped: dict = dataclasses.field(default_factory=lambda: defaultdict(list))
 
@@ -109,8 +112,9 @@ class InjectionReport:
         fp8 = ""
         if self.fp8:  # fp8=True on a model without an FP8 path (LTX-2, SD3, HunyuanVideo) says so
             count = self.patched.get(FP8_LINEAR, 0)
+            presets = ", ".join(f"{f} {p}" for f, p in self.fp8_presets.items())
             fp8 = (
-                f"; FP8 GEMMs in {count} Linears"
+                f"; FP8 GEMMs in {count} Linears ({presets})"
                 if count
                 else "; fp8=True: none of its Linears runs in FP8 (bf16)"
             )
@@ -163,16 +167,29 @@ class FusedAttnProcessor:
 class Injector:
     """Handed to the per-model patch functions: applies and records patches."""
 
-    def __init__(self, ops: frozenset[str], report: InjectionReport, fp8: bool = False):
+    def __init__(
+        self,
+        ops: frozenset[str],
+        report: InjectionReport,
+        fp8: bool = False,
+        fp8_preset: str | None = None,
+    ):
         self.ops = ops
         self.report = report
         self.fp8 = fp8
+        self.fp8_preset = fp8_preset  # None: each family's default
         self._fp8_blocks: list = []  # (block name, [(Linear name, Linear)]), in model order
         self._projection_groups: list = []  # (owner name, owner, key, member names, fusion)
 
-    def fp8_linears(self, name: str, block: torch.nn.Module, paths) -> None:
-        """Names the Linears of `block` (paths below it) that run in FP8 with fp8=True."""
+    def fp8_linears(
+        self, name: str, block: torch.nn.Module, family: str, presets: dict, default: str
+    ) -> None:
+        """Names the Linears of `block` that run in FP8 with fp8=True: those of the preset chosen
+        (the injection's, else the family's `default`) in `presets` (linears.fp8_presets)."""
         if self.fp8:
+            preset = self.fp8_preset or default
+            self.report.fp8_presets[family] = preset
+            paths = presets[preset]
             linears = [(f"{name}.{path}", block.get_submodule(path)) for path in paths]
             self._fp8_blocks.append((name, linears))
 

@@ -27,7 +27,9 @@ dropout in effect: p = 0 or eval mode) with x's dtype and nothing hooks the modu
 or its adapter layers (lora_terms); anything else runs the module as peft does. The group fuses the
 members' base layers, so adapters added before or after injection keep the fused base GEMM.
 
-FP8 (opt-in, inference). A block Linear chosen for FP8 becomes an `Fp8Linear` (a subclass of
+FP8 (opt-in, inference). Which block Linears run FP8 is a named preset (FP8_PRESETS: "ffn",
+"ffn+self_attn", "all"), each family's blocks' Linears listed per preset (fp8_presets) with the
+family's default. A block Linear chosen for FP8 becomes an `Fp8Linear` (a subclass of
 nn.Linear): its weight is quantized once per output channel to float8_e4m3fn (buffers `weight_fp8`
 [N, K] and `weight_scale` [N] fp32, not in the state dict), and its GEMM is `torch._scaled_mm`
 with rowwise scales (cuBLASLt/CUTLASS through libtorch; bias in the epilogue; bf16 out): y =
@@ -125,14 +127,43 @@ class Fp8Linear(torch.nn.Linear):
         return super().extra_repr() + ", float8_e4m3fn weight (rowwise scales)"
 
 
-def self_cross_ff_fp8_linears(ff: str) -> tuple[str, ...]:
-    """The Linears that run in FP8 in a block of self-attention attn1, cross-attention attn2 on
-    text and a diffusers FeedForward named `ff` (LTX-Video, Wan): every attention projection but
-    attn2's text-side K/V, and the FF's two (net = [GELU(proj), Dropout, Linear])."""
-    return (
-        *(f"attn1.{name}" for name in ("to_q", "to_k", "to_v", "to_out.0")),
-        *(f"attn2.{name}" for name in ("to_q", "to_out.0")),
-        *(f"{ff}.net.{name}" for name in ("0.proj", "2")),
+#: Which block Linears run in FP8 with fp8=True, by name (inject_optimized_kernels(fp8_linears=)):
+#: "ffn", the feed-forward projections; "ffn+self_attn", and the self-attention's q/k/v and output;
+#: "all", and the other projections of the video/image tokens the family's patcher names
+#: (cross-attention queries and outputs; LTX-2's audio-video attentions). Always bf16: embedders,
+#: modulation (AdaLN linears, attention gates), proj_in/proj_out, the text-side K/V and text
+#: streams. Each family declares its blocks' Linears per preset (fp8_presets) and its default.
+FP8_PRESETS = ("ffn", "ffn+self_attn", "all")
+
+
+def fp8_presets(ffn, self_attn=(), others=()) -> dict[str, tuple[str, ...]]:
+    """A block's FP8 Linears (paths below it) per name of FP8_PRESETS: its feed-forward's `ffn`,
+    with its self-attention's `self_attn`, with the `others`."""
+    return {
+        "ffn": tuple(ffn),
+        "ffn+self_attn": (*ffn, *self_attn),
+        "all": (*ffn, *self_attn, *others),
+    }
+
+
+def attention_projections(attn: str, names=("to_q", "to_k", "to_v", "to_out.0")) -> tuple:
+    """The paths of attention module `attn`'s projections `names` (default q/k/v and output)."""
+    return tuple(f"{attn}.{name}" for name in names)
+
+
+def ff_projections(ff: str) -> tuple[str, str]:
+    """A diffusers FeedForward's two projections (net = [GELU(proj), Dropout, Linear])."""
+    return f"{ff}.net.0.proj", f"{ff}.net.2"
+
+
+def self_cross_ff_fp8_presets(ff: str) -> dict[str, tuple[str, ...]]:
+    """The FP8 presets of a block of self-attention attn1, cross-attention attn2 on text and a
+    diffusers FeedForward named `ff` (LTX-Video, Wan): "all" adds attn2's query and output
+    projections (its text-side K/V stay bf16)."""
+    return fp8_presets(
+        ff_projections(ff),
+        attention_projections("attn1"),
+        attention_projections("attn2", ("to_q", "to_out.0")),
     )
 
 

@@ -13,9 +13,11 @@ Model (`LTXVideoTransformer3DModel`): output LayerNorm + modulation -> layernorm
 RoPE tables computed once for the batch ([1, S, D]) when every sample has the same positions (no
 video_coords): half the table traffic of the q/k kernels, the same values.
 
-FP8 (fp8=True): attn1's q/k/v (one FP8 GEMM) and out, attn2's q and out, the FF's two projections;
-norm1 and norm2 emit their output as FP8 rows for attn1's q/k/v and the FF, the FF's GELU emits
-its output as FP8 rows for the down projection; attn2's text K/V stay bf16.
+FP8 (fp8=True; FP8_PRESETS, default "all"): attn1's q/k/v (one FP8 GEMM) and out, attn2's q and
+out, the FF's two projections ("ffn+self_attn": not attn2's; "ffn": the FF only); norm1 and norm2
+emit their output as FP8 rows for attn1's q/k/v and the FF, the FF's GELU emits its output as FP8
+rows for the down projection; attn2's text K/V stay bf16. Per-token modulation (LTX-Video 13B's
+LTXConditionPipeline, [B, S] timesteps) takes the same path: the norm ops modulate per row.
 
 Under diffusers' context parallelism attn2 attends to the whole text, attn1 under Ulysses runs
 ulysses_attention (attention.py), and the patched model's `_cp_plan` also splits per-token
@@ -31,7 +33,7 @@ import torch
 from . import quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
-from .linears import self_cross_ff_fp8_linears
+from .linears import self_cross_ff_fp8_presets
 from .context_parallel import gather_cross_attention_inputs, split_token_timesteps
 from .injector import FusedAttnProcessor
 
@@ -210,8 +212,11 @@ def _model_forward(
 model_forward = lora_scaled(_model_forward)
 
 
-#: The block's Linears that run in FP8 with fp8=True.
-FP8_LINEARS = self_cross_ff_fp8_linears("ff")
+#: The block's Linears that run in FP8 with fp8=True, per preset (linears.FP8_PRESETS), and the
+#: default: "all", measured on LTX-Video 2B (docs/fp8.md); the 13B (per-token modulation) runs
+#: the same blocks.
+FP8_PRESETS = self_cross_ff_fp8_presets("ff")
+FP8_DEFAULT = "all"
 
 
 #: The diffusers code the patches reproduce (diffusers_compat.Reproduced).
@@ -232,7 +237,7 @@ def patch_block(name: str, block, injector) -> None:
         injector.skip("LTXVideoTransformerBlock", name, reason)
         return
     injector.swap_forward(name, block, block_forward, "LTXVideoTransformerBlock")
-    injector.fp8_linears(name, block, FP8_LINEARS)
+    injector.fp8_linears(name, block, "LTX-Video", FP8_PRESETS, FP8_DEFAULT)
     for attn_name, kind in (
         ("attn1", "LTXAttention (self: q/k norm + RoPE)"),
         ("attn2", "LTXAttention (cross: q/k norm)"),

@@ -20,6 +20,17 @@ each head, [B, H, S, D/2] tables) and "interleaved" (pairs over the whole token,
 Model (`LTX2VideoTransformer3DModel`): the video and audio output LayerNorm + modulation ->
 layernorm_modulate.
 
+FP8 (fp8=True; FP8_PRESETS, default "ffn+self_attn"): the video and audio FFs ("ffn"), with the
+video and audio self-attention's q/k/v and out ("ffn+self_attn"), with the text cross-attentions'
+q and out and the audio-to-video and video-to-audio attentions' q/k/v and out ("all"). Always
+bf16: the text K/V, the per-head gate logits of 2.3+ (modulation), the modulation tables and
+embedders, proj_in/proj_out. The norms before them hand an FP8 input its rows in their own pass
+(norm1 to the self-attention's q/k/v, norm2 to the text query, the audio-video norm to each
+cross-modal attention's query or K/V, norm3 to the FF), the FF's GELU hands them to the down
+projection; where a bf16 gate-logits Linear reads the same input (2.3+), the norm hands over the
+tensor and the attention quantizes it once for its FP8 q/k/v; the attention output is quantized
+by to_out (one pass).
+
 Run as in diffusers, reported at injection: the per-head attention gates of 2.3+
 (`2 * sigmoid(to_gate_logits(x))`) and the text K/V modulation of 2.3+
 (`text * (1 + scale) + shift`, no norm): no kernel fuses them. The STG processor
@@ -36,9 +47,10 @@ from typing import Any
 
 import torch
 
-from . import recompute, steps
+from . import quant, recompute, steps
 from .attention import attend
 from .injector import FusedAttnProcessor
+from .linears import attention_projections, ff_projections, fp8_presets
 from .context_parallel import (
     context_parallel_config,
     gather_cross_attention_inputs,
@@ -179,9 +191,11 @@ def attention(
     if attention_mask is not None:
         attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
         attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-    if encoder_hidden_states is None:
-        encoder_hidden_states = hidden_states
     gate_logits = None if attn.to_gate_logits is None else attn.to_gate_logits(hidden_states)
+    if encoder_hidden_states is None:  # (FP8 q/k/v of one tensor: quantized once)
+        encoder_hidden_states = hidden_states = _shared_rows(hidden_states, attn, steps.QKV)
+    else:
+        encoder_hidden_states = _shared_rows(encoder_hidden_states, attn, ("to_k", "to_v"))
 
     value = steps.linear(processor.ops, attn.to_v, encoder_hidden_states)
     if all_perturbed is None:
@@ -216,6 +230,28 @@ def attention(
     return attn.to_out[1](hidden_states)
 
 
+def _shared_rows(x, attn, names):
+    """x quantized once (QuantRows) when it is a tensor that attn's projections `names` all take
+    as rows (FP8 projections of one input, which would each quantize it: the same bits); else x
+    (rows already, or bf16 projections)."""
+    format = quant.input_format(*(getattr(attn, n) for n in names))
+    return quant.quantize_rows(x, format) if format and isinstance(x, torch.Tensor) else x
+
+
+def _input_format(attn, names=("to_q",)) -> str | None:
+    """The format in which attn takes its input to projections `names` as quantized rows (None: a
+    tensor): our processor, and the one those projections take (quant.input_format); the query
+    input also feeds the per-head gate logits of 2.3+ (bf16: then None)."""
+    if not isinstance(
+        attn.processor, (LTX2KernelsAttnProcessor, LTX2KernelsPerturbedAttnProcessor)
+    ):
+        return None
+    consumers = [getattr(attn, name) for name in names]
+    if "to_q" in names and attn.to_gate_logits is not None:
+        consumers.append(attn.to_gate_logits)
+    return quant.input_format(*consumers, through=attn)
+
+
 # ------------------------------------------------------------------------------------------------
 # Context parallelism: the video tokens (and the video's text) split over the GPUs, the audio whole
 # ------------------------------------------------------------------------------------------------
@@ -245,7 +281,7 @@ def _context_parallel_inputs(processor, hidden_states, encoder_hidden_states, at
     parallel_config = processor._parallel_config
     if context_parallel_config(parallel_config) is None:
         return encoder_hidden_states, attention_mask, parallel_config
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
+    if torch.is_grad_enabled() and getattr(hidden_states, "requires_grad", False):  # (QuantRows)
         raise NotImplementedError(
             "ltx_kernels: training LTX-2 under context parallelism is not supported (the audio "
             "stream runs whole on every GPU, so its gradients would be counted once per GPU); "
@@ -338,15 +374,16 @@ class LTX2KernelsPerturbedAttnProcessor(FusedAttnProcessor):
 # ------------------------------------------------------------------------------------------------
 def _add_norms(ops, norm, x, pending, modulations):
     """x plus the pending residual (y, gate) (None: nothing to add; gate None: x + y), then
-    norm(x) modulated by each (scale, shift) of `modulations`, the first in the residual's pass.
-    Returns (x, [the modulated norms])."""
-    (scale, shift), *others = modulations
+    norm(x) modulated by each (scale, shift, quant) of `modulations`, the first in the residual's
+    pass (quant: the format its consumers take it in, as QuantRows where the op runs; None: a
+    tensor). Returns (x, [the modulated norms])."""
+    (scale, shift, first_quant), *others = modulations
     if pending is None:
-        first = steps.norm_modulate(ops, norm, x, scale, shift)
+        first = steps.norm_modulate(ops, norm, x, scale, shift, first_quant)
     else:
         y, gate = pending
-        x, first = steps.add_norm_modulate(ops, norm, x, y, scale, shift, gate)
-    return x, [first, *(steps.norm_modulate(ops, norm, x, s, b) for s, b in others)]
+        x, first = steps.add_norm_modulate(ops, norm, x, y, scale, shift, gate, first_quant)
+    return x, [first, *(steps.norm_modulate(ops, norm, x, s, b, q) for s, b, q in others)]
 
 
 def _text_kv(block, table, temb_prompt, text, batch_size):
@@ -409,7 +446,14 @@ def block_forward(
     )
 
     # 1. Self-attention
-    norm_hidden_states = steps.norm_modulate(ops, self.norm1, hidden_states, scale_msa, shift_msa)
+    norm_hidden_states = steps.norm_modulate(
+        ops,
+        self.norm1,
+        hidden_states,
+        scale_msa,
+        shift_msa,
+        quant=_input_format(self.attn1, steps.QKV),
+    )
     attn_hidden_states = self.attn1(
         hidden_states=norm_hidden_states,
         encoder_hidden_states=None,
@@ -418,7 +462,12 @@ def block_forward(
         **perturbation,
     )
     norm_audio_hidden_states = steps.norm_modulate(
-        ops, self.audio_norm1, audio_hidden_states, a_scale_msa, a_shift_msa
+        ops,
+        self.audio_norm1,
+        audio_hidden_states,
+        a_scale_msa,
+        a_shift_msa,
+        quant=_input_format(self.audio_attn1, steps.QKV),
     )
     attn_audio_hidden_states = self.audio_attn1(
         hidden_states=norm_audio_hidden_states,
@@ -430,10 +479,22 @@ def block_forward(
 
     # 2. Text cross-attention: x + attn * gate with norm2 (2.3+: modulated) in one pass
     hidden_states, norm_hidden_states = _add_norm_maybe_modulated(
-        ops, self.norm2, hidden_states, attn_hidden_states, gate_msa, *text_q
+        ops,
+        self.norm2,
+        hidden_states,
+        attn_hidden_states,
+        gate_msa,
+        *text_q,
+        quant=_input_format(self.attn2),
     )
     audio_hidden_states, norm_audio_hidden_states = _add_norm_maybe_modulated(
-        ops, self.audio_norm2, audio_hidden_states, attn_audio_hidden_states, a_gate_msa, *a_text_q
+        ops,
+        self.audio_norm2,
+        audio_hidden_states,
+        attn_audio_hidden_states,
+        a_gate_msa,
+        *a_text_q,
+        quant=_input_format(self.audio_attn2),
     )
     if self.cross_attn_adaln:
         encoder_hidden_states = _text_kv(
@@ -480,21 +541,25 @@ def block_forward(
         v2a_gate = steps.modulation(
             ops, self.audio_a2v_cross_attn_scale_shift_table[4:, :], temb_ca_audio_gate, batch_size
         )[0].squeeze(2)
-        # (scale, shift) of the a2v and of the v2a attention, of the ones in use
+        # (scale, shift) of the a2v and of the v2a attention, of the ones in use, and the format
+        # of the rows they feed: a2v takes the video as query and the audio as K/V, v2a the reverse
         used = [i for i, use in ((0, use_a2v_cross_attention), (2, use_v2a_cross_attention)) if use]
+        a2v, v2a, kv = self.audio_to_video_attn, self.video_to_audio_attn, ("to_k", "to_v")
+        video_quant = {0: _input_format(a2v), 2: _input_format(v2a, kv)}
+        audio_quant = {0: _input_format(a2v, kv), 2: _input_format(v2a)}
         hidden_states, video_norms = _add_norms(
             ops,
             self.audio_to_video_norm,
             hidden_states,
             pending,
-            [(video_ca[i].squeeze(2), video_ca[i + 1].squeeze(2)) for i in used],
+            [(video_ca[i].squeeze(2), video_ca[i + 1].squeeze(2), video_quant[i]) for i in used],
         )
         audio_hidden_states, audio_norms = _add_norms(
             ops,
             self.video_to_audio_norm,
             audio_hidden_states,
             audio_pending,
-            [(audio_ca[i].squeeze(2), audio_ca[i + 1].squeeze(2)) for i in used],
+            [(audio_ca[i].squeeze(2), audio_ca[i + 1].squeeze(2), audio_quant[i]) for i in used],
         )
         pending = audio_pending = None
         if use_a2v_cross_attention:
@@ -518,24 +583,33 @@ def block_forward(
 
     # 4. Feed-forward: the pending residual with norm3 + modulation in one pass
     hidden_states, [norm_hidden_states] = _add_norms(
-        ops, self.norm3, hidden_states, pending, [(scale_mlp, shift_mlp)]
+        ops,
+        self.norm3,
+        hidden_states,
+        pending,
+        [(scale_mlp, shift_mlp, steps.feed_forward_input_format(self.ff))],
     )
     ff_output = steps.feed_forward(ops, self.ff, norm_hidden_states)
     hidden_states = steps.residual(ops, hidden_states, ff_output, gate_mlp)
 
     audio_hidden_states, [norm_audio_hidden_states] = _add_norms(
-        ops, self.audio_norm3, audio_hidden_states, audio_pending, [(a_scale_mlp, a_shift_mlp)]
+        ops,
+        self.audio_norm3,
+        audio_hidden_states,
+        audio_pending,
+        [(a_scale_mlp, a_shift_mlp, steps.feed_forward_input_format(self.audio_ff))],
     )
     audio_ff_output = steps.feed_forward(ops, self.audio_ff, norm_audio_hidden_states)
     audio_hidden_states = steps.residual(ops, audio_hidden_states, audio_ff_output, a_gate_mlp)
     return hidden_states, audio_hidden_states
 
 
-def _add_norm_maybe_modulated(ops, norm, x, y, gate, shift=None, scale=None):
-    """h = x + y * gate and norm(h), modulated when shift and scale are given. Returns (h, n)."""
+def _add_norm_maybe_modulated(ops, norm, x, y, gate, shift=None, scale=None, quant=None):
+    """h = x + y * gate and norm(h), modulated when shift and scale are given (quant: n as
+    QuantRows where the op runs). Returns (h, n)."""
     if scale is None:
-        return steps.add_norm(ops, norm, x, y, gate)
-    return steps.add_norm_modulate(ops, norm, x, y, scale, shift, gate)
+        return steps.add_norm(ops, norm, x, y, gate, quant)
+    return steps.add_norm_modulate(ops, norm, x, y, scale, shift, gate, quant)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -865,12 +939,28 @@ def _patch_attention(name: str, attn, kind: str, cp_role: str, injector) -> None
         )
 
 
+#: The block's Linears that run in FP8 with fp8=True, per preset (module docstring), and the
+#: default (the FFN + self-attention the quality record suggests, until measured).
+FP8_PRESETS = fp8_presets(
+    (*ff_projections("ff"), *ff_projections("audio_ff")),
+    (*attention_projections("attn1"), *attention_projections("audio_attn1")),
+    (
+        *attention_projections("attn2", ("to_q", "to_out.0")),
+        *attention_projections("audio_attn2", ("to_q", "to_out.0")),
+        *attention_projections("audio_to_video_attn"),
+        *attention_projections("video_to_audio_attn"),
+    ),
+)
+FP8_DEFAULT = "ffn+self_attn"
+
+
 def patch_block(name: str, block, injector) -> None:
     reason = REPRODUCED.unpatched(type(block), "forward")
     if reason:
         injector.skip(BLOCK, name, reason)
     else:
         injector.swap_forward(name, block, block_forward, BLOCK)
+        injector.fp8_linears(name, block, "LTX-2", FP8_PRESETS, FP8_DEFAULT)
         if block.cross_attn_adaln:
             injector.skip(
                 TEXT_KV,

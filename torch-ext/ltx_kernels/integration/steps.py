@@ -489,15 +489,17 @@ def _no_kernel_for_activation(kind: str) -> str:
 # Norm without modulation after a residual, and the RoPE of one tensor (LTX-2: norm2 without the
 # text-query modulation; audio-video cross-attention, whose queries and keys have their own tables)
 # ------------------------------------------------------------------------------------------------
-def add_norm(ops, norm, x, y, gate=None):
+def add_norm(ops, norm, x, y, gate=None, quant: str | None = None):
     """h = x + y * gate (x + y without gate); n = norm(h), a diffusers RMSNorm or nn.LayerNorm
-    without modulation. Returns (h, n)."""
+    without modulation. Returns (h, n) (quant: n as QuantRows where the op runs)."""
     ops = ops_for_step(ops, x, y, norm, gate)
     if _plain(norm) and _modulation_ok(x, norm, None, None, gate) and _same_dtype(x, y):
         if "add_rmsnorm_modulate" in ops and is_diffusers_rmsnorm(norm):
-            return add_rmsnorm_modulate(x, y, None, None, gate, norm.weight, norm.eps)
+            op = _producer(add_rmsnorm_modulate, add_rmsnorm_modulate_quant, quant)
+            return op(x, y, None, None, gate, norm.weight, norm.eps)
         if "add_layernorm_modulate" in ops and is_plain_layernorm(norm):
-            return add_layernorm_modulate(x, y, None, None, gate, norm.weight, norm.bias, norm.eps)
+            op = _producer(add_layernorm_modulate, add_layernorm_modulate_quant, quant)
+            return op(x, y, None, None, gate, norm.weight, norm.bias, norm.eps)
     h = residual(ops, x, y, gate)
     return h, diffusers_rmsnorm(ops, norm, h)
 

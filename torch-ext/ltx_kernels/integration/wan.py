@@ -16,10 +16,11 @@ per-token temb [B, 6, S, D]), with t = scale_shift_table + temb.float() split in
 Every step rounds where the eager code does (each `type_as`, the q/k norm output, the RoPE output).
 Self-attention's q/k/v projections run as one GEMM (fused_projections).
 
-FP8 (fp8=True): attn1's q/k/v (one GEMM) and out, attn2's q and out, the FF; the text (and I2V
-image-context) K/V stay bf16. norm1, norm2 and norm3 hand attn1's q/k/v, attn2's q and the FF
-their output as FP8 rows (the upcast ops' FP8 twins), the FF's GELU hands them to the down
-projection.
+FP8 (fp8=True; FP8_PRESETS, default "ffn+self_attn"): attn1's q/k/v (one GEMM) and out, the FF;
+"all" adds attn2's q and out; the text (and I2V image-context) K/V stay bf16. norm1, norm2 and
+norm3 hand attn1's q/k/v, attn2's q (where FP8) and the FF their output as FP8 rows (the upcast
+ops' FP8 twins), the FF's GELU hands them to the down projection. Wan 2.2's two experts are two
+models of the pipeline (transformer, transformer_2): each is injected alike.
 I2V's image-context attention runs as in diffusers (its K norm is one torch kernel already).
 Not patched: the model's output norm is inline in `WanTransformer3DModel.forward`; fusing it means
 copying that whole forward for one LayerNorm per call (reported as skipped).
@@ -33,7 +34,7 @@ from . import quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules
 from .injector import FusedAttnProcessor
-from .linears import self_cross_ff_fp8_linears
+from .linears import self_cross_ff_fp8_presets
 
 #: The diffusers code the patches reproduce (diffusers_compat.Reproduced): the modules with Wan's
 #: blocks and processors (diffusers 0.42: the animate and ChronoEdit copies are verbatim).
@@ -315,8 +316,11 @@ CROSS_ATTENTION = "WanAttention (cross: q/k norm)"
 IMAGE_CONTEXT = "WanAttention (I2V image-context K norm)"
 
 
-#: The Linears that run in FP8 with fp8=True (module docstring).
-FP8_LINEARS = self_cross_ff_fp8_linears("ffn")
+#: The Linears that run in FP8 with fp8=True, per preset (module docstring), and the default:
+#: "ffn+self_attn" (FP8 on every attention and FFN projection of Wan 2.2 is on record collapsing
+#: long videos where FFN-only stayed stable: the cross-attention stays bf16 until measured).
+FP8_PRESETS = self_cross_ff_fp8_presets("ffn")
+FP8_DEFAULT = "ffn+self_attn"
 
 
 def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKernelsAttnProcessor):
@@ -327,7 +331,7 @@ def _block_patcher(forward, stock_processor="WanAttnProcessor", processor=WanKer
             injector.skip(kind, name, reason)
             return
         injector.swap_forward(name, block, forward, kind)
-        injector.fp8_linears(name, block, FP8_LINEARS)
+        injector.fp8_linears(name, block, "Wan", FP8_PRESETS, FP8_DEFAULT)
         for attn_name, attn_kind in (("attn1", SELF_ATTENTION), ("attn2", CROSS_ATTENTION)):
             attn = getattr(block, attn_name)
             if not injector.has_stock_processor(
