@@ -25,6 +25,7 @@ from model_zoo.hunyuan import (
     LATENT_CONCAT,
     TEXT,
     TOKEN_REPLACE,
+    config_480p,
     expected_ops,
     framepack_inputs,
     tiny_framepack,
@@ -343,33 +344,12 @@ def test_compile_repeated_blocks_compiles_each_block_once(v15):
 # ------------------------------------------------------------------------------------------------
 # Full size on the meta device
 # ------------------------------------------------------------------------------------------------
-HUNYUAN_VIDEO_15_480P = dict(  # hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v
-    in_channels=65,
-    out_channels=32,
-    num_attention_heads=16,
-    attention_head_dim=128,
-    num_layers=54,
-    num_refiner_layers=2,
-    mlp_ratio=4.0,
-    patch_size=1,
-    patch_size_t=1,
-    qk_norm="rms_norm",
-    text_embed_dim=3584,
-    text_embed_2_dim=1472,
-    image_embed_dim=1152,
-    rope_theta=256.0,
-    rope_axes_dim=(16, 56, 56),
-    target_size=640,
-    task_type="t2v",
-)
-
-
 def test_full_size_reports_on_meta():
     with torch.device("meta"):
         model = HunyuanVideoTransformer3DModel()  # HunyuanVideo 13B: the diffusers defaults
     report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
     assert dict(report.patched) == report_for(20, 40) and not report.skipped
     with torch.device("meta"):
-        model = HunyuanVideo15Transformer3DModel(**HUNYUAN_VIDEO_15_480P)
+        model = HunyuanVideo15Transformer3DModel(**config_480p())
     report = ltx_kernels.inject_optimized_kernels(model, verbose=False)
     assert dict(report.patched) == report_for(54, 0, v15=True) and not report.skipped

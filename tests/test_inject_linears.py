@@ -860,25 +860,6 @@ def test_full_size_fp8_gpu():
         assert torch.equal(output_of(call(model)), output_of(eager))
 
 
-# HunyuanVideo-1.5 480p (hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v), two blocks
-HUNYUAN_VIDEO_15_480P_TWO_BLOCKS = dict(
-    in_channels=65,
-    out_channels=32,
-    num_attention_heads=16,
-    attention_head_dim=128,
-    num_layers=2,
-    num_refiner_layers=2,
-    qk_norm="rms_norm",
-    text_embed_dim=3584,
-    text_embed_2_dim=1472,
-    image_embed_dim=1152,
-    rope_theta=256.0,
-    rope_axes_dim=(16, 56, 56),
-    target_size=640,
-    task_type="t2v",
-)
-
-
 def _real_size(family: str, device="cuda", frames: int = 16):
     """(model, inputs) at real widths: FLUX.1 (one double and one single block, 4096 image + 512
     text tokens), Wan 2.1 1.3B (2 of its 30 layers, 81 frames at 480x832), LTX-2.3 (two blocks,
@@ -897,7 +878,7 @@ def _real_size(family: str, device="cuda", frames: int = 16):
     if family == "hunyuanvideo-1.5":
         import step_inputs
 
-        config = HUNYUAN_VIDEO_15_480P_TWO_BLOCKS
+        config = hunyuan_zoo.config_480p(num_layers=2)
         torch.manual_seed(0)
         with torch.device(device):
             model = HunyuanVideo15Transformer3DModel(**config).to(BF16).eval()

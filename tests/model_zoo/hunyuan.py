@@ -6,6 +6,7 @@ FramePack (HunyuanVideo's blocks) with the same config."""
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel
 
+import bench_utils
 import step_inputs
 from inject_helpers import randomize_norms
 from ltx_kernels.integration import FUSIONS
@@ -46,6 +47,15 @@ HUNYUAN_VIDEO_15 = dict(
     target_size=16,
     task_type="t2v",
 )
+
+
+def config_480p(**overrides) -> dict:
+    """HunyuanVideo-1.5 480p's real transformer config (configs/hunyuanvideo-1.5-480p-t2v.json) as
+    the full-width tests build it: text-to-video (the file's task_type is "i2v")."""
+    config = bench_utils.model_config("hunyuanvideo-1.5-480p-t2v")["transformer"]["config"]
+    return {**config, "task_type": "t2v", **overrides}
+
+
 FRAMEPACK = dict(
     HUNYUAN_VIDEO,
     patch_size=2,
