@@ -10,8 +10,6 @@ The CPU-only quirk of test_context_parallel.py is handled the same way: diffuser
 """
 
 import json
-import os
-import socket
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ltx_kernels
+from distributed_helpers import free_port, generate_video_script, run_cases, run_generate_video
 from inject_helpers import rel_l2
 from ltx_kernels.integration import enable_cfg_parallel
 from model_zoo import ltx, wan
@@ -100,23 +99,9 @@ def _wan_call(pipe, guidance_scale=3.0):
     )[0]
 
 
-def _generate_video_script():
-    """scripts/generate_video.py as a module (its tiny random pipelines)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    if "generate_video" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "scripts" / "generate_video.py"
-        spec = importlib.util.spec_from_file_location("generate_video", path)
-        sys.modules["generate_video"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["generate_video"])
-    return sys.modules["generate_video"]
-
-
 def _ltx2_pipeline():
     """generate_video.py's tiny LTX-2 (2.0) pipeline: video and audio, text connectors."""
-    return _generate_video_script().build_random_pipeline("ltx-2", torch.float32, "cpu", tiny=True)
+    return generate_video_script().build_random_pipeline("ltx-2", torch.float32, "cpu", tiny=True)
 
 
 def _ltx2_call(pipe, guidance_scale=3.0):
@@ -124,7 +109,7 @@ def _ltx2_call(pipe, guidance_scale=3.0):
     LTX2Pipeline's default guidance: CFG, STG (at the second block) and modality isolation, the
     video and audio latents concatenated."""
     generator = torch.Generator().manual_seed(1)
-    width = _generate_video_script().text_width(pipe)
+    width = generate_video_script().text_width(pipe)
     text = torch.randn(2, 1, 8, width, generator=generator)
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[:, :2] = 0
@@ -256,28 +241,7 @@ RESTORED = {
 
 
 def _worker(rank, world, port, results_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("cpu:gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
-        torch.accelerator.device_count = lambda: 1
-    results = {}
-    try:
-        for name, case in CASES[world].items():
-            try:
-                results[name] = case()
-            except Exception as error:  # noqa: BLE001  (reported per case by the tests)
-                results[name] = {"error": f"{type(error).__name__}: {error}"}
-    finally:
-        with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    run_cases(rank, world, port, "cpu:gloo", results_dir, CASES[world])
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +253,7 @@ def results(tmp_path_factory):
     def of(world):
         if world not in spawned:
             directory = tmp_path_factory.mktemp(f"cfg_parallel_{world}")
-            mp.spawn(_worker, args=(world, _free_port(), str(directory)), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), str(directory)), nprocs=world, join=True)
             spawned[world] = [
                 json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world)
             ]
@@ -333,21 +297,14 @@ def test_inject_after_then_remove_restores_under_the_hooks(results, world, case)
 
 def _generate_video_worker(rank, world, port, output, flags):
     """scripts/generate_video.py under a torchrun-like environment (gloo on the CPU)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
-    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
-        torch.accelerator.device_count = lambda: 1
-    _generate_video_script().main(
+    run_generate_video(
+        rank,
+        world,
+        port,
         ["--tiny", *flags, "--num-frames", "9", "--height", "64", "--width", "64"]
         + ["--steps", "2", "--warmup-iterations", "0", "--runs", "1", "--no-progress"]
         + ["--no-video", "--dtype", "fp32", "--compare", "--configs", "baseline,kernels"]
-        + ["--output", output]
+        + ["--output", output],
     )
 
 
@@ -373,7 +330,7 @@ def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
     output = tmp_path / "video.mp4"
     mp.spawn(
         _generate_video_worker,
-        args=(world, _free_port(), str(output), flags),
+        args=(world, free_port(), str(output), flags),
         nprocs=world,
         join=True,
     )
@@ -400,5 +357,5 @@ def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
 def test_generate_video_cfg_parallel_flag_errors(monkeypatch, capsys, world, flags, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(SystemExit):
-        _generate_video_script().parse_args(["--tiny", "--cfg-parallel", *flags])
+        generate_video_script().parse_args(["--tiny", "--cfg-parallel", *flags])
     assert message in capsys.readouterr().err

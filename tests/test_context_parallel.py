@@ -18,8 +18,6 @@ aten's CPU flash attention (which returns it) for that case only.
 import contextlib
 import copy
 import json
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ltx_kernels
+from distributed_helpers import free_port, run_cases, run_generate_video
 from inject_helpers import REL_L2_TOLERANCE, output_of, rel_l2
 from ltx_kernels.integration import FUSIONS
 from model_zoo import ltx
@@ -427,37 +426,17 @@ GPU_CASES = {
 
 
 def _worker(rank, port, results_dir, device):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "cpu:gloo"
-    dist.init_process_group(backend, rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
-        torch.accelerator.device_count = lambda: 1
-    results = {}
-    try:
-        for name, case in {**CASES, **(GPU_CASES if device == "cuda" else {})}.items():
-            try:
-                results[name] = case(device)
-            except Exception as error:  # noqa: BLE001  (reported per case by the tests)
-                results[name] = {"error": f"{type(error).__name__}: {error}"}
-    finally:
-        with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    cases = {**CASES, **(GPU_CASES if device == "cuda" else {})}
+    run_cases(rank, WORLD, port, backend, results_dir, cases, device)
 
 
 def _spawn(directory, device):
-    mp.spawn(_worker, args=(_free_port(), str(directory), device), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(directory), device), nprocs=WORLD, join=True)
     ranks = []
     for rank in range(WORLD):
         with open(directory / f"rank{rank}.json") as f:
@@ -558,31 +537,15 @@ def test_remove_restores_stock_model_and_processors_with_parallel_config(results
 
 def _generate_video_worker(rank, port, output, model_args):
     """scripts/generate_video.py under a torchrun-like environment (gloo on the CPU)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-    )
-    torch.set_num_threads(1)
-    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
-        torch.accelerator.device_count = lambda: 1
-    path = Path(__file__).resolve().parents[1] / "scripts" / "generate_video.py"
-    spec = importlib.util.spec_from_file_location("generate_video", path)
-    script = importlib.util.module_from_spec(spec)
-    sys.modules["generate_video"] = script
-    spec.loader.exec_module(script)
-    script.main(
+    run_generate_video(
+        rank,
+        WORLD,
+        port,
         ["--tiny", *model_args, "--num-frames", "9", "--height", "64", "--width", "64"]
         + ["--steps", "2"]
         + ["--warmup-iterations", "1", "--runs", "1", "--no-progress", "--no-video"]
         + ["--dtype", "fp32", "--compare", "--configs", "baseline,kernels"]
-        + ["--context-parallel", "ulysses", "--output", output]
+        + ["--context-parallel", "ulysses", "--output", output],
     )
 
 
@@ -598,7 +561,7 @@ def test_generate_video_context_parallel(tmp_path, model_args):
     output = tmp_path / "video.mp4"
     mp.spawn(
         _generate_video_worker,
-        args=(_free_port(), str(output), model_args),
+        args=(free_port(), str(output), model_args),
         nprocs=WORLD,
         join=True,
     )

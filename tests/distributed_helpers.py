@@ -1,0 +1,67 @@
+"""What the multi-process tests share: a free port, one rank's run of named cases (results written
+as JSON for the test to read), and scripts/generate_video.py under a torchrun-like environment.
+The processes are spawned by the tests (torch.multiprocessing), gloo on the CPU."""
+
+import importlib.util
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_thread_one_device():
+    torch.set_num_threads(1)
+    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
+        torch.accelerator.device_count = lambda: 1
+
+
+def run_cases(rank, world, port, backend, results_dir, cases: dict, *case_args):
+    """Joins the process group, runs each case(*case_args), and writes {name: result, or
+    {"error": ...}} to results_dir/rank<rank>.json (every case, whatever fails)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    _one_thread_one_device()
+    results = {}
+    try:
+        for name, case in cases.items():
+            try:
+                results[name] = case(*case_args)
+            except Exception as error:  # noqa: BLE001  (reported per case by the tests)
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def generate_video_script():
+    """scripts/generate_video.py as a module (its tiny random pipelines), loaded once."""
+    if "generate_video" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "generate_video.py"
+        spec = importlib.util.spec_from_file_location("generate_video", path)
+        sys.modules["generate_video"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["generate_video"])
+    return sys.modules["generate_video"]
+
+
+def run_generate_video(rank, world, port, argv: list):
+    """generate_video.py's main(argv) as rank `rank` of a torchrun launch of `world` processes."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    _one_thread_one_device()
+    generate_video_script().main(argv)
