@@ -945,3 +945,25 @@ def test_real_size_fp8_gpu(family, preset):
         + ", ".join(f"{e:.2e}" for e in errors)
     )
     assert all(error <= FP8_VS_BF16 for error in errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 10, 32, 127, 128, 300])
+@pytest.mark.parametrize("k, n", [(8192, 2048), (2048, 8192), (5120, 13824), (13824, 5120)])
+def test_fp8_matmul_with_bias_at_any_row_count_gpu(rows, k, n):
+    """The FP8 GEMM with a bias for a few rows, where cuBLASLt has no fused algorithm (LTX-2's
+    audio feed-forward: K 8192 -> N 2048): equal to the fp32 product of the same e4m3 operands."""
+    from ltx_kernels.integration.linears import FP8_DTYPE, fp8_matmul
+    from ltx_kernels.integration.quant import QuantRows
+
+    torch.manual_seed(0)
+    a = torch.randn(rows, k, device="cuda").to(FP8_DTYPE)
+    weight = torch.randn(n, k, device="cuda").to(FP8_DTYPE)
+    a_scale, w_scale = torch.rand(rows, device="cuda") + 0.5, torch.rand(n, device="cuda") + 0.5
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = fp8_matmul(QuantRows(a, a_scale, "e4m3_row"), weight, w_scale, bias, torch.bfloat16)
+    expected = (a.double() @ weight.double().t()) * a_scale.double()[:, None] * w_scale.double()
+    expected = expected + bias.double()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # two bf16 roundings at most (the bias added after the GEMM); fast accumulation's fp32 sums
+    assert rel_l2(out.double(), expected) <= 2 * 2**-8

@@ -62,6 +62,8 @@ FP8_MODEL_DTYPE = torch.bfloat16
 #: same output SQNR against the float64 product at K = 2048 and 8192 (28.6 dB either way: the e4m3
 #: rounding of the operands dominates; benchmark_fp8.py). torchao's float8 inference default too.
 FP8_FAST_ACCUMULATION = True
+#: Fewer rows than this: the bias is added after torch._scaled_mm, not inside it (fp8_matmul).
+SMALL_GEMM_ROWS = 128
 _GROUPS = "_ltx_kernels_fused_groups"
 # (the weight tensor, its version counter or None, whether load_state_dict wrote since)
 _QUANTIZED_FROM = "_ltx_kernels_quantized_from"
@@ -76,15 +78,21 @@ def fp8_matmul(
     data, scale = rows.data, rows.scale
     a, a_scale = data.reshape(-1, data.size(-1)), scale.reshape(-1, 1)
     if a.is_cuda and a.size(0) > 0:
+        # cuBLASLt finds no rowwise-scaled algorithm with a bias for a few rows (torch 2.11,
+        # CUDA 13: K 8192 -> N 2048 up to 32 rows, as LTX-2's audio feed-forward): below
+        # SMALL_GEMM_ROWS rows the bias is added after the GEMM (one more bf16 rounding).
+        fused_bias = bias if a.size(0) >= SMALL_GEMM_ROWS else None
         out = torch._scaled_mm(
             a,
             weight.t(),
             scale_a=a_scale,
             scale_b=weight_scale[None],
-            bias=bias,
+            bias=fused_bias,
             out_dtype=out_dtype,
             use_fast_accum=FP8_FAST_ACCUMULATION,
         )
+        if bias is not None and fused_bias is None:
+            out = out + bias
     else:  # the CPU (and empty inputs): the same products in fp32, scaled, rounded once
         out = (a.float() @ weight.float().t()) * a_scale * weight_scale[None]
         out = (out if bias is None else out + bias.float()).to(out_dtype)
