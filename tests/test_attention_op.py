@@ -473,6 +473,8 @@ def test_large(case, dtype):
 def test_kernel_bodies(body, monkeypatch):
     # Each body pinned (a call the pinned body does not take fails): values, one-key exactness,
     # key lengths with NaN past them, and a fused-qkv slice; the bodies agree within the bounds.
+    if body == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma body runs on compute capability 9.0 (H100/H200) only")
     monkeypatch.setenv("LTX_KERNELS_ATTENTION_KERNEL", body)
     for dtype in CUDA_DTYPES:
         for head_dim in (64, 128):
