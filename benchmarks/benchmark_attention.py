@@ -1,7 +1,8 @@
 """Attention micro-benchmark: one attention call at the shapes of the supported models (issue 34's
-cases), per SDPA backend (cuDNN, flash, memory-efficient), in diffusers' [B, S, H, D] layout as
-the fused processors call it; for HunyuanVideo-1.5 also its three mask forms and the attention
-seam's path.
+cases), per SDPA backend (cuDNN, flash, memory-efficient) and for ltx_kernels.attention with each
+of its CUDA kernel bodies (columns "ours mma": flash_mma.cuh, "ours wgmma": hopper_wgmma.cuh,
+picked through LTX_KERNELS_ATTENTION_KERNEL), in diffusers' [B, S, H, D] layout as the fused
+processors call it; for HunyuanVideo-1.5 also its three mask forms and the attention seam's path.
 
     python benchmarks/benchmark_attention.py [--cases a,b] [--replays 30] [--out results]
     python benchmarks/benchmark_attention.py --device cpu --scale 64   # smoke run, no timing
@@ -27,6 +28,7 @@ that).
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +54,8 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
 MASK_FORMS = ("dense", "key mask", "dropped", "seam")
+#: column -> the kernel body of ltx_kernels.attention it runs (LTX_KERNELS_ATTENTION_KERNEL)
+OURS = {"ours mma": "mma", "ours wgmma": "wgmma"}
 
 
 def _sdpa(query, key, value, mask=None):
@@ -66,6 +70,25 @@ def _pinned(backend):
     def call(query, key, value):
         with sdpa_kernel(backend):
             return _sdpa(query, key, value)
+
+    return call
+
+
+def _ours(body: str):
+    """ltx_kernels.attention on [B, S, H, D] tensors with its kernel body pinned (the launcher
+    reads the variable at each call, so a captured graph keeps the body it was captured with)."""
+    import ltx_kernels
+
+    def call(query, key, value):
+        saved = os.environ.get("LTX_KERNELS_ATTENTION_KERNEL")
+        os.environ["LTX_KERNELS_ATTENTION_KERNEL"] = body
+        try:
+            return ltx_kernels.attention(query, key, value)
+        finally:
+            if saved is None:
+                del os.environ["LTX_KERNELS_ATTENTION_KERNEL"]
+            else:
+                os.environ["LTX_KERNELS_ATTENTION_KERNEL"] = saved
 
     return call
 
@@ -115,6 +138,7 @@ def columns(case, device):
         backends = {"default": _sdpa}
     else:
         backends = {name: _pinned(backend) for name, backend in BACKENDS.items()}
+        backends.update({name: _ours(body) for name, body in OURS.items()})
     first = next(iter(backends))
     cols = {name: (fn, first) for name, fn in backends.items()}
     if padded:

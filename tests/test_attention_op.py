@@ -25,7 +25,13 @@ scale * sum_d |q_id k_jd| (Cauchy-Schwarz), D = head_dim, Sk = the keys):
   above the others every probability is exactly 0 or 1, so out must be that key's v row bit for
   bit (any indexing slip across tiles, heads or batch elements shows), and lse its score.
 
-GPU tests carry the `gpu` mark (they skip without CUDA). compute-sanitizer on a GPU machine (also
+GPU tests carry the `gpu` mark (they skip without CUDA). The CUDA launcher has two kernel bodies
+(attention.cu): on an H100/H200 the Hopper one (hopper_wgmma.cuh) unless a call's operands need
+the portable one (flash_mma.cuh); LTX_KERNELS_ATTENTION_KERNEL=mma or =wgmma pins one, so the
+GPU tests run over each body with
+  LTX_KERNELS_ATTENTION_KERNEL=mma python3 -m pytest tests/test_attention_op.py -q -m gpu
+  LTX_KERNELS_ATTENTION_KERNEL=wgmma python3 -m pytest tests/test_attention_op.py -q -m gpu
+and test_kernel_bodies runs both in one process. compute-sanitizer on a GPU machine (also
 in benchmarks/run_on_device.sh's SANITIZE=1 subset, without the large cases):
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_attention_op.py \
       -q -m gpu
@@ -460,3 +466,33 @@ def test_large(case, dtype):
     q, k, v = make_qkv(batch, seq, seq, heads, head_dim, dtype, "cuda")
     key_lengths = None if lengths is None else torch.tensor(lengths, device="cuda")
     check_attention(q, k, v, key_lengths, what=case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("body", ["mma", "wgmma"])
+def test_kernel_bodies(body, monkeypatch):
+    # Each body pinned (a call the pinned body does not take fails): values, one-key exactness,
+    # key lengths with NaN past them, and a fused-qkv slice; the bodies agree within the bounds.
+    if body == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma body runs on compute capability 9.0 (H100/H200) only")
+    monkeypatch.setenv("LTX_KERNELS_ATTENTION_KERNEL", body)
+    for dtype in CUDA_DTYPES:
+        for head_dim in (64, 128):
+            for q_len, kv_len in [(1, 1), (65, 63), (127, 200), (200, 127), (333, 600)]:
+                q, k, v = make_qkv(2, q_len, kv_len, 3, head_dim, dtype, "cuda")
+                check_attention(q, k, v, what=f"{body} {dtype} {q_len}x{kv_len} hd{head_dim}")
+            lengths = [0, 1, 127, 128, 129, 255, 300]
+            q, k, v = make_qkv(len(lengths), 150, 300, 2, head_dim, dtype, "cuda")
+            key_lengths = torch.tensor(lengths, device="cuda")
+            out, lse = check_attention(q, k, v, key_lengths, what=f"{body} lengths hd{head_dim}")
+            for b, n in enumerate(lengths):
+                k[b, n:] = float("nan")
+                v[b, n:] = float("nan")
+            out2, lse2 = ltx_kernels.attention(q, k, v, key_lengths, return_lse=True)
+            assert torch.equal(out2, out) and torch.equal(lse2, lse), f"{body} NaN past lengths"
+            q, k, v, target = one_key_case(2, 200, 333, 2, head_dim, dtype, "cuda")
+            expected = v.gather(1, target[..., None].expand(-1, -1, -1, head_dim))
+            assert torch.equal(ltx_kernels.attention(q, k, v), expected), f"{body} one key"
+        qkv = torch.randn(2, 100, 3 * 2 * 64, device="cuda").to(dtype)
+        q, k, v = qkv.unflatten(-1, (3, 2, 64)).unbind(2)
+        check_attention(q, k, v, what=f"{body} fused qkv {dtype}")

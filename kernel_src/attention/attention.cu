@@ -1,17 +1,35 @@
 // Attention (CUDA): the launcher of ltx_attention_cuda (see ltx_kernels.h for what it computes).
 // It runs the op's argument rules (ltx_check_attention), then this implementation's limits (T
 // float16 or bfloat16, head_dim 64 or 128, rows at 16-byte boundaries), fills AttentionParams and
-// runs the kernel body, flash_mma.cuh, on the given stream. A faster body (the Hopper pipeline)
-// replaces flash_mma.cuh behind the same AttentionParams; this file stays.
+// runs a kernel body on the given stream: hopper_wgmma.cuh (wgmma, TMA, warp specialization) where
+// it takes the call (a compute capability 9.0 device, operands a TMA tensor map takes), else
+// flash_mma.cuh (mma.sync, any CUDA device). LTX_KERNELS_ATTENTION_KERNEL, read at each call (tests
+// and benchmarks switch it), picks one for testing: "mma" always flash_mma.cuh, "wgmma" always
+// hopper_wgmma.cuh (a call it does not take fails with LTX_ERR_INVALID_ARGUMENT instead of falling
+// back); unset or "auto", the choice above.
+#include <stdlib.h>
+#include <string.h>
+
 #include "../device/launch.cuh"
 #include "../rows.h"
 #include "attention_params.cuh"
 #include "flash_mma.cuh"
+#include "hopper_wgmma.cuh"
 
 namespace ltx {
 namespace {
 
 constexpr double kLog2e = 1.44269504088896340736;
+
+enum class Body { kAuto, kMma, kWgmma };
+
+Body requested_body() {
+  const char* env = getenv("LTX_KERNELS_ATTENTION_KERNEL");
+  if (env == nullptr) return Body::kAuto;
+  if (strcmp(env, "mma") == 0) return Body::kMma;
+  if (strcmp(env, "wgmma") == 0) return Body::kWgmma;
+  return Body::kAuto;
+}
 
 template <typename T, int kHeadDim>
 int attention_typed(const ltx_attention_args_t& a, cudaStream_t stream) {
@@ -28,6 +46,13 @@ int attention_typed(const ltx_attention_args_t& a, cudaStream_t stream) {
   p.heads = a.q.size[2];
   p.kv_len = a.k.size[1];
   p.scale_log2 = static_cast<float>(a.scale * kLog2e);
+  const Body body = requested_body();
+  if (body != Body::kMma) {
+    hopper_wgmma::TensorMaps maps;
+    if (hopper_wgmma::takes<T, kHeadDim>(p, &maps))
+      return hopper_wgmma::run<T, kHeadDim>(p, maps, stream);
+    if (body == Body::kWgmma) return LTX_ERR_INVALID_ARGUMENT;
+  }
   return flash_mma::run<T, kHeadDim>(p, stream);
 }
 

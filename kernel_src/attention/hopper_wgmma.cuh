@@ -1,0 +1,718 @@
+// Attention kernel body for Hopper (sm_90a): the FlashAttention-3 structure in plain CUDA C and
+// inline PTX, behind the same launcher and AttentionParams as flash_mma.cuh (which stays the body
+// for what this one does not take: see attention.cu). It computes ltx_attention_cuda's formula
+// (ltx_kernels.h) with the algorithm of flash_mma.cuh (online softmax in base 2, P rounded to T):
+// - One CTA of three warpgroups per (tile of 128 queries, head, batch element). Warpgroup 0 is the
+//   producer: it gives up registers (setmaxnreg) and one thread issues TMA copies
+//   (cp.async.bulk.tensor) of the Q tile and of K and V tiles of 128 keys into a ring of kStages
+//   shared-memory stages, each completing an mbarrier by its byte count (expect-tx). Warpgroups
+//   1 and 2 are consumers of 64 query rows each (setmaxnreg raises theirs).
+// - Per key tile a consumer computes S = Q K^T with wgmma (both operands in shared memory), the
+//   online softmax on S in registers, and O += P V with wgmma, P (rounded to T) in registers as
+//   the A operand: the fp32 accumulator layout of S is the A-fragment layout of P. The S GEMM of
+//   tile j and the P V GEMM of tile j - 1 are issued together, so the softmax of tile j overlaps
+//   the P V GEMM; the two consumers take turns issuing (ping-pong through two named barriers), so
+//   one's softmax overlaps the other's GEMMs.
+// - Keys past the batch element's n_b: the K/V tiles stop at ceil(n_b / 128); in the last tile
+//   the scores of keys >= n_b are -inf, and V's rows in [n_b, kv_len) are zeroed in shared memory
+//   by the producer before use (0 * NaN would be NaN; rows past kv_len are TMA's zero fill).
+// - out = O / l rounded to T; lse = m ln 2 + ln l. No keys (n_b = 0): out 0, lse -inf.
+// Shared-memory tiles (all 1024-byte aligned): a tile of R rows of head_dim elements is head_dim /
+// 64 "panels", each R rows of 128 bytes (64 elements) in the 128-byte swizzle (16-byte chunk c of
+// row r stored at chunk c ^ (r % 8)): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a box
+// of 64 elements, and what wgmma reads with the descriptors' swizzle mode 1.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder is found at run time
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "../device/launch.cuh"
+#include "../device/reduce.cuh"
+#include "attention_params.cuh"
+#include "flash_mma.cuh"  // round_pair
+
+namespace ltx {
+namespace hopper_wgmma {
+
+constexpr int kConsumers = 2;                        // consumer warpgroups
+constexpr int kWarpgroup = 128;                      // threads
+constexpr int kConsumerRows = 64;                    // query rows per consumer (wgmma's M)
+constexpr int kBlockM = kConsumers * kConsumerRows;  // queries per CTA
+constexpr int kBlockN = 128;                         // keys per K/V tile (the S GEMM's N)
+constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
+constexpr int kPanelElems = 64;   // elements of one 128-byte swizzled row
+constexpr int kRowBytes = 128;    // bytes of a panel row
+constexpr int kAtomBytes = 1024;  // 8 rows of 128 bytes: the 128-byte swizzle's period
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 64K registers
+constexpr int kSchedBarrier = 1;  // named barriers 1 and 2: consumer c's turn to issue GEMMs
+
+// Shared memory of a CTA (byte offsets from a 1024-byte aligned base): each consumer's Q tile,
+// then kStages K tiles, then kStages V tiles.
+template <int kHeadDim>
+struct Smem {
+  static constexpr int kPanels = kHeadDim / kPanelElems;
+  static constexpr int kStages = kHeadDim == 64 ? 4 : 2;
+  static constexpr int kQPanelBytes = kConsumerRows * kRowBytes;
+  static constexpr int kKvPanelBytes = kBlockN * kRowBytes;
+  static constexpr int kQBytes = kPanels * kQPanelBytes;    // one consumer's Q tile
+  static constexpr int kKvBytes = kPanels * kKvPanelBytes;  // one K or V tile
+  static constexpr int kBytes = kConsumers * kQBytes + 2 * kStages * kKvBytes;
+  __host__ __device__ static constexpr uint32_t q(int consumer) { return consumer * kQBytes; }
+  __host__ __device__ static constexpr uint32_t k(int stage) {
+    return kConsumers * kQBytes + stage * kKvBytes;
+  }
+  __host__ __device__ static constexpr uint32_t v(int stage) {
+    return k(kStages) + stage * kKvBytes;
+  }
+  static_assert(kQPanelBytes % kAtomBytes == 0 && kKvPanelBytes % kAtomBytes == 0);
+};
+
+// The CTA's mbarriers (static shared memory).
+template <int kStages>
+struct Barriers {
+  uint64_t q;                // the Q tiles landed (TMA bytes)
+  uint64_t k_full[kStages];  // stage's K tile landed (TMA bytes)
+  uint64_t v_full[kStages];  // stage's V tile landed (TMA bytes)
+  uint64_t empty[kStages];   // both consumers are done with the stage (one arrival per warp)
+  uint64_t v_tail;           // the last V tile's rows in [n_b, kv_len) are zeroed (32 arrivals)
+};
+
+// ------------------------------------------------------------------------------------------------
+// PTX wrappers: shared addresses are 32-bit (cvta to the shared window).
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// One arrival that also raises the phase's expected transaction bytes (the TMA copies' sizes).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed (phases alternate 0, 1, 0...:
+// use u of a barrier completes phase u, so its waiters pass parity u & 1).
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
+        "p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+}
+
+// TMA: the box at coordinates {c0, c1, c2, c3} (innermost first) of a 4-D tensor map into shared
+// memory at dst, completing `bar`'s transaction bytes.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map, int c0, int c1,
+                                            int c2, int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
+}
+
+// Generic-proxy writes to shared memory made visible to the async proxy (TMA, wgmma).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <int kRegs>
+__device__ __forceinline__ void set_max_registers_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+template <int kRegs>
+__device__ __forceinline__ void set_max_registers_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// Named barriers over `threads` threads: sync waits for them all, arrive only counts.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+// Waits until at most kPending committed wgmma groups of this warpgroup are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of registers that an in-flight wgmma writes (or
+// reads) across the wait: each use after the wait depends on this empty asm's output.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int N, int M>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// A wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"), 64 bits:
+//   bits  0-13  the matrix's start address >> 4
+//   bits 16-29  leading dimension byte offset >> 4 (LBO)
+//   bits 32-45  stride dimension byte offset >> 4 (SBO)
+//   bits 49-51  base offset: 0, every tile starts at a 1024-byte boundary (the swizzle's period)
+//   bits 62-63  swizzle mode: 1 = 128-byte swizzle (the pattern TMA writes, see the file comment)
+// With the 128-byte swizzle a "core" block is 8 rows of 128 bytes (1024 bytes). For a K-major
+// operand (Q, K: the reduction dim contiguous) a wgmma's 16 reduction elements (32 bytes) lie
+// within a row: SBO is the distance between 8-row groups (1024 bytes), LBO is unused (set to 1,
+// as CUTLASS does), and the k-th 16-element step starts 32 k bytes further (the hardware applies
+// the swizzle to the computed addresses, so the offset is the unswizzled one). For an MN-major
+// operand (V, the output dim contiguous: transposed through imm-trans-b = 1) SBO is the distance
+// between groups of 8 reduction rows (1024 bytes) and LBO that between 64-element groups of the
+// N dimension (the next panel).
+__device__ __forceinline__ uint64_t matrix_descriptor(uint32_t address, uint32_t lbo,
+                                                      uint32_t sbo) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16 |
+         static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | uint64_t{1} << 62;
+}
+
+// d (+)= A B on the tensor cores of a warpgroup, fp32 accumulators, T operands (m64nNk16; scale_d
+// = 0: d = A B). wgmma_ss: A and B from shared memory (descriptors), both K-major. wgmma_rs: A
+// from registers (a: this thread's fragment), B from shared memory MN-major (transposed).
+// Accumulator layout (PTX ISA, "wgmma .m64nNk16 D fragment"): warp w of the warpgroup holds rows
+// 16w..16w+15; with g = lane / 4, t = lane % 4, d[4i + e] is row 16w + g + 8 (e / 2), column 8i +
+// 2t + (e % 2). A-fragment layout: a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] =
+// A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9] (rows of the warp's 16; lower column in the low
+// half).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d);
+
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
+                                         int scale_d);
+
+template <>
+__device__ __forceinline__ void wgmma_ss<__nv_bfloat16, 128>(float (&d)[64], uint64_t a, uint64_t b,
+                                                             int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %66, 0;"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(a), "l"(b), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 64>(float (&d)[32], const uint32_t (&a)[4],
+                                                            uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 128>(float (&d)[64], const uint32_t (&a)[4],
+                                                             uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %69, 0;"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<__half, 128>(float (&d)[64], uint64_t a, uint64_t b,
+                                                      int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %66, 0;"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(a), "l"(b), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<__half, 64>(float (&d)[32], const uint32_t (&a)[4],
+                                                     uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<__half, 128>(float (&d)[64], const uint32_t (&a)[4],
+                                                      uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %69, 0;"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+// The tensor maps of q, k and v (kernel parameters: __grid_constant__, read by TMA in place).
+struct TensorMaps {
+  CUtensorMap q, k, v;
+};
+
+// S = Q K^T for one consumer: its 64 query rows against the 128 keys of a K tile, head_dim / 16
+// steps; step kk reads elements 16 kk.. of each row: panel kk / 4, byte 32 (kk % 4) of its rows.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint32_t q_tile, uint32_t k_tile) {
+  using L = Smem<kHeadDim>;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const uint32_t offset = (kk % 4) * 32;
+    const uint64_t a =
+        matrix_descriptor(q_tile + kk / 4 * L::kQPanelBytes + offset, 16, kAtomBytes);
+    const uint64_t b =
+        matrix_descriptor(k_tile + kk / 4 * L::kKvPanelBytes + offset, 16, kAtomBytes);
+    wgmma_ss<T, kBlockN>(s, a, b, kk > 0);
+  }
+}
+
+// O += P V for one consumer: P [64 x 128 keys] from registers (p[kb]: keys 16 kb..16 kb + 15), V
+// [128 keys x head_dim] MN-major: step kb starts at key row 16 kb (byte 2048 kb of each panel),
+// 8-key groups 1024 bytes apart (SBO), 64-column groups a panel apart (LBO).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void gemm_pv(float (&o)[kHeadDim / 2],
+                                        const uint32_t (&p)[kBlockN / 16][4], uint32_t v_tile) {
+  using L = Smem<kHeadDim>;
+#pragma unroll
+  for (int kb = 0; kb < kBlockN / 16; ++kb) {
+    const uint64_t b =
+        matrix_descriptor(v_tile + kb * 16 * kRowBytes, L::kKvPanelBytes, kAtomBytes);
+    wgmma_rs<T, kHeadDim>(o, p[kb], b, 1);
+  }
+}
+
+// Online softmax over one tile's scores s (this thread's part of rows g and g + 8, see wgmma_ss):
+// base-2 scores (keys at or past `valid` -inf when kMask), each row's new max m over its quad of 4
+// lanes, alpha = exp2(m_old - m_new) (what O and l are rescaled by), s = exp2(s - m_new) in place,
+// l = alpha l + this thread's part of the row sum. As flash_mma.cuh: a row whose max is still
+// -inf takes its probabilities against 0.
+template <bool kMask>
+__device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], float scale_log2, int valid,
+                                             int t) {
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * i + e] * scale_log2;
+      if (kMask && 8 * i + 2 * t + (e & 1) >= valid) x = -INFINITY;
+      s[4 * i + e] = x;
+      tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+    }
+  }
+  float base[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], group_reduce(tile_max[r], 4, NanMax{}));
+    base[r] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = exp2f(m[r] - base[r]);
+    m[r] = m_new;
+  }
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) {
+    s[i] = exp2f(s[i] - base[(i % 4) / 2]);
+    sum[(i % 4) / 2] += s[i];
+  }
+  l[0] = alpha[0] * l[0] + sum[0];
+  l[1] = alpha[1] * l[1] + sum[1];
+}
+
+// P rounded to T as the A fragments of O += P V: S's column blocks 2 kb and 2 kb + 1 (8 keys each)
+// are k-step kb's columns 0-7 and 8-15 (the layouts of wgmma_ss and wgmma_rs).
+template <typename T>
+__device__ __forceinline__ void round_probabilities(uint32_t (&p)[kBlockN / 16][4],
+                                                    const float (&s)[kBlockN / 2]) {
+#pragma unroll
+  for (int nb = 0; nb < kBlockN / 8; ++nb) {
+    p[nb / 2][(nb % 2) * 2] = flash_mma::round_pair<T>(s[4 * nb], s[4 * nb + 1]);          // row g
+    p[nb / 2][(nb % 2) * 2 + 1] = flash_mma::round_pair<T>(s[4 * nb + 2], s[4 * nb + 3]);  // g + 8
+  }
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_kernel(const __grid_constant__ TensorMaps maps, const AttentionParams<T> p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = Smem<kHeadDim>;
+  constexpr int kStages = L::kStages;
+  constexpr uint32_t kTileBytes = L::kKvBytes;  // TMA bytes of one K or V tile
+  constexpr float kLn2 = 0.693147180559945309f;
+  __shared__ Barriers<kStages> bars;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
+  const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
+
+  // This CTA's query tile, head and batch element (query tiles vary fastest, as in flash_mma).
+  const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
+  const int64_t cta = blockIdx.x;
+  const int q_first = static_cast<int>(cta % q_tiles * kBlockM);
+  const int h = static_cast<int>(cta / q_tiles % p.heads);
+  const int b = static_cast<int>(cta / q_tiles / p.heads);
+  const int warpgroup = threadIdx.x / kWarpgroup;
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(shared_address(&bars.q), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(shared_address(&bars.k_full[s]), 1);
+      mbarrier_init(shared_address(&bars.v_full[s]), 1);
+      mbarrier_init(shared_address(&bars.empty[s]), kConsumers * 4);
+    }
+    mbarrier_init(shared_address(&bars.v_tail), 32);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async_shared();
+  }
+  __syncthreads();  // the barriers are initialized before anyone uses them
+
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  const int keys = static_cast<int>(p.attended_keys(b));
+  const int kv_tiles = (keys + kBlockN - 1) / kBlockN;
+  const int last_valid = keys - (kv_tiles - 1) * kBlockN;  // valid keys of the last tile
+  // rows [keys, min(kv_len, end of the last tile)) of the last V tile hold data to zero
+  const int zero_end = static_cast<int>(
+      (p.kv_len < int64_t{kv_tiles} * kBlockN ? p.kv_len : int64_t{kv_tiles} * kBlockN) -
+      (kv_tiles - 1) * int64_t{kBlockN});
+  const bool zero_v_tail = kv_tiles > 0 && last_valid < zero_end;
+
+  if (warpgroup == 0) {  // the producer
+    set_max_registers_dec<kProducerRegs>();
+    if (warp != 0 || kv_tiles == 0) return;
+    if (lane == 0) {
+      prefetch_tensor_map(maps.q);
+      prefetch_tensor_map(maps.k);
+      prefetch_tensor_map(maps.v);
+      const uint32_t q_bar = shared_address(&bars.q);
+      mbarrier_arrive_expect_tx(q_bar, kConsumers * L::kQBytes);
+      for (int c = 0; c < kConsumers; ++c)
+        for (int panel = 0; panel < L::kPanels; ++panel)
+          tma_load_4d(smem + L::q(c) + panel * L::kQPanelBytes, maps.q, panel * kPanelElems, h,
+                      q_first + c * kConsumerRows, b, q_bar);
+      for (int j = 0; j < kv_tiles; ++j) {
+        const int stage = j % kStages, use = j / kStages;
+        // the stage's previous use (tile j - kStages) is done by both consumers
+        if (use > 0) mbarrier_wait(shared_address(&bars.empty[stage]), (use - 1) & 1);
+        const uint32_t k_bar = shared_address(&bars.k_full[stage]);
+        const uint32_t v_bar = shared_address(&bars.v_full[stage]);
+        mbarrier_arrive_expect_tx(k_bar, kTileBytes);
+        for (int panel = 0; panel < L::kPanels; ++panel)
+          tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k, panel * kPanelElems, h,
+                      j * kBlockN, b, k_bar);
+        mbarrier_arrive_expect_tx(v_bar, kTileBytes);
+        for (int panel = 0; panel < L::kPanels; ++panel)
+          tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v, panel * kPanelElems, h,
+                      j * kBlockN, b, v_bar);
+      }
+    }
+    __syncwarp();
+    if (zero_v_tail) {  // the last V tile's rows [last_valid, zero_end): zeros (whole 128-byte
+      // rows of every panel: the swizzle permutes chunks within a row only)
+      const int last = kv_tiles - 1, stage = last % kStages;
+      mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
+      const int chunks_per_row = kRowBytes / 16, rows = zero_end - last_valid;
+      for (int c = lane; c < L::kPanels * rows * chunks_per_row; c += 32) {
+        const int panel = c / (rows * chunks_per_row), rest = c % (rows * chunks_per_row);
+        const uint32_t at = smem + L::v(stage) + panel * L::kKvPanelBytes +
+                            (last_valid + rest / chunks_per_row) * kRowBytes +
+                            rest % chunks_per_row * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at), "r"(0u) : "memory");
+      }
+      fence_proxy_async_shared();  // the zeros are visible to the consumers' wgmma
+      mbarrier_arrive(shared_address(&bars.v_tail));
+    }
+    return;
+  }
+
+  // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss).
+  set_max_registers_inc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int g = lane / 4, t = lane % 4;
+  const int row0 = q_first + consumer * kConsumerRows + warp * 16 + g;
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
+  float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum
+
+  if (kv_tiles > 0) {
+    float s[kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
+    uint32_t pr[kBlockN / 16][4];  // P of the tile whose P V GEMM is next
+    float alpha[2];
+    const uint32_t q_tile = smem + L::q(consumer);
+    const int my_turn = kSchedBarrier + consumer, other_turn = kSchedBarrier + (consumer ^ 1);
+    constexpr int kTurnThreads = kConsumers * kWarpgroup;
+    // Ping-pong: consumer c issues its GEMMs of tile j after bar.sync(my_turn), which completes
+    // once the other consumer has issued its GEMMs of tile j - 1 (or, for consumer 0's tile 0,
+    // consumer 1's arrival here) and arrives on other_turn right after. Each consumer syncs
+    // kv_tiles times and receives kv_tiles arrivals (consumer 1 skips its last one: consumer 0
+    // has no next turn), so no barrier is left with pending arrivals.
+    if (consumer == 1) named_barrier_arrive(other_turn, kTurnThreads);
+    mbarrier_wait(shared_address(&bars.q), 0);
+
+    // Tile 0: S only (no P V yet).
+    mbarrier_wait(shared_address(&bars.k_full[0]), 0);
+    named_barrier_sync(my_turn, kTurnThreads);
+    wgmma_fence();
+    gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(0));
+    wgmma_commit();
+    if (!(consumer == 1 && kv_tiles == 1)) named_barrier_arrive(other_turn, kTurnThreads);
+    wgmma_wait<0>();
+    fence_registers(s);
+    if (kv_tiles == 1 && last_valid < kBlockN)
+      softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
+    else
+      softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
+    round_probabilities<T>(pr, s);
+
+    for (int j = 1; j < kv_tiles; ++j) {
+      const int stage = j % kStages, prev = (j - 1) % kStages;
+      mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
+      mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
+      named_barrier_sync(my_turn, kTurnThreads);
+      wgmma_fence();
+      gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
+      wgmma_commit();
+      gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
+      wgmma_commit();
+      if (!(consumer == 1 && j == kv_tiles - 1)) named_barrier_arrive(other_turn, kTurnThreads);
+      wgmma_wait<1>();  // S has landed; the P V GEMM may still run
+      fence_registers(s);
+      if (j == kv_tiles - 1 && last_valid < kBlockN)
+        softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
+      else
+        softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
+      wgmma_wait<0>();  // the P V GEMM is done: O, pr and the stage of tile j - 1 are free
+      fence_registers(o);
+      fence_registers(pr);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.empty[prev]));
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+      round_probabilities<T>(pr, s);
+    }
+
+    // O += P V of the last tile (its V rows past n_b zeroed first where they hold data).
+    const int last = kv_tiles - 1, stage = last % kStages;
+    mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
+    if (zero_v_tail) mbarrier_wait(shared_address(&bars.v_tail), 0);
+    wgmma_fence();
+    gemm_pv<T, kHeadDim>(o, pr, smem + L::v(stage));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(o);
+    fence_registers(pr);
+  }
+
+  // out = O / l, lse = m ln 2 + ln l (natural log); a row without keys: 0 and -inf.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = group_reduce(l[r], 4);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t query = row0 + 8 * r;
+    if (query >= p.q_len) continue;
+    T* const out_row = p.out.row(b, query, h);
+#pragma unroll
+    for (int nd = 0; nd < kHeadDim / 8; ++nd)
+      *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * t) =
+          flash_mma::round_pair<T>(o[4 * nd + 2 * r] * inv, o[4 * nd + 2 * r + 1] * inv);
+    if (p.lse != nullptr && t == 0)
+      p.lse[(b * p.heads + h) * p.q_len + query] = sum > 0.f ? m[r] * kLn2 + logf(sum) : -INFINITY;
+  }
+#else
+  __trap();  // built without sm_90a machine code: the launcher never picks this body there
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side: the tensor maps and the launch.
+// ------------------------------------------------------------------------------------------------
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, looked up once through the runtime (no link to libcuda);
+// nullptr when the driver has none.
+inline EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // clear it: the launcher falls back to flash_mma.cuh
+      return EncodeTiled{nullptr};
+    }
+    return reinterpret_cast<EncodeTiled>(entry);
+  }();
+  return fn;
+}
+
+// A [batch, len, heads, head_dim] operand as a 4-D tensor map, dims innermost first {head_dim,
+// heads, len, batch} at its own byte strides (any order: a sequence-major view is fine), boxes of
+// {64, 1, box_rows, 1}: box_rows rows of one head, 64 elements (128 bytes, the 128-byte swizzle's
+// width) of each; rows past len are zero-filled. A dim of size 1 takes the row's bytes as its
+// stride (its stride is never applied, and the encoder wants multiples of 16). False when the
+// encoder refuses it (the launcher falls back).
+template <typename T>
+bool encode_operand(CUtensorMap* map, const HeadRows<const T>& rows, int64_t batch, int64_t len,
+                    int64_t heads, int head_dim, int box_rows) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const int64_t row_bytes = head_dim * int64_t{sizeof(T)};
+  auto stride = [&](int64_t size, int64_t elements) {
+    return static_cast<cuuint64_t>(size > 1 ? elements * int64_t{sizeof(T)} : row_bytes);
+  };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(len), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {stride(heads, rows.head_stride), stride(len, rows.seq_stride),
+                                 stride(batch, rows.batch_stride)};
+  const cuuint32_t box[4] = {kPanelElems, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dtype = std::is_same<T, __half>::value
+                                        ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                        : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode(map, dtype, 4, const_cast<T*>(rows.data), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Whether this body takes the call: a compute capability 9.x device (9.0, the sm_90a machine
+// code's, is the only one), sizes within int32 (TMA's coordinates) and operands the tensor-map
+// encoder takes; then the maps.
+template <typename T, int kHeadDim>
+bool takes(const AttentionParams<T>& p, TensorMaps* maps) {
+  if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
+  if (p.kv_len == 0 || p.q_len + kBlockM > INT32_MAX || p.kv_len + kBlockN > INT32_MAX ||
+      p.heads > INT32_MAX || p.batch > INT32_MAX)
+    return false;
+  return encode_operand<T>(&maps->q, p.q, p.batch, p.q_len, p.heads, kHeadDim, kConsumerRows) &&
+         encode_operand<T>(&maps->k, p.k, p.batch, p.kv_len, p.heads, kHeadDim, kBlockN) &&
+         encode_operand<T>(&maps->v, p.v, p.batch, p.kv_len, p.heads, kHeadDim, kBlockN);
+}
+
+// Runs the kernel over every (query tile, head, batch element) with the maps from takes():
+// LTX_ERR_INVALID_ARGUMENT when they exceed a grid's INT32_MAX blocks.
+template <typename T, int kHeadDim>
+int run(const AttentionParams<T>& p, const TensorMaps& maps, cudaStream_t stream) {
+  constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
+  const int64_t ctas = ceil_div(p.q_len, kBlockM) * p.heads * p.batch;
+  if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  const cudaError_t err =
+      cudaFuncSetAttribute(attention_kernel<T, kHeadDim>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  return launch(attention_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)), dim3(kThreads),
+                kSmem, stream, maps, p);
+}
+
+}  // namespace hopper_wgmma
+}  // namespace ltx
