@@ -160,8 +160,11 @@ def test_flat_and_peaked_softmax(device, sharpness):
 
 @pytest.mark.parametrize("scale", [1.0, 0.01, -0.2])
 def test_explicit_scale(device, scale):
-    q, k, v = make_qkv(1, 70, 90, 2, 128, dtypes_for(device)[0], device)
-    check_attention(q, k, v, scale=scale, what=f"scale {scale}")
+    # 300 keys: two whole tiles of 128 (the Hopper body's max of raw scores, or of their negations
+    # for a negative scale) and a masked last one
+    for head_dim in (64, 128):
+        q, k, v = make_qkv(1, 70, 300, 2, head_dim, dtypes_for(device)[0], device)
+        check_attention(q, k, v, scale=scale, what=f"scale {scale} hd{head_dim}")
 
 
 @pytest.mark.parametrize("head_dim", [1, 8, 40, 80, 96, 200])

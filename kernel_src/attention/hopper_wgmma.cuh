@@ -385,37 +385,59 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kHeadDim / 2],
   }
 }
 
-// Online softmax over one tile's scores s (this thread's part of rows g and g + 8, see wgmma_ss):
-// base-2 scores (keys at or past `valid` -inf when kMask), each row's new max m over its quad of 4
-// lanes, alpha = exp2(m_old - m_new) (what O and l are rescaled by), s = exp2(s - m_new) in place,
-// l = alpha l + this thread's part of the row sum. As flash_mma.cuh: a row whose max is still
-// -inf takes its probabilities against 0.
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp, subnormal results flushed to 0: probabilities below
+// 2^-126, far under any bound of the tests; exp2f adds the subnormal fix-ups to each).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Online softmax over one tile's raw scores s = q.k (this thread's part of rows g and g + 8, see
+// wgmma_ss): each row's new base-2 max m over its quad of 4 lanes, alpha = exp2(m_old - m_new)
+// (what O and l are rescaled by), s = exp2(s scale_log2 - m_new) in place, l = alpha l + this
+// thread's part of the row sum. A tile without masked keys takes the max of the raw scores (of
+// their negations for a negative scale) and scales it once per row, so each score costs one FMA
+// and one EX2; the last tile (kMask) scales first and sets keys at or past `valid` to -inf. As
+// flash_mma.cuh: a row whose max is still -inf takes its probabilities against 0.
 template <bool kMask>
 __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], float scale_log2, int valid,
                                              int t) {
-  float tile_max[2] = {-INFINITY, -INFINITY};
+  float tile_max[2] = {-INFINITY, -INFINITY}, factor = scale_log2;
+  if (kMask) {
 #pragma unroll
-  for (int i = 0; i < kBlockN / 8; ++i) {
+    for (int i = 0; i < kBlockN / 8; ++i) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = s[4 * i + e] * scale_log2;
-      if (kMask && 8 * i + 2 * t + (e & 1) >= valid) x = -INFINITY;
-      s[4 * i + e] = x;
-      tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * i + e] * scale_log2;
+        if (8 * i + 2 * t + (e & 1) >= valid) x = -INFINITY;
+        s[4 * i + e] = x;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+      }
     }
+    factor = 1.f;
+  } else if (scale_log2 >= 0.f) {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i)
+      tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i)
+      tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], -s[i]);
   }
+  const float max_factor = kMask ? 1.f : fabsf(scale_log2);
   float base[2], sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m[r], group_reduce(tile_max[r], 4, NanMax{}));
+    const float m_new = fmaxf(m[r], group_reduce(tile_max[r], 4, NanMax{}) * max_factor);
     base[r] = m_new == -INFINITY ? 0.f : m_new;
-    alpha[r] = exp2f(m[r] - base[r]);
+    alpha[r] = exp2_ftz(m[r] - base[r]);
     m[r] = m_new;
   }
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; ++i) {
-    s[i] = exp2f(s[i] - base[(i % 4) / 2]);
+    s[i] = exp2_ftz(fmaf(s[i], factor, -base[(i % 4) / 2]));
     sum[(i % 4) / 2] += s[i];
   }
   l[0] = alpha[0] * l[0] + sum[0];
