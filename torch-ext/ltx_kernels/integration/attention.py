@@ -5,8 +5,9 @@ function, not at each family's processor.
 Contract of `attend(processor, query, key, value, *, parallel_config, mask, key_lengths, sdpa)`:
 - query [B, Sq, H, D], key and value [B, Sk, H, D] (diffusers' dispatch layout; any strides with
   D contiguous) -> [B, Sq, H, D] in the query's dtype;
-- `processor`: the fused processor calling it, which carries the enabled ops (`processor.ops`)
-  and diffusers' attention backend (`processor._attention_backend`);
+- `processor`: the fused processor calling it, which carries the enabled ops (`processor.ops`),
+  the attention choice (`processor.attention`, below) and diffusers' attention backend
+  (`processor._attention_backend`);
 - `parallel_config`: what the call is attended with under context parallelism (the processor's
   `_parallel_config`, or None where a processor attends locally, e.g. to a gathered text);
 - `mask`: an attention mask as diffusers' dispatch takes it (boolean or additive, broadcast to

@@ -1,6 +1,7 @@
-"""The injection core: what can be fused (FUSIONS and its training policy), the report, the
-Injector the family patchers apply their patches through, the base of our attention processors,
-and the same-named patched classes. The face (`integration/__init__.py`) runs it over a pipeline.
+"""The injection core: what can be fused (FUSIONS and its training policy), the attention
+choices (ATTENTION_CHOICES and the measured table "auto" reads), the report, the Injector the
+family patchers apply their patches through, the base of our attention processors, and the
+same-named patched classes. The face (`integration/__init__.py`) runs it over a pipeline.
 
 How a module is patched, and why that way:
 - A block gets a subclass of its own class *with the same name* (`__class__` swap) whose forward
