@@ -4,7 +4,9 @@ without the kernels, and compile_repeated_blocks(fullgraph=True) with and withou
 with --columns also the opt-in FP8 path (`+fp8`: inject_optimized_kernels(..., fp8=True)) eager,
 per block and whole-model compiled, and the anchor a user would pick instead, torchao's float8
 dynamic rowwise quantization compiled per block or whole (`torchao-fp8+blocks`,
-`torchao-fp8+compile`; needs torchao).
+`torchao-fp8+compile`; needs torchao), and the kernels with our attention op
+(`+ltx_attention`: inject_optimized_kernels(..., attention="ltx_kernels")) eager, per block and
+whole-model compiled.
 
 Models (--model; whole transformers at their real configs, configs/*.json, random weights,
 bf16, with one denoising step's inputs at a typical resolution: transformer_cases.py lists them):
@@ -259,7 +261,7 @@ def main():
     parser.add_argument(
         "--columns",
         default=",".join(transformer_cases.COLUMNS),
-        help=f"comma-separated, from {', '.join(transformer_cases.COLUMNS + transformer_cases.FP8_COLUMNS)}",
+        help=f"comma-separated, from {', '.join(transformer_cases.ALL_COLUMNS)}",
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument(
@@ -288,9 +290,7 @@ def main():
     args = parser.parse_args()
     if args.context_parallel:
         return context_parallel_main(parser, args)
-    columns = bench_utils.parse_columns(
-        parser, args.columns, transformer_cases.COLUMNS + transformer_cases.FP8_COLUMNS
-    )
+    columns = bench_utils.parse_columns(parser, args.columns, transformer_cases.ALL_COLUMNS)
     transformer_cases.COMPILE_MODE = args.compile_mode
     transformer_cases.FP8_LINEARS = args.fp8_linears
     tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [None])

@@ -145,7 +145,7 @@ def main():
     parser.add_argument("--cprofile", action="store_true", help="host functions by time")
     args = parser.parse_args()
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
-    allowed = transformer_cases.COLUMNS + transformer_cases.FP8_COLUMNS
+    allowed = transformer_cases.ALL_COLUMNS
     unknown = set(columns) - set(allowed)
     if unknown:
         parser.error(f"unknown columns {sorted(unknown)}; choose from {', '.join(allowed)}")

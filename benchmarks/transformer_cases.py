@@ -309,6 +309,14 @@ FP8_COLUMNS = (
     "torchao-fp8+blocks",
     "torchao-fp8+compile",
 )
+#: The kernels with our attention op (inject_optimized_kernels(..., attention="ltx_kernels")).
+ATTENTION_COLUMNS = (
+    "kernels+ltx_attention",
+    "blocks+kernels+ltx_attention",
+    "compile+kernels+ltx_attention",
+)
+#: Every column benchmark_transformer.py and profile_step.py take (--columns).
+ALL_COLUMNS = COLUMNS + FP8_COLUMNS + ATTENTION_COLUMNS
 
 
 def uncompile_blocks(model):
@@ -319,8 +327,9 @@ def uncompile_blocks(model):
 
 @contextlib.contextmanager
 def configured(column, model):
-    """The model set up as `column` ("+"-separated: kernels, fp8, torchao-fp8, compiled whole or
-    per block, and no_<fusion> to inject without one of FUSIONS, e.g. kernels+no_lora_linear);
+    """The model set up as `column` ("+"-separated: kernels, fp8, ltx_attention (our attention op:
+    attention="ltx_kernels"), torchao-fp8, compiled whole or per block, and no_<fusion> to inject
+    without one of FUSIONS, e.g. kernels+no_lora_linear);
     yields what to call, or None when the model has no repeated blocks to compile. Undone on exit."""
     parts = set(column.split("+"))
     injected = "kernels" in parts
@@ -330,7 +339,12 @@ def configured(column, model):
             ops = set(FUSIONS) - without
             fp8 = "fp8" in parts
             ltx_kernels.inject_optimized_kernels(
-                model, verbose=False, fp8=fp8, ops=ops, fp8_linears=FP8_LINEARS if fp8 else None
+                model,
+                verbose=False,
+                fp8=fp8,
+                ops=ops,
+                fp8_linears=FP8_LINEARS if fp8 else None,
+                attention="ltx_kernels" if "ltx_attention" in parts else "auto",
             )
             undo.callback(ltx_kernels.remove_optimized_kernels, model)
         if "torchao-fp8" in parts:

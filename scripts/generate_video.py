@@ -49,6 +49,10 @@ so). torchao-fp8+compile is the path a user would pick instead: torchao's float8
 quantization of every Linear of the transformer (torchao from PyPI), compiled; torchao replaces
 the weights, the bf16 ones wait on the CPU and come back after the row.
 
+Attention (--attention, the kernels' rows): what the patched attention processors attend with,
+inject_optimized_kernels' attention= ("auto" by default; "ltx_kernels": our attention op where it
+applies; "diffusers": diffusers' backend). Baseline rows attend as diffusers does.
+
 Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU; every
 checkpoint): the transformer runs under diffusers' context parallelism (enable_parallelism), the
 kernels injected on top. The text mask every LTXPipeline call passes fails (Ulysses) or silently
@@ -89,7 +93,7 @@ from pathlib import Path
 import torch
 
 import ltx_kernels
-from ltx_kernels.integration import FP8_PRESETS
+from ltx_kernels.integration import ATTENTION_CHOICES, FP8_PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_utils  # noqa: E402  (configs/*.json, random_model, the torchao anchor)
@@ -319,6 +323,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=0,
         help="with FP8: keep the first and last N transformer blocks in bf16",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="auto",
+        help="with the kernels: what the attention processors attend with "
+        "(inject_optimized_kernels(..., attention=); docs/injection.md)",
     )
     parser.add_argument(
         "--cache",
@@ -828,6 +839,7 @@ def apply_config(pipe, config: str, args) -> str:
             fp8=fp8,
             fp8_linears=args.fp8_linears if fp8 else None,
             fp8_bf16_blocks=args.fp8_bf16_blocks,
+            attention=args.attention if ops is None else "diffusers",
         )
         if args.cpu_offload:
             pipe.enable_model_cpu_offload()
@@ -836,6 +848,8 @@ def apply_config(pipe, config: str, args) -> str:
             notes.append("diffusers code; ltx_kernels processors for the text mask")
         else:
             notes.append(f"{report.total_patched} modules on ltx_kernels ops")
+            if args.attention != "auto":
+                notes.append(f"attention={args.attention}")
         if fp8:  # the patchers that have an FP8 path swap Linears for Fp8Linear
             from ltx_kernels.integration.linears import Fp8Linear
 

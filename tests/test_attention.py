@@ -28,6 +28,7 @@ class _Processor:
     """What attend reads off a fused processor."""
 
     ops = frozenset(FUSIONS)
+    attention = "auto"
     _attention_backend = None
 
 

@@ -83,12 +83,13 @@ class _CpuLseAttention:
 
 
 class _CountUlyssesCalls:
-    """Counts the calls of attention.ulysses_attention (calls) and
-    context_parallel.gather_sequence (gathers) while active."""
+    """Counts the calls of attention.ulysses_attention (calls), context_parallel.gather_sequence
+    (gathers) and of our attention op through the seam (ltx_attention) while active."""
 
     NAMES = {
         "calls": ("attention", "ulysses_attention"),
         "gathers": ("context_parallel", "gather_sequence"),
+        "ltx_attention": ("attention", "ltx_attention"),
     }
 
     def __enter__(self):
@@ -114,7 +115,7 @@ class _CountUlyssesCalls:
 
 def _run_case(device, config, order="before", mask=True, per_token=False, train=False,
               remove=False, backend=None, dtype=torch.float32, compile=False, ops=None,
-              model_config=None):  # fmt: skip
+              model_config=None, attention="auto"):  # fmt: skip
     """One tiny LTX model under context parallelism, injected before or after enable_parallelism;
     returns its output's (and gradients') relative L2 error against stock diffusers in one
     process, and how many attention calls ran ulysses_attention."""
@@ -122,11 +123,11 @@ def _run_case(device, config, order="before", mask=True, per_token=False, train=
     counter = contextlib.nullcontext(SimpleNamespace(calls=0)) if compile else _CountUlyssesCalls()
     with counter as ulysses:
         return _run_counted(ulysses, device, config, order, mask, per_token, train, remove,
-                            backend, dtype, compile, ops, model_config)  # fmt: skip
+                            backend, dtype, compile, ops, model_config, attention)  # fmt: skip
 
 
 def _run_counted(ulysses, device, config, order, mask, per_token, train, remove, backend, dtype,
-                 compile, ops, model_config):  # fmt: skip
+                 compile, ops, model_config, attention):  # fmt: skip
     torch.manual_seed(0)
     reference = ltx.tiny_model(dtype, **(model_config or {})).to(device)
     model = copy.deepcopy(reference)
@@ -138,7 +139,9 @@ def _run_counted(ulysses, device, config, order, mask, per_token, train, remove,
     result = {"tolerance": TOLERANCE if dtype == torch.float32 else REL_L2_TOLERANCE[dtype]}
 
     def inject():
-        report = ltx_kernels.inject_optimized_kernels(model, verbose=False, ops=ops)
+        report = ltx_kernels.inject_optimized_kernels(
+            model, verbose=False, ops=ops, attention=attention
+        )
         result["patched"] = report.total_patched
         result["skipped"] = sorted(report.skipped)
 
@@ -165,9 +168,10 @@ def _run_counted(ulysses, device, config, order, mask, per_token, train, remove,
         torch.set_grad_enabled(train),
         torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True),
     ):
-        ulysses.calls = ulysses.gathers = 0
+        ulysses.calls = ulysses.gathers = ulysses.ltx_attention = 0
         out = output_of(model(**inputs))
         result["text_gathers"] = ulysses.gathers
+        result["ltx_attention_calls"] = ulysses.ltx_attention
         expected = output_of(reference(**inputs))
     result["out"] = rel_l2(out, expected)
     result["ulysses_calls"] = ulysses.calls
@@ -214,6 +218,8 @@ def _full_size(device, config):
 
 
 FOUR_HEADS = dict(num_attention_heads=4, attention_head_dim=4)  # the same width, 2 heads a rank
+# A head_dim the CUDA attention kernel takes (64), the text projected to the same width.
+HEAD_DIM_64 = dict(attention_head_dim=64, cross_attention_dim=128)
 #: Cases whose self-attention runs ulysses_attention (two blocks: one call each), and those that
 #: keep diffusers' parallel attention (training, ring, uneven splits, the op disabled).
 ULYSSES_ATTENTION = {
@@ -226,6 +232,7 @@ ULYSSES_ATTENTION = {
     "ulysses_train": 0,
     "ulysses_anything": 0,
     "ulysses_diffusers_attention": 0,
+    "ulysses_ltx_kernels_attention": 2,
     "ring": 0,
 }
 
@@ -243,6 +250,14 @@ CASES = {
     "ulysses_4_heads": lambda d: _run_case(d, _ulysses(), model_config=FOUR_HEADS),
     "ulysses_diffusers_attention": lambda d: _run_case(
         d, _ulysses(), ops=set(FUSIONS) - {"ulysses_attention"}
+    ),
+    # attention="ltx_kernels": our op attends each rank's heads inside ulysses_attention (on the
+    # GPU in bf16 at head_dim 64, what the CUDA kernel takes; the cross-attention keeps its mask)
+    "ulysses_ltx_kernels_attention": lambda d: _run_case(
+        d,
+        _ulysses(),
+        attention="ltx_kernels",
+        **(dict(dtype=torch.bfloat16, model_config=HEAD_DIM_64) if d == "cuda" else {}),
     ),
     # Removal after enable_parallelism: the restored stock processors keep the parallel config
     # (no mask: stock diffusers fails with one).
@@ -504,6 +519,17 @@ def test_matches_one_process_stock(results, case):
 def test_which_self_attention_runs_ulysses_attention(results, case):
     for by_case in results:
         assert by_case[case]["ulysses_calls"] == ULYSSES_ATTENTION[case]
+
+
+#: Calls of our attention op through the seam: attention="ltx_kernels" (each block's
+#: self-attention, inside ulysses_attention), and the default ("auto": no measured entry yet).
+LTX_ATTENTION_CALLS = {"ulysses_ltx_kernels_attention": 2, "ulysses_inject_before": 0}
+
+
+@pytest.mark.parametrize("case", sorted(LTX_ATTENTION_CALLS))
+def test_which_attention_runs_the_ltx_kernels_op(results, case):
+    for by_case in results:
+        assert by_case[case]["ltx_attention_calls"] == LTX_ATTENTION_CALLS[case]
 
 
 @pytest.mark.parametrize(

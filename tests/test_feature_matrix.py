@@ -415,6 +415,7 @@ class Feature:
     batches: tuple = (2, 2)  # of the eager reference's calls (eager_reference)
     requires: Callable | None = None  # (device) -> reason to skip there, or None
     unpinned: bool = False  # every cell AsStock (GPU rows whose outcome is not known yet)
+    attention_op: bool | None = None  # whether ltx_kernels.attention runs (None: not checked)
     note: str = ""  # for docs/feature_matrix.md
 
     def expected(self, family: str, order: str):
@@ -953,6 +954,17 @@ FEATURES = (
         },
     ),
     Feature(
+        "attention_ltx_kernels",
+        '`inject_optimized_kernels(attention="ltx_kernels")`',
+        "attention",
+        orders=("before",),
+        inject_options=dict(attention="ltx_kernels"),
+        attention_op=True,
+        note="our attention op wherever it applies (no mask, no autograd recording; on the CPU "
+        "its C twin), diffusers' backend elsewhere (the masked text cross-attention of LTX-Video "
+        'and LTX-2); also compiled and trained in the rows marked `attention="ltx_kernels"`',
+    ),
+    Feature(
         "attention_flash",
         '`set_attention_backend("flash")` (flash-attn)',
         "attention",
@@ -1034,6 +1046,21 @@ FEATURES = (
         cpu_cells=lambda family, order: order == "before" and family in ("ltx", "flux", "wan"),
     ),
     Feature(
+        "compile_dynamic_ltx_kernels_attention",
+        '`torch.compile(dynamic=True)`, `attention="ltx_kernels"`',
+        "compile",
+        _compile(dynamic=True),
+        run=functools.partial(_compiled_calls, batches=DYNAMIC_BATCHES),
+        orders=("before",),
+        eager_reference=True,
+        batches=DYNAMIC_BATCHES,
+        compiles=True,
+        inject_options=dict(attention="ltx_kernels"),
+        attention_op=True,
+        cpu_cells=lambda family, order: family in ("ltx", "flux"),
+        note="as `torch.compile(dynamic=True)`, our attention op in the graph",
+    ),
+    Feature(
         "compile_max_autotune",
         '`torch.compile(mode="max-autotune")`',
         "compile",
@@ -1099,6 +1126,20 @@ FEATURES = (
         inject_context=torch.inference_mode,
         dtype=torch.float32,
         note="after: injected inside `torch.inference_mode`, then trained",
+    ),
+    Feature(
+        "autograd_ltx_kernels_attention",
+        'autograd, `attention="ltx_kernels"`',
+        "grad modes",
+        _train,
+        run=_gradients,
+        orders=("before",),
+        dtype=torch.float32,
+        inject_options=dict(attention="ltx_kernels"),
+        attention_op=False,
+        cpu_cells=lambda family, order: family == "ltx",
+        note="the attention op has no backward yet: under autograd recording every call attends "
+        "with diffusers' backend (stock gradients)",
     ),
     Feature(
         "fp8_inference_mode",
@@ -1266,6 +1307,9 @@ def run_cell(feature: Feature, family: str, order: str, device: str, tmp: pathli
             bound = t
         assert error <= bound, f"{name}: relative L2 {error:.3g} vs stock (bound {bound:g})"
     assert ops, "no ltx_kernels op ran: the injection is not in effect"
+    if feature.attention_op is not None:
+        ran = {name.split("::")[-1] for name in ops}  # (compiled: "ltx_kernels::attention")
+        assert ("attention" in ran) == feature.attention_op, f"ops that ran: {sorted(ran)}"
     fallback = set(injected.report.skipped) - _baseline_skips(family, setup, dtype)
     tiny = () if setup.gpu else feature.tiny_fallback.get(family, ())
     wanted = getattr(expected, "fallback", ())  # (AsStock: none)

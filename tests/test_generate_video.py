@@ -232,6 +232,29 @@ def test_tiny_compare_fp8_rows(gv, tmp_path, capsys):
     assert "| Optimized kernels, FP8 |" in capsys.readouterr().out
 
 
+def test_tiny_compare_ltx_kernels_attention(gv, tmp_path):
+    """--attention ltx_kernels: the kernels' row attends with our op (on the CPU its C twin), the
+    baseline with diffusers'; the latents agree within fp32 summation noise."""
+    rows = gv.main(
+        [
+            *TINY_RUN,
+            "--compare",
+            "--configs",
+            "baseline,kernels",
+            "--attention",
+            "ltx_kernels",
+            "--dtype",
+            "fp32",
+            "--no-video",
+            "--output",
+            str(tmp_path / "v.mp4"),
+        ]
+    )
+    baseline, kernels = rows
+    assert "attention=ltx_kernels" in kernels.notes and "attention=" not in baseline.notes
+    assert kernels.rel_l2 <= 1e-5
+
+
 @pytest.mark.parametrize("cache", ["first-block", "pyramid-attention-broadcast"])
 def test_tiny_compare_cache_rows(gv, tmp_path, cache):
     """--cache adds stock diffusers with the cache and the kernels with it: the same caching

@@ -28,6 +28,7 @@ from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
 from .cfg_parallel import enable_cfg_parallel
 from .linears import FP8_PRESETS
 from .injector import (
+    ATTENTION_CHOICES,
     DISABLE_ENV,
     FUSED_BACKWARD,
     FUSED_BACKWARD_COMPILED,
@@ -42,6 +43,7 @@ from .injector import (
 )
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "DISABLE_ENV",
     "FAMILIES",
     "FP8_PRESETS",
@@ -104,6 +106,7 @@ def inject_optimized_kernels(
     fp8: bool = False,
     fp8_linears: str | None = None,
     fp8_bf16_blocks: int = 0,
+    attention: str = "auto",
 ) -> InjectionReport:
     """Patches every supported block of a diffusers pipeline or model (LTX-Video, FLUX.1, Wan 2.x,
     SD3/SD3.5, HunyuanVideo/HunyuanVideo-1.5 transformers, or a bare block) to run on the fused
@@ -117,6 +120,11 @@ def inject_optimized_kernels(
     modulation, proj_in/proj_out, norms and attention stay bf16. fp8_linears: which block Linears
     (linears.FP8_PRESETS: "ffn", "ffn+self_attn", "all"; None: each family's default, its
     FP8_DEFAULT). fp8_bf16_blocks=N keeps the first and last N blocks of each model in bf16.
+    attention: what the patched attention processors attend with (ATTENTION_CHOICES):
+    "ltx_kernels" our attention op wherever it applies (no mask, no autograd recording; CUDA:
+    float16/bfloat16, head_dim 64 or 128), "diffusers" each processor's diffusers attention
+    backend, as stock; "auto" (default) our op only where injector.LTX_ATTENTION_FASTER says it
+    measured faster (nowhere yet), "diffusers" elsewhere (attention.py).
     Inject after loading and before offloading, caching or compiling. Returns an InjectionReport
     (printed when verbose). Raises on a model that is already injected."""
     from .. import _library
@@ -129,12 +137,18 @@ def inject_optimized_kernels(
             f"inject_optimized_kernels: fp8_linears={fp8_linears!r} "
             + (f"is none of {FP8_PRESETS}" if fp8 else "needs fp8=True")
         )
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(
+            f"inject_optimized_kernels: attention={attention!r} is none of {ATTENTION_CHOICES}"
+        )
     if fp8_bf16_blocks < 0:
         raise ValueError(
             f"inject_optimized_kernels: fp8_bf16_blocks must be >= 0, got {fp8_bf16_blocks}"
         )
-    report = InjectionReport(ops=tuple(name for name in FUSIONS if name in ops), fp8=fp8)
-    injector = Injector(ops, report, fp8, fp8_linears)
+    report = InjectionReport(
+        ops=tuple(name for name in FUSIONS if name in ops), fp8=fp8, attention=attention
+    )
+    injector = Injector(ops, report, fp8, fp8_linears, attention)
     for prefix, model in _models(pipe_or_model):
         modules = list(model.named_modules())
         for name, module in modules:

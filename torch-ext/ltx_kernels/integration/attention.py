@@ -5,8 +5,9 @@ function, not at each family's processor.
 Contract of `attend(processor, query, key, value, *, parallel_config, mask, key_lengths, sdpa)`:
 - query [B, Sq, H, D], key and value [B, Sk, H, D] (diffusers' dispatch layout; any strides with
   D contiguous) -> [B, Sq, H, D] in the query's dtype;
-- `processor`: the fused processor calling it, which carries the enabled ops (`processor.ops`)
-  and diffusers' attention backend (`processor._attention_backend`);
+- `processor`: the fused processor calling it, which carries the enabled ops (`processor.ops`),
+  the attention choice (`processor.attention`, below) and diffusers' attention backend
+  (`processor._attention_backend`);
 - `parallel_config`: what the call is attended with under context parallelism (the processor's
   `_parallel_config`, or None where a processor attends locally, e.g. to a gathered text);
 - `mask`: an attention mask as diffusers' dispatch takes it (boolean or additive, broadcast to
@@ -18,9 +19,17 @@ Contract of `attend(processor, query, key, value, *, parallel_config, mask, key_
 - `sdpa=True`: F.scaled_dot_product_attention as stock SD3's processor calls it (diffusers'
   JointAttnProcessor2_0 ignores the attention backend), for stock numerics bit for bit.
 
-Today it runs diffusers' dispatch_attention_fn with the processor's backend; self-attention under
-Ulysses (below, "ulysses_attention" in FUSIONS) through ulysses_attention, which takes the inner
-attention as a callable, so whatever attends one GPU's heads composes with it.
+What attends: `processor.attention`, inject_optimized_kernels' `attention=` (injector.py,
+ATTENTION_CHOICES). "diffusers": diffusers' dispatch_attention_fn with the processor's backend (or
+SDPA where sdpa=True), as stock attends. "ltx_kernels": our `attention` op wherever it applies
+(runs_ltx_attention: no mask, q/k/v the op takes, autograd not recording, since the op has no
+backward yet, and no context parallelism but ulysses_attention's), non-uniform key lengths passed
+to it as they are (uniform ones still slice the keys: the same keys, no lengths tensor); every
+other call as "diffusers". "auto" (the default): as "ltx_kernels" only where
+LTX_ATTENTION_FASTER (injector.py) lists the GPU and head_dim, and the processor keeps diffusers'
+default backend; as "diffusers" elsewhere. Self-attention under Ulysses (below,
+"ulysses_attention" in FUSIONS) runs ulysses_attention, which takes the inner attention as a
+callable: the same choice.
 
 Ulysses: diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
 copies (eight copies of a [B, s, H, D] tensor per call). ulysses_attention sends q, k and v in one
@@ -37,7 +46,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops import attention as ltx_attention
 from .context_parallel import capturing, context_parallel_config, version_of, waited
+from .injector import LTX_ATTENTION_FASTER, LTX_ATTENTION_HEAD_DIMS
 
 
 def attend(
@@ -60,12 +71,21 @@ def attend(
                 "ltx_kernels attend: key_lengths under context parallelism (each rank holds a "
                 "chunk of the keys; the lengths count the whole sequence)"
             )
-        if len(set(key_lengths)) == 1:
-            key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
-        else:
-            lengths = torch.tensor(key_lengths, device=key.device)
+    ours = (
+        mask is None
+        and context_parallel_config(parallel_config) is None
+        and runs_ltx_attention(processor, query, key, value)
+    )
+    lengths = None  # (ours: the key lengths as the op takes them)
+    if key_lengths is not None and len(set(key_lengths)) == 1:
+        key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
+    elif key_lengths is not None:
+        lengths = torch.tensor(key_lengths, device=key.device)
+        if not ours:  # a broadcast key mask
             positions = torch.arange(key.shape[1], device=key.device)
             mask = (positions < lengths[:, None])[:, None, None, :]
+    if ours:
+        return ltx_attention(query, key, value, lengths)
     if sdpa:
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2),
@@ -92,9 +112,69 @@ def attend(
         )
 
     if runs_ulysses_attention(processor.ops, parallel_config, query, key, mask):
-        out = ulysses_attention(query, key, value, parallel_config, dispatch)
+        # (this rank's heads, over the whole sequence: strided views of one receive buffer whose
+        # offsets and strides are multiples of head_dim, so aligned where q/k/v are)
+        inner = ltx_attention if runs_ltx_attention(processor, query, key, value) else dispatch
+        out = ulysses_attention(query, key, value, parallel_config, inner)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
     return dispatch(query, key, value, parallel_config).to(query.dtype)
+
+
+def runs_ltx_attention(processor, query, key, value) -> bool:
+    """Whether `processor`'s attention choice (processor.attention) attends q/k/v [B, S, H, D]
+    (no mask, one device's heads) with ltx_kernels.attention: "ltx_kernels" where the op takes
+    them (`_op_takes`) and autograd does not record through them (the op has no backward yet);
+    "auto" where, besides, LTX_ATTENTION_FASTER lists the GPU and head_dim and the processor keeps
+    diffusers' default attention backend (a backend set with set_attention_backend is kept)."""
+    choice = processor.attention
+    if choice == "diffusers" or (choice == "auto" and not LTX_ATTENTION_FASTER):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return False
+    if not _op_takes(query, key, value):
+        return False
+    return choice == "ltx_kernels" or (
+        query.is_cuda
+        and processor._attention_backend is None
+        and query.shape[-1] in _measured_faster(query.device.index)
+    )
+
+
+@torch.compiler.assume_constant_result  # (torch.compile: called once while tracing, a constant)
+def _measured_faster(device_index: int | None) -> tuple[int, ...]:
+    """The head dims at which ltx_kernels.attention measured faster on CUDA device
+    `device_index` (LTX_ATTENTION_FASTER of its compute capability)."""
+    return LTX_ATTENTION_FASTER.get(torch.cuda.get_device_capability(device_index), ())
+
+
+def _op_takes(query, key, value) -> bool:
+    """Whether ltx_kernels.attention takes q/k/v as they are: one dtype, k/v with q's batch and
+    heads, contiguous last dims; the CPU (its C twin): float16/bfloat16/float32/float64, any
+    head_dim; CUDA: float16/bfloat16, head_dim 64 or 128 (LTX_ATTENTION_HEAD_DIMS), rows at
+    16-byte boundaries (storage offset and strides; the storage itself is allocated aligned)."""
+    operands = (query, key, value)
+    if (
+        any(t.dtype != query.dtype or t.stride(-1) != 1 for t in operands)
+        or key.shape[0] != query.shape[0]
+        or key.shape[2] != query.shape[2]
+    ):
+        return False
+    if query.device.type == "cpu":
+        return query.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] in LTX_ATTENTION_HEAD_DIMS
+        and all(_rows_aligned(t) for t in operands)
+    )
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """t's rows (dims 0-2) start at 16-byte boundaries (the CUDA kernel's rule, rows.h)."""
+    size = t.element_size()
+    return (t.storage_offset() * size) % 16 == 0 and all(
+        n <= 1 or (stride * size) % 16 == 0 for n, stride in zip(t.shape[:3], t.stride()[:3])
+    )
 
 
 def padded_key_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:

@@ -23,8 +23,9 @@ The q/k norm is diffusers' RMSNorm, which rounds twice with a 16-bit weight
 (`(x * rsqrt).to(w.dtype) * w`); qk_rmsnorm_rope rounds once (torch.nn.RMSNorm), one ulp apart at
 some elements, so the norm is the rmsnorm op and the rotation the rope op.
 Attention masks (they hide padded text keys) become key lengths (attention.py): the padded keys
-are dropped where every batch element has as many ("drop_padded_keys"), otherwise a broadcast
-[B, 1, 1, S] key mask; HunyuanVideo-1.5's [B, 1, S, S] pair mask is never built (its padded query
+are dropped where every batch element has as many ("drop_padded_keys"), otherwise the lengths go
+to our attention op (inject_optimized_kernels' attention=) or become a broadcast [B, 1, 1, S] key
+mask; HunyuanVideo-1.5's [B, 1, S, S] pair mask is never built (its padded query
 rows come out zero, as SDPA gives them under it).
 FP8 (fp8=True; FP8_PRESETS, default "ffn+self_attn", for the double blocks of HunyuanVideo-1.5
 and HunyuanVideo): the image stream's FF ("ffn") and its q/k/v and out ("ffn+self_attn"); "all"
@@ -107,12 +108,9 @@ def _qk_norm_rope(ops, norm_q, norm_k, query, key, cos_sin=None, rows=None):
 
 def _key_lengths(ops, valid):
     """The key lengths of a boolean key mask ([B, S] or [B, 1, 1, S]) when "drop_padded_keys" is
-    enabled and every batch element has the same number of leading valid keys
-    (attention.padded_key_lengths), else None."""
-    if "drop_padded_keys" not in ops:
-        return None
-    lengths = padded_key_lengths(valid)
-    return lengths if lengths is not None and len(set(lengths)) == 1 else None
+    enabled and every batch element's valid keys lead (attention.padded_key_lengths), else
+    None."""
+    return padded_key_lengths(valid) if "drop_padded_keys" in ops else None
 
 
 class HunyuanVideoKernelsAttnProcessor(FusedAttnProcessor):
@@ -122,7 +120,8 @@ class HunyuanVideoKernelsAttnProcessor(FusedAttnProcessor):
 
     def _attend(self, query, key, value, attention_mask):
         """HunyuanVideo's attention: the model's [B, 1, 1, S] key mask (image rows and the
-        unpadded text) as key lengths, the padded keys dropped where the batch allows."""
+        unpadded text) as key lengths (attend: the padded keys dropped where every batch element
+        has as many, else the lengths to our attention op or the same key mask)."""
         key_mask = (
             attention_mask is not None
             and attention_mask.dtype == torch.bool
@@ -193,24 +192,30 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
         a valid query attends to the valid keys, a padded one to none (SDPA gives it zeros). The
         same here from the row mask: where every batch element has the same number of leading
         valid rows (the model puts its padded text last), the padded queries and keys are
-        dropped and their output rows are zeros; otherwise a broadcast [B, 1, 1, S] key mask,
-        the padded query rows set to zero. (At 480p, 121 frames, 1x16x49290 with 700 padded
-        keys on an H100: dense mask 77.3 ms, key mask 47.8, dropped 33.1.)"""
+        dropped and their output rows are zeros; otherwise the per-batch key lengths (attend:
+        our attention op takes them, else a broadcast [B, 1, 1, S] key mask; where they cannot
+        be read, that key mask), the padded query rows set to zero. (At 480p, 121 frames,
+        1x16x49290 with 700 padded keys on an H100: dense mask 77.3 ms, key mask 47.8, dropped
+        33.1.)"""
         seq_len, image_rows = query.shape[1], query.shape[1] - attention_mask.shape[1]
         text_lengths = _key_lengths(self.ops, attention_mask.bool())
-        if text_lengths is not None:
+        if text_lengths is not None and len(set(text_lengths)) == 1:
             rows = image_rows + text_lengths[0]
             out = attend(self, query[:, :rows], key, value, key_lengths=(rows,) * len(query))
             return F.pad(out, (0, 0, 0, 0, 0, seq_len - rows))
         valid = F.pad(attention_mask, (image_rows, 0), value=True).bool()
-        out = attend(
-            self,
-            query,
-            key,
-            value,
-            mask=valid[:, None, None, :],
-            parallel_config=self._parallel_config,
-        )
+        if text_lengths is not None:
+            lengths = tuple(image_rows + n for n in text_lengths)
+            out = attend(self, query, key, value, key_lengths=lengths)
+        else:
+            out = attend(
+                self,
+                query,
+                key,
+                value,
+                mask=valid[:, None, None, :],
+                parallel_config=self._parallel_config,
+            )
         return out.masked_fill(~valid[:, :, None, None], 0)
 
 

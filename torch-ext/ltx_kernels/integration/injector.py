@@ -1,6 +1,7 @@
-"""The injection core: what can be fused (FUSIONS and its training policy), the report, the
-Injector the family patchers apply their patches through, the base of our attention processors,
-and the same-named patched classes. The face (`integration/__init__.py`) runs it over a pipeline.
+"""The injection core: what can be fused (FUSIONS and its training policy), the attention
+choices (ATTENTION_CHOICES and the measured table "auto" reads), the report, the Injector the
+family patchers apply their patches through, the base of our attention processors, and the
+same-named patched classes. The face (`integration/__init__.py`) runs it over a pipeline.
 
 How a module is patched, and why that way:
 - A block gets a subclass of its own class *with the same name* (`__class__` swap) whose forward
@@ -76,6 +77,23 @@ FUSED_BACKWARD_COMPILED: frozenset[str] = frozenset(
 )
 DISABLE_ENV = "LTX_KERNELS_DISABLE"
 
+#: inject_optimized_kernels' `attention=`: what the fused processors attend with (attention.py).
+#: "diffusers": diffusers' attention backend of each processor, as stock attends; "ltx_kernels": our
+#: attention op wherever it applies (no mask, autograd not recording, CUDA: float16/bfloat16 and
+#: head_dim 64 or 128), diffusers' backend elsewhere; "auto": as "ltx_kernels" only where
+#: LTX_ATTENTION_FASTER lists the GPU and head_dim, as "diffusers" elsewhere.
+ATTENTION_CHOICES = ("auto", "ltx_kernels", "diffusers")
+#: The head dims the CUDA attention kernel takes (ltx_attention_cuda_takes_head_dim).
+LTX_ATTENTION_HEAD_DIMS = (64, 128)
+#: Where attention="auto" attends with our op: CUDA compute capability -> the head dims at which
+#: ltx_kernels.attention measured faster than cuDNN's SDPA, the default backend
+#: (benchmarks/benchmark_attention.py, the issue's cases). Empty until measured: "auto" attends as
+#: "diffusers" everywhere.
+LTX_ATTENTION_FASTER: dict[tuple[int, int], tuple[int, ...]] = {}
+#: The report's kind for the attention modules whose calls attend with diffusers' backend although
+#: attention="ltx_kernels".
+LTX_ATTENTION = "attention (ltx_kernels.attention)"
+
 # Attribute names stored on patched modules.
 _ORIGINAL_CLASS = "_ltx_kernels_original_class"
 _OPS = "_ltx_kernels_ops"
@@ -99,6 +117,7 @@ class InjectionReport:
 
     ops: tuple[str, ...]
     fp8: bool = False
+    attention: str = "auto"  # inject_optimized_kernels' attention= (ATTENTION_CHOICES)
     # family -> the FP8 preset its blocks ran (linears.FP8_PRESETS), with fp8=True
     fp8_presets: dict = dataclasses.field(default_factory=dict)
     patched: Counter = dataclasses.field(default_factory=Counter)
@@ -125,6 +144,7 @@ class InjectionReport:
         disabled = [name for name in FUSIONS if name not in self.ops]
         if disabled:
             lines.append(f"  disabled: {', '.join(disabled)}")
+        lines.append(f"  attention: {self.attention} ({_attention_note(self.attention)})")
         width = max((len(kind) for kind in self.patched), default=0)
         for kind, count in sorted(self.patched.items()):
             lines.append(f"  {kind:<{width}}  {count:4d} patched")
@@ -137,6 +157,27 @@ class InjectionReport:
         if not self.patched and not self.skipped:
             lines.append("  no supported diffusers blocks found")
         return "\n".join(lines)
+
+
+def _attention_note(choice: str) -> str:
+    """What attention=`choice` attends with, for the report."""
+    head_dims = " or ".join(map(str, LTX_ATTENTION_HEAD_DIMS))
+    if choice == "ltx_kernels":
+        return (
+            "ltx_kernels.attention for calls without a mask (key lengths passed to it) and "
+            f"without autograd recording, on CUDA in float16/bfloat16 at head_dim {head_dims}; "
+            "diffusers' attention backend for the others"
+        )
+    if choice == "diffusers":
+        return "diffusers' attention backend of each processor"
+    measured = "; ".join(
+        f"sm_{major}{minor} head_dim {', '.join(map(str, dims))}"
+        for (major, minor), dims in sorted(LTX_ATTENTION_FASTER.items())
+    )
+    return (
+        f"ltx_kernels.attention where measured faster: {measured or 'nowhere yet'} "
+        "(injector.LTX_ATTENTION_FASTER); diffusers' attention backend elsewhere"
+    )
 
 
 def report_quantized_weights(model: torch.nn.Module, prefix: str, report) -> None:
@@ -157,11 +198,13 @@ def report_quantized_weights(model: torch.nn.Module, prefix: str, report) -> Non
 
 class FusedAttnProcessor:
     """Base of our replacement attention processors. Injector.set_processor gives each one the
-    enabled ops and the replaced processor's attention backend and parallel config."""
+    enabled ops, the attention choice and the replaced processor's attention backend and parallel
+    config."""
 
     _attention_backend = None
     _parallel_config = None
     ops: frozenset = frozenset()
+    attention: str = "auto"  # inject_optimized_kernels' attention= (ATTENTION_CHOICES)
 
 
 class Injector:
@@ -173,9 +216,11 @@ class Injector:
         report: InjectionReport,
         fp8: bool = False,
         fp8_preset: str | None = None,
+        attention: str = "auto",
     ):
         self.ops = ops
         self.report = report
+        self.attention = attention
         self.fp8 = fp8
         self.fp8_preset = fp8_preset  # None: each family's default
         self._fp8_blocks: list = []  # (block name, [(Linear name, Linear)]), in model order
@@ -310,12 +355,26 @@ class Injector:
         return False
 
     def set_processor(self, name: str, attn: torch.nn.Module, processor, kind: str) -> None:
-        """Installs `processor` on attention module `attn`, keeping the backend settings."""
+        """Installs `processor` on attention module `attn`, keeping the backend settings; with
+        attention="ltx_kernels", reports an attention whose head_dim the CUDA kernel does not take
+        (its weights on a GPU or the meta device; the CPU's C twin takes any)."""
         original = attn.processor
         for setting in _PROCESSOR_SETTINGS:
             if hasattr(original, setting):
                 setattr(processor, setting, getattr(original, setting))
         processor.ops = self.ops
+        processor.attention = self.attention
+        if self.attention == "ltx_kernels":
+            head_dim = attn.inner_dim // attn.heads
+            on_cpu = all(p.device.type == "cpu" for p in attn.parameters())
+            if not on_cpu and head_dim not in LTX_ATTENTION_HEAD_DIMS:
+                self.skip(
+                    LTX_ATTENTION,
+                    name,
+                    f"head_dim {head_dim}: the CUDA kernel takes "
+                    f"{' or '.join(map(str, LTX_ATTENTION_HEAD_DIMS))}; diffusers' attention "
+                    "backend attends",
+                )
         setattr(attn, _ORIGINAL_PROCESSOR, original)
         attn.set_processor(processor)
         self.report.patched[kind] += 1

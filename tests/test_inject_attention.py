@@ -1,0 +1,248 @@
+"""inject_optimized_kernels' `attention=` (issue 34, stage e): "ltx_kernels" attends through our
+attention op wherever it applies (on the CPU its C twin), "diffusers" as stock, "auto" (the
+default) as "diffusers" until injector.LTX_ATTENTION_FASTER holds a measurement. Every tiny model
+of model_zoo with "ltx_kernels" against "diffusers"; key lengths against the key mask they stand
+for; the report; torch.compile (dynamic, fullgraph) of the injected blocks; autograd recording
+(the op has no backward: the fallback)."""
+
+import pytest
+import torch
+
+import ltx_kernels
+from inject_helpers import OpCounter, clone, output_of, rel_l2
+from ltx_kernels.integration import ATTENTION_CHOICES, attention, injector
+from model_zoo import MODELS, ltx
+
+FP32_TOLERANCE = 1e-6  # relative L2: ours sums in double (the C twin), SDPA in fp32
+BF16_TOLERANCE = 1e-2
+#: SD3 (no q/k norm) keeps diffusers' processor: nothing of ours attends.
+NO_PROCESSOR = {"sd3"}
+
+
+def _run(model, inputs, attention_choice, grad=False):
+    """(output, {op: calls}) of one forward of a copy of `model` injected with attention=."""
+    model = clone(model)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False, attention=attention_choice)
+    with torch.set_grad_enabled(grad), OpCounter() as counter:
+        out = output_of(model(**inputs))
+    return out, counter.counts
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_ltx_kernels_attention_matches_diffusers_fp32(name):
+    # Every family and variant: "ltx_kernels" within fp32 summation noise of "diffusers", our op
+    # running; "auto" and the default are "diffusers" bit for bit (no measured entry).
+    torch.manual_seed(0)
+    model, inputs = MODELS[name].build(torch.float32), MODELS[name].inputs(torch.float32)
+    expected, counts = _run(model, inputs, "diffusers")
+    assert "attention" not in counts
+    got, counts = _run(model, inputs, "ltx_kernels")
+    assert rel_l2(got, expected) <= FP32_TOLERANCE
+    assert (counts.get("attention", 0) > 0) == (name not in NO_PROCESSOR), counts
+    for choice in ("auto", None):
+        options = {} if choice is None else {"attention": choice}
+        default = clone(model)
+        ltx_kernels.inject_optimized_kernels(default, verbose=False, **options)
+        with torch.no_grad(), OpCounter() as counter:
+            assert torch.equal(output_of(default(**inputs)), expected)
+        assert "attention" not in counter.counts
+
+
+@pytest.mark.parametrize("name", ["ltx", "ltx2", "flux", "wan", "sd35", "hunyuan_video15"])
+def test_ltx_kernels_attention_matches_diffusers_bf16(name):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name].build(torch.bfloat16), MODELS[name].inputs(torch.bfloat16)
+    expected, _ = _run(model, inputs, "diffusers")
+    got, counts = _run(model, inputs, "ltx_kernels")
+    assert counts["attention"] > 0
+    assert rel_l2(got, expected) <= BF16_TOLERANCE
+
+
+class _Processor:
+    ops = frozenset(injector.FUSIONS)
+    attention = "ltx_kernels"
+    _attention_backend = None
+
+
+@pytest.mark.parametrize("lengths", [(11, 11), (7, 7), (7, 3), (11, 1), (0, 5)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_key_lengths_reach_the_op_as_lengths(lengths, dtype, monkeypatch):
+    # Mixed lengths reach our op as lengths (no mask built); the same lengths drop the padded
+    # keys (a slice); either way the masked attention they stand for (a length of 0: zeros).
+    calls = []
+
+    def recorded(query, key, value, key_lengths=None):
+        calls.append((key.shape[1], key_lengths))
+        return ltx_kernels.attention(query, key, value, key_lengths)
+
+    monkeypatch.setattr(attention, "ltx_attention", recorded)
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(2, n, 2, 8, dtype=dtype) for n in (9, 11, 11))
+    out = attention.attend(_Processor(), query, key, value, key_lengths=lengths)
+    valid = torch.arange(11) < torch.tensor(lengths)[:, None]
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (query, key, value)), attn_mask=valid[:, None, None, :]
+    ).transpose(1, 2)
+    expected = torch.where(valid.any(1)[:, None, None, None], masked, 0)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+    ((keys, passed),) = calls
+    if len(set(lengths)) == 1:
+        assert keys == lengths[0] and passed is None
+    else:
+        assert keys == 11 and passed.tolist() == list(lengths)
+
+
+def test_a_mask_or_autograd_falls_back_to_diffusers(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention, "ltx_attention", lambda *args: calls.append(args))
+    query, key, value = (torch.randn(2, 5, 2, 8) for _ in range(3))
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    attention.attend(_Processor(), query, key, value, mask=mask)
+    with torch.enable_grad():
+        attention.attend(_Processor(), query.requires_grad_(), key, value)
+    assert calls == []
+
+
+def test_op_takes_what_the_op_takes():
+    def qkv(head_dim=64, dtype=torch.bfloat16, device="cpu", **kwargs):
+        return [torch.empty(2, 16, 4, head_dim, dtype=dtype, device=device, **kwargs)] * 3
+
+    assert attention._op_takes(*qkv(head_dim=8, dtype=torch.float32))  # CPU: the C twin
+    assert not attention._op_takes(*qkv(dtype=torch.int32))
+    q, k, v = qkv()
+    assert not attention._op_takes(q, k.float(), v)
+    assert not attention._op_takes(q, k.transpose(-1, -2), v)
+    assert not attention._op_takes(q, k[:1], v[:1])  # another batch
+    aligned = torch.empty(2, 16, 3 * 4 * 64)[..., 4 * 64 :].unflatten(-1, (2, 4, 64))[:, :, 0]
+    assert attention._rows_aligned(aligned)  # a slice of a fused qkv projection
+    assert not attention._rows_aligned(
+        torch.empty(2, 16, 4 * 64 + 1)[..., 1:].unflatten(-1, (4, 64))
+    )
+
+
+def test_auto_follows_the_measured_table(monkeypatch):
+    # "auto" attends with ours where LTX_ATTENTION_FASTER lists the device's capability and
+    # head_dim, and the processor keeps diffusers' default backend. (The table is empty: a CPU
+    # run checks the rule's other half with a stand-in capability lookup.)
+    assert injector.LTX_ATTENTION_FASTER == {}
+    query = torch.randn(1, 4, 2, 64)
+    processor = type("P", (_Processor,), {"attention": "auto"})()
+    assert not attention.runs_ltx_attention(processor, query, query, query)
+    monkeypatch.setitem(injector.LTX_ATTENTION_FASTER, (9, 0), (64,))  # (attention.py's too)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    assert attention._measured_faster(0) == (64,)
+    assert not attention.runs_ltx_attention(processor, query, query, query)  # (the CPU)
+
+
+def test_report_names_the_choice_and_the_fallbacks():
+    torch.manual_seed(0)
+    model = ltx.tiny_model(torch.float32)
+    for choice in ATTENTION_CHOICES:
+        report = ltx_kernels.inject_optimized_kernels(clone(model), verbose=False, attention=choice)
+        assert f"  attention: {choice} (" in str(report) and report.attention == choice
+        assert injector.LTX_ATTENTION not in report.skipped  # (the CPU's C twin takes head_dim 8)
+    assert "nowhere yet" in str(_report(clone(model), "auto"))
+    # On the meta device (as on a GPU) the tiny heads (8) are not the CUDA kernel's: each
+    # attention is reported, by name, as attending with diffusers' backend.
+    report = _report(clone(model).to("meta"), "ltx_kernels")
+    skipped = report.skipped[injector.LTX_ATTENTION]
+    assert len(skipped) == 2 * ltx.TINY["num_layers"]
+    assert skipped[0] == (
+        "transformer_blocks.0.attn1",
+        "head_dim 8: the CUDA kernel takes 64 or 128; diffusers' attention backend attends",
+    )
+    assert (
+        "skipped attention (ltx_kernels.attention): transformer_blocks.0.attn1 (and 3 more)"
+        in str(report)
+    )
+    with pytest.raises(ValueError, match="attention='sage' is none of"):
+        ltx_kernels.inject_optimized_kernels(clone(model), verbose=False, attention="sage")
+
+
+def _report(model, choice):
+    return ltx_kernels.inject_optimized_kernels(model, verbose=False, attention=choice)
+
+
+def _ltx_inputs(frames):
+    import step_inputs
+
+    torch.manual_seed(1)
+    return step_inputs.ltx_video(
+        ltx.TINY,
+        lambda *shape: torch.randn(*shape),
+        batch=2,
+        frames=frames,
+        height=ltx.HEIGHT,
+        width=ltx.WIDTH,
+        text=ltx.TEXT,
+        mask=step_inputs.text_mask(2, ltx.TEXT, ltx.TEXT - 2, "cpu"),
+        device="cpu",
+    )
+
+
+def test_compiled_blocks_trace_the_op_without_breaks_or_recompiles():
+    # compile_repeated_blocks(fullgraph=True, dynamic=True) on the injected LTX-Video blocks: one
+    # graph, our op inside it (self-attention), no recompile from 2 frames (32 tokens) to 3 (48).
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ltx.tiny_model(torch.float32)
+    stock = clone(model)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False, attention="ltx_kernels")
+    model.compile_repeated_blocks(fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        output_of(model(**_ltx_inputs(2)))
+        with (
+            torch._dynamo.config.patch(error_on_recompile=True),
+            profile(activities=[ProfilerActivity.CPU]) as prof,
+        ):
+            out = output_of(model(**_ltx_inputs(3)))
+        expected = output_of(stock(**_ltx_inputs(3)))
+    events = [e.name for e in prof.events() if e.name == "ltx_kernels::attention"]
+    assert len(events) == ltx.TINY["num_layers"]
+    assert rel_l2(out, expected) <= 1e-5
+
+
+def test_autograd_recording_falls_back_with_stock_gradients():
+    # The op has no backward: a training forward attends with diffusers' backend (gradients bit
+    # for bit those of attention="diffusers"); the same model without gradients runs ours.
+    torch.manual_seed(0)
+    model, inputs = MODELS["flux"].build(torch.float32), MODELS["flux"].inputs(torch.float32)
+    gradients = {}
+    for choice in ("diffusers", "ltx_kernels"):
+        trained = clone(model).train()
+        ltx_kernels.inject_optimized_kernels(trained, verbose=False, attention=choice)
+        with OpCounter() as counter:
+            output_of(trained(**inputs)).square().mean().backward()
+        assert "attention" not in counter.counts
+        gradients[choice] = [p.grad for p in trained.parameters()]
+        with torch.no_grad(), OpCounter() as counter:
+            trained(**inputs)
+        assert ("attention" in counter.counts) == (choice == "ltx_kernels")
+    for ours, theirs in zip(gradients["ltx_kernels"], gradients["diffusers"]):
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_takes_bf16_at_64_and_128_and_matches_sdpa(head_dim):
+    def qkv(head_dim=head_dim, dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        return [torch.randn(2, 300, 4, head_dim, dtype=dtype, device="cuda") for _ in range(3)]
+
+    assert not attention._op_takes(*qkv(head_dim=96))
+    assert not attention._op_takes(*qkv(dtype=torch.float32))
+    query, key, value = qkv()
+    assert attention._op_takes(query, key, value)
+    lengths = (300, 173)
+    out = attention.attend(_Processor(), query, key, value, key_lengths=lengths)
+    expected = attention.attend(
+        type("P", (_Processor,), {"attention": "diffusers"})(),
+        query,
+        key,
+        value,
+        key_lengths=lengths,
+    )
+    assert rel_l2(out, expected) <= BF16_TOLERANCE
