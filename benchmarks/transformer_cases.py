@@ -330,7 +330,12 @@ def configured(column, model):
             ops = set(FUSIONS) - without
             fp8 = "fp8" in parts
             ltx_kernels.inject_optimized_kernels(
-                model, verbose=False, fp8=fp8, ops=ops, fp8_linears=FP8_LINEARS if fp8 else None
+                model,
+                verbose=False,
+                fp8=fp8,
+                ops=ops,
+                fp8_linears=FP8_LINEARS if fp8 else None,
+                keep_bf16_weights=fp8,  # (parked on the CPU: the next column gets them back)
             )
             undo.callback(ltx_kernels.remove_optimized_kernels, model)
         if "torchao-fp8" in parts:

@@ -37,12 +37,18 @@ with rowwise scales (cuBLASLt/CUTLASS through libtorch; bias in the epilogue; bf
 `quant.QuantRows` in the format it declares (`quant_input` "e4m3_row": e4m3 rows plus one fp32
 scale per row, produced by the norm / GELU op before it in the same pass) or a tensor, which it
 quantizes per row itself (`quantize`, one pass). The rule is torchao's dynamic rowwise one
-(reference.quantize_rows). The original bf16 weight stays the
-module's parameter, parked on the CPU (so GPU memory holds 1 byte per weight, not 3), untouched:
-state_dict unchanged, restored exactly by remove_optimized_kernels. Weights written after
-injection (load_state_dict into the parked parameter) are re-quantized at the next eager call. On
-the CPU the GEMM dequantizes (fp32 matmul of the e4m3 values, scaled, rounded once), so CPU tests
-run the same code path up to the GEMM."""
+(reference.quantize_rows). Weights are quantized one Linear
+at a time, where the FP8 weights are to live (inject's fp8_device, default the weight's device:
+a weight on the CPU goes to that device alone, so a GPU holds the FP8 weights and one bf16 Linear
+at most). The bf16 original is then freed: the parameter becomes a meta tensor of its shape and
+dtype (bf16_weight_freed), so the state dict refuses (_refuse_state_dict) rather than give no
+weights, load_state_dict quantizes what it is given (_quantize_loaded), and
+remove_optimized_kernels restores the weight dequantized from FP8 (with a warning). With
+keep_bf16_weights=True it stays the module's parameter instead, parked on the CPU, untouched:
+state_dict unchanged, restored exactly by remove_optimized_kernels, and weights written after
+injection (load_state_dict into the parked parameter) re-quantized at the next eager call. Either
+way GPU memory holds 1 byte per FP8 weight, not 3. On the CPU the GEMM dequantizes (fp32 matmul of
+the e4m3 values, scaled, rounded once), so CPU tests run the same code path up to the GEMM."""
 
 from __future__ import annotations
 
@@ -65,7 +71,7 @@ FP8_FAST_ACCUMULATION = True
 _GROUPS = "_ltx_kernels_fused_groups"
 # (the weight tensor, its version counter or None, whether load_state_dict wrote since)
 _QUANTIZED_FROM = "_ltx_kernels_quantized_from"
-_STALE_HOOK = "_ltx_kernels_stale_hook"  # the load_state_dict post-hook's handle
+_FP8_HOOKS = "_ltx_kernels_fp8_hooks"  # the handles of the state dict hooks to_fp8 registers
 
 
 def fp8_matmul(
@@ -93,7 +99,8 @@ def fp8_matmul(
 
 class Fp8Linear(torch.nn.Linear):
     """nn.Linear whose GEMM runs in FP8 (module docstring): weight_fp8 [N, K] float8_e4m3fn and
-    weight_scale [N] fp32 buffers; `weight` is the original parameter, parked on the CPU."""
+    weight_scale [N] fp32 buffers; `weight` is the original parameter parked on the CPU, or a meta
+    tensor where it was freed (bf16_weight_freed)."""
 
     _ltx_kernels_original_class = torch.nn.Linear
     quant_input = "e4m3_row"  # the QuantRows it takes as is (quant.input_format)
@@ -112,7 +119,7 @@ class Fp8Linear(torch.nn.Linear):
 
     def _apply(self, fn, recurse=True):
         """Device moves and casts (`.to`, `.cuda()`, offload hooks) move the FP8 buffers and the
-        bias; the parked weight stays on the CPU as it is, the buffers keep their dtypes."""
+        bias; the parked (or freed) weight stays as it is, the buffers keep their dtypes."""
         parked = self._parameters.pop("weight")
         fp8 = {name: self._buffers.pop(name) for name in ("weight_fp8", "weight_scale")}
         try:
@@ -183,19 +190,45 @@ def fp8_linear_reason(linear) -> str | None:
     return None
 
 
-def to_fp8(linear: torch.nn.Linear) -> None:
-    """Quantizes linear's weight per output channel, parks the original on the CPU, and makes the
-    module an Fp8Linear. (Normal tensors even under torch.inference_mode: the parked weight stays
-    writable by load_state_dict after it.)"""
+def to_fp8(linear: torch.nn.Linear, keep_bf16_weight: bool, device=None) -> None:
+    """Quantizes linear's weight per output channel on `device` (None: the weight's; a weight
+    elsewhere is copied there alone for it), moves its bias there, and makes the module an
+    Fp8Linear. The bf16 weight is then parked on the CPU (keep_bf16_weight) or freed: the
+    parameter becomes a meta tensor of its shape and dtype, the state dict refuses and
+    load_state_dict quantizes what it is given. (Normal tensors even under torch.inference_mode:
+    the parked weight stays writable by load_state_dict after it.)"""
     weight = linear.weight
+    device = weight.device if device is None else torch.device(device)
     with torch.inference_mode(False):
-        weight_fp8, weight_scale = quantize(weight.detach(), format=Fp8Linear.quant_input)
+        weight_fp8, weight_scale = quantize(
+            weight.detach().to(device), format=Fp8Linear.quant_input
+        )
         linear.register_buffer("weight_fp8", weight_fp8, persistent=False)
         linear.register_buffer("weight_scale", weight_scale, persistent=False)
-        weight.data = weight.data.to("cpu")  # frees the device copy (the buffers hold the GEMM's)
+        if linear.bias is not None and linear.bias.device != device:
+            linear.bias.data = linear.bias.data.to(device)
+        if keep_bf16_weight:  # (a device copy freed: the buffers hold the GEMM's weights)
+            weight.data = weight.data.to("cpu")
+        else:
+            linear.weight = torch.nn.Parameter(
+                torch.empty_like(weight, device="meta"), requires_grad=weight.requires_grad
+            )
     _mark_quantized(linear)
-    linear.__dict__[_STALE_HOOK] = linear.register_load_state_dict_post_hook(_mark_stale)
+    linear.__dict__[_FP8_HOOKS] = (
+        [linear.register_load_state_dict_post_hook(_mark_stale)]
+        if keep_bf16_weight
+        else [
+            linear.register_load_state_dict_pre_hook(_quantize_loaded),
+            linear.register_load_state_dict_post_hook(_mark_loaded),
+            linear.register_state_dict_pre_hook(_refuse_state_dict),
+        ]
+    )
     linear.__class__ = Fp8Linear
+
+
+def bf16_weight_freed(linear: Fp8Linear) -> bool:
+    """Whether the FP8 Linear's bf16 weight was freed at injection (keep_bf16_weights=False)."""
+    return linear._parameters["weight"].is_meta
 
 
 def _mark_quantized(linear) -> None:
@@ -217,13 +250,56 @@ def _mark_stale(linear, incompatible_keys) -> None:
     linear.__dict__[_QUANTIZED_FROM] = (weight, version, True)
 
 
+def _quantize_loaded(linear, state_dict, prefix, *_) -> None:
+    """load_state_dict into an FP8 Linear whose bf16 weight was freed: quantizes the weight it is
+    given (as load_state_dict would have copied it: in the weight's dtype) where the FP8 weights
+    are, the bits the kept weight would give, and hands load_state_dict a meta tensor in its place
+    (this module's entry of its own copy of the dict), so the weight stays freed, assign=True
+    too. A weight of another shape is left to load_state_dict's own error."""
+    key = prefix + "weight"
+    given, weight = state_dict.get(key), linear._parameters["weight"]
+    if isinstance(given, torch.Tensor) and not given.is_meta and given.shape == weight.shape:
+        with torch.inference_mode(False):
+            linear.weight_fp8, linear.weight_scale = quantize(
+                given.detach().to(linear.weight_scale.device, weight.dtype),
+                format=linear.quant_input,
+            )
+        state_dict[key] = torch.empty_like(given, device="meta")
+
+
+def _mark_loaded(linear, incompatible_keys) -> None:
+    """After load_state_dict into an FP8 Linear whose bf16 weight was freed: its FP8 weights are
+    those of the weight as load_state_dict left it (_quantize_loaded; the copy into the meta
+    tensor counts as a write)."""
+    _mark_quantized(linear)
+
+
+def _refuse_state_dict(linear, prefix, keep_vars) -> None:
+    """The state dict of an FP8 Linear whose bf16 weight was freed: it has no value to give (a
+    saved checkpoint would hold none)."""
+    raise RuntimeError(
+        f"ltx_kernels: no state dict for {prefix}weight: its Linear runs in FP8 and its bf16 "
+        "weight was freed at injection (inject_optimized_kernels(..., fp8=True) frees them "
+        "unless keep_bf16_weights=True), so save_pretrained or state_dict would hold no weight. "
+        "Inject with keep_bf16_weights=True (the originals parked on the CPU), or call "
+        "remove_optimized_kernels first (it restores the weights dequantized from FP8)"
+    )
+
+
 def refresh_fp8_weight(linear: Fp8Linear) -> None:
     """Re-quantizes an Fp8Linear whose weight was written since (load_state_dict, or an in-place
     write its version counter shows) or replaced (load_state_dict(..., assign=True),
-    `linear.weight = ...`)."""
+    `linear.weight = ...`). Raises for a write into a freed (meta) weight, which holds no value."""
     weight = linear.weight
     source, version, stale = linear.__dict__[_QUANTIZED_FROM]
     if stale or weight is not source or (version is not None and weight._version != version):
+        if weight.is_meta:
+            raise RuntimeError(
+                "ltx_kernels: an FP8 Linear's bf16 weight was written after injection, but it "
+                "was freed at injection (keep_bf16_weights=False) and holds no value; load "
+                "weights with load_state_dict (quantized as they load), or inject with "
+                "keep_bf16_weights=True"
+            )
         device = linear.weight_scale.device
         with torch.inference_mode(False):
             linear.weight_fp8, linear.weight_scale = quantize(
@@ -233,13 +309,22 @@ def refresh_fp8_weight(linear: Fp8Linear) -> None:
 
 
 def restore_from_fp8(linear: Fp8Linear) -> None:
-    """The plain nn.Linear again, its original weight back on the module's device."""
+    """The plain nn.Linear again, on the module's device: its original weight where it was kept,
+    else one dequantized from FP8 (weight_fp8 * weight_scale, rounded to the weight's dtype)."""
     device = linear.weight_scale.device
     with torch.inference_mode(False):
-        linear.weight.data = linear.weight.data.to(device)
+        if bf16_weight_freed(linear):
+            weight = linear._parameters["weight"]
+            values = linear.weight_fp8.float() * linear.weight_scale[:, None]
+            linear.weight = torch.nn.Parameter(
+                values.to(weight.dtype), requires_grad=weight.requires_grad
+            )
+        else:
+            linear.weight.data = linear.weight.data.to(device)
     del linear._buffers["weight_fp8"], linear._buffers["weight_scale"]
     del linear.__dict__[_QUANTIZED_FROM]
-    linear.__dict__.pop(_STALE_HOOK).remove()
+    for hook in linear.__dict__.pop(_FP8_HOOKS):
+        hook.remove()
     linear.__class__ = torch.nn.Linear
 
 
