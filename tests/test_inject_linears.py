@@ -878,7 +878,9 @@ def test_fp8_freed_weights_refuse_a_state_dict_and_load_quantized(tmp_path):
     keep_bf16_weights (rather than leave the weights out); load_state_dict quantizes the weights
     it is given (the output of a model loaded with them before injection, bit for bit) and
     reports a weight of another shape; peft refuses adapters on a freed Linear (it has no weight
-    to place them by); group offloading moves the FP8 weights (no parameter without values)."""
+    to place them by); group offloading moves the FP8 weights (no parameter without values), and
+    sequential offloading (accelerate's cpu_offload, which reads the state dict) raises."""
+    from accelerate import cpu_offload
     from diffusers.hooks import apply_group_offloading
     from peft import LoraConfig
 
@@ -903,6 +905,8 @@ def test_fp8_freed_weights_refuse_a_state_dict_and_load_quantized(tmp_path):
         model.load_state_dict(wrong, strict=False)
     with pytest.raises(AttributeError):
         model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["ff.net.2"]))
+    with pytest.raises(RuntimeError, match="keep_bf16_weights=True"):
+        cpu_offload(model, execution_device=torch.device("cpu"))
     offloaded = tiny_model(BF16)
     offloaded.load_state_dict(new_state)
     fp8_injected(offloaded)
