@@ -31,7 +31,12 @@ prints and writes.
 
 Time per step: CUDA events around each call (the user-visible step time, CPU launch gaps included),
 median of --reps calls after warm-up; compile time is the wall time of the first call. Each column's
-output is compared with the eager output (relative L2).
+output is compared with the eager output (relative L2). Peak memory: torch.cuda.max_memory_allocated
+over one more step, its counter reset before (the weights, activations and workspaces the step holds
+at once), and for an FP8 column against its bf16 column's (`kernels+fp8` against `kernels`,
+`torchao-fp8+blocks` against `blocks`). The FP8 columns park the bf16 weights on the CPU
+(keep_bf16_weights=True, to give them back to the next column), so the GPU holds what a model
+injected without keeping them holds.
 
   python benchmarks/benchmark_transformer.py --model ltx --tokens 2688 8064 --out results/
   torchrun --nproc_per_node 2 benchmarks/benchmark_transformer.py --context-parallel ulysses
@@ -90,9 +95,31 @@ def graph_step(fn, reps: int):
     return capture_s, statistics.median(times_ms), out
 
 
+def step_peak_bytes(fn) -> int:
+    """torch.cuda.max_memory_allocated over one call of fn, the peak counter reset before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
 def run_column(column, model, call, reps):
+    """(first call s, ms per step, output, peak bytes of a step) of `column`, or None."""
     with transformer_cases.configured(column, model) as target:
-        return None if target is None else time_step(lambda: call(target), reps)
+        if target is None:
+            return None
+        return *time_step(lambda: call(target), reps), step_peak_bytes(lambda: call(target))
+
+
+def bf16_column(column: str) -> str | None:
+    """The bf16 column an FP8 column's peak memory is compared with: the same set-up without FP8
+    (kernels+fp8 -> kernels, torchao-fp8+blocks -> blocks, torchao-fp8 -> eager); None for a
+    bf16 column."""
+    parts = column.split("+")
+    bf16 = [p for p in parts if p not in ("fp8", "torchao-fp8")]
+    return None if bf16 == parts else "+".join(bf16) or "eager"
 
 
 def rel_l2(out, ref):
@@ -228,6 +255,7 @@ def table_header(vs_compile: bool) -> str:
     """The markdown header of a model's table; the "vs compile" column only when the compile
     column was asked for."""
     cells = ["column", "ms/step", "vs eager", "first call (compile) s", "rel L2 vs eager"]
+    cells += ["peak GiB", "peak vs bf16"]
     if vs_compile:
         cells.insert(3, "vs compile")
     return f"| {' | '.join(cells)} |\n|{'---|' * len(cells)}"
@@ -242,6 +270,8 @@ def table_row(column: str, row: dict, vs_compile: bool) -> str:
         bench_utils.ratio_cell(row["speedup_vs_eager"]),
         f"{row['first_call_s']:.1f}",
         _rel_l2_cell(row["rel_l2"]),
+        f"{row['peak_gib']:.2f}",
+        bench_utils.ratio_cell(row["peak_vs_bf16"]),
     ]
     if vs_compile:
         cells.insert(3, bench_utils.ratio_cell(row["speedup_vs_compile"]))
@@ -310,8 +340,12 @@ def main():
             measured = run_column(column, model, call, args.reps)
             if measured is None:
                 continue
-            first_s, ms, out = measured
-            row = rows[column] = dict(ms=ms, first_call_s=first_s, out=out.float())
+            first_s, ms, out, peak = measured
+            # (outputs kept on the CPU: the next columns' peaks do not hold them)
+            row = rows[column] = dict(ms=ms, first_call_s=first_s, out=out.float().cpu())
+            row["peak_gib"] = peak / 2**30
+            bf16 = rows.get(bf16_column(column))
+            row["peak_vs_bf16"] = row["peak_gib"] / bf16["peak_gib"] if bf16 else None
             eager = rows.get("eager")
             row["speedup_vs_eager"] = eager["ms"] / ms if eager else None
             row["speedup_vs_compile"] = rows["compile"]["ms"] / ms if "compile" in rows else None

@@ -345,6 +345,7 @@ def configured(column, model):
                 ops=ops,
                 fp8_linears=FP8_LINEARS if fp8 else None,
                 attention="ltx_kernels" if "ltx_attention" in parts else "auto",
+                keep_bf16_weights=fp8,  # (parked on the CPU: the next column gets them back)
             )
             undo.callback(ltx_kernels.remove_optimized_kernels, model)
         if "torchao-fp8" in parts:

@@ -840,6 +840,7 @@ def apply_config(pipe, config: str, args) -> str:
             fp8_linears=args.fp8_linears if fp8 else None,
             fp8_bf16_blocks=args.fp8_bf16_blocks,
             attention=args.attention if ops is None else "diffusers",
+            keep_bf16_weights=fp8,  # (restore_baseline restores them exactly for the next row)
         )
         if args.cpu_offload:
             pipe.enable_model_cpu_offload()

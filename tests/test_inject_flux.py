@@ -148,7 +148,7 @@ def test_single_block_qkv_mlp_is_one_fp8_gemm_and_restores():
     unfused = clone(block)
     params = dict(block.named_parameters())
     state = {k: v.clone() for k, v in block.state_dict().items()}
-    eager, injected, report = eager_and_injected(block, call, fp8=True)
+    eager, injected, report = eager_and_injected(block, call, fp8=True, keep_bf16_weights=True)
     assert report.patched[SINGLE_QKV_MLP] == 1
     assert "fused projections (to_q/to_k/to_v)" not in report.patched  # replaced by the larger
     # the members' FP8 weights are row blocks of one storage, q/k/v with proj_mlp

@@ -6,6 +6,7 @@ full-size model on the GPU."""
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import ltx_kernels
 from inject_helpers import (
@@ -329,7 +330,7 @@ def test_fp8_weights_are_quantized_once_and_parked():
         if isinstance(m, torch.nn.Linear)
     }
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    fp8_injected(model)
+    fp8_injected(model, keep_bf16_weights=True)
     for block in model.transformer_blocks:
         for path in FP8_LINEARS:
             linear = block.get_submodule(path)
@@ -354,11 +355,11 @@ def test_fp8_remove_restores_bit_identical_outputs():
     call = caller(tiny_inputs(BF16))
     with torch.no_grad():
         before = output_of(call(model))
-    fp8_injected(model)
+    fp8_injected(model, keep_bf16_weights=True)
     ltx_kernels.remove_optimized_kernels(model)
     with torch.no_grad():
         assert torch.equal(output_of(call(model)), before)
-    fp8_injected(model)  # and again after removal
+    fp8_injected(model, keep_bf16_weights=True)  # and again after removal
 
 
 def test_fp8_op_counts():
@@ -540,7 +541,7 @@ def test_fp8_remove_restores_every_family_exactly(family):
     with torch.no_grad():
         before = call(model)
     for preset in FP8_PRESETS:
-        fp8_injected(model, fp8_linears=preset)
+        fp8_injected(model, fp8_linears=preset, keep_bf16_weights=True)
         ltx_kernels.remove_optimized_kernels(model)
         with torch.no_grad():
             assert_same_samples(call(model), before)
@@ -662,11 +663,11 @@ def test_fp8_hooks_see_tensors_and_the_output_is_unchanged():
 def test_fp8_sees_weights_loaded_after_injection():
     model = tiny_model(BF16)
     inputs = tiny_inputs(BF16)
-    fp8_injected(model)
+    fp8_injected(model, keep_bf16_weights=True)
     new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
     fresh = tiny_model(BF16)
     fresh.load_state_dict(new_state)
-    fp8_injected(fresh)
+    fp8_injected(fresh, keep_bf16_weights=True)
     with torch.no_grad():
         model.load_state_dict(new_state)  # into the parked weights: re-quantized at the next call
         assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
@@ -686,19 +687,21 @@ def test_fp8_sees_weights_loaded_after_injection():
         assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
 
 
+@pytest.mark.parametrize("keep_bf16_weights", [True, False], ids=["kept", "freed"])
 @pytest.mark.parametrize(
     "built_in_inference_mode", [False, True], ids=["built_outside", "built_inside"]
 )
-def test_fp8_injected_inside_inference_mode(built_in_inference_mode, device):
+def test_fp8_injected_inside_inference_mode(built_in_inference_mode, keep_bf16_weights, device):
     """inject_optimized_kernels(fp8=True) inside torch.inference_mode, as a script wrapping its
     whole run does (the model built outside, or inside it too: its parameters then are inference
     tensors, which have no version counter): the model runs there and outside, gives the output of
     the model injected outside, and weights loaded afterwards (in place, inside or outside) are
     re-quantized. (On the GPU injection parks each weight on the CPU: inside inference_mode that
-    copy was an inference tensor, and its version counter raised at the first call.)"""
+    copy was an inference tensor, and its version counter raised at the first call.) The bf16
+    weights parked or freed (then load_state_dict quantizes what it is given)."""
     inputs = tiny_inputs(BF16, device=device)
     reference_model = tiny_model(BF16).to(device)
-    fp8_injected(reference_model)
+    fp8_injected(reference_model, keep_bf16_weights=True)
     with torch.no_grad():
         expected = output_of(reference_model(**inputs))
     state = reference_model.state_dict()
@@ -706,7 +709,9 @@ def test_fp8_injected_inside_inference_mode(built_in_inference_mode, device):
         model = tiny_model(BF16).to(device)
         model.load_state_dict(state)
     with torch.inference_mode():
-        ltx_kernels.inject_optimized_kernels(model, verbose=False, fp8=True)
+        ltx_kernels.inject_optimized_kernels(
+            model, verbose=False, fp8=True, keep_bf16_weights=keep_bf16_weights
+        )
         assert torch.equal(output_of(model(**inputs)), expected)
     with torch.no_grad():
         assert torch.equal(output_of(model(**inputs)), expected)
@@ -826,6 +831,138 @@ def test_fp8_moves_between_devices_keeping_the_weight_parked():
 
 
 # ------------------------------------------------------------------------------------------------
+# FP8 memory: the bf16 weights freed one Linear at a time (or kept: keep_bf16_weights), fp8_device
+# ------------------------------------------------------------------------------------------------
+def live_weights_at_each_quantization(model, names, monkeypatch) -> list:
+    """A list that gets, at each quantization of an FP8 Linear weight from now on, how many of the
+    bf16 weights of `model`'s Linears `names` (their storages as they are now) are allocated."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storages = [StorageWeakRef(model.get_submodule(n).weight.untyped_storage()) for n in names]
+    live = []
+
+    def counting(*args, **kwargs):
+        live.append(sum(not storage.expired() for storage in storages))
+        return ltx_kernels.ops.quantize(*args, **kwargs)
+
+    monkeypatch.setattr(linears, "quantize", counting)
+    return live
+
+
+@pytest.mark.parametrize("family", ["ltx", "flux", "wan", "ltx2-2.0", "hunyuanvideo-1.5"])
+def test_fp8_frees_each_bf16_weight_once_quantized(family, monkeypatch):
+    """By default each FP8 Linear's bf16 weight is freed once its FP8 copy exists, before the next
+    one is quantized (counted: at each quantization, the one quantized and those not reached yet
+    are allocated; kept, all of them stay), the module's weight None; the FP8 weights, scales and
+    outputs are the kept path's, bit for bit."""
+    model, call = fp8_model(family)
+    kept, _ = fp8_model(family)
+    names = fp8_linear_names(model, family)
+    live = live_weights_at_each_quantization(model, names, monkeypatch)
+    fp8_injected(model)
+    assert live == list(range(len(names), 0, -1))
+    live_kept = live_weights_at_each_quantization(kept, names, monkeypatch)
+    fp8_injected(kept, keep_bf16_weights=True)
+    assert live_kept == [len(names)] * len(names)
+    for name in names:
+        linear, twin = model.get_submodule(name), kept.get_submodule(name)
+        assert linear.weight is None and twin.weight is not None
+        assert torch.equal(linear.weight_fp8.view(torch.uint8), twin.weight_fp8.view(torch.uint8))
+        assert torch.equal(linear.weight_scale, twin.weight_scale)
+    with torch.no_grad():
+        assert_same_samples(call(model), call(kept))
+
+
+def test_fp8_freed_weights_refuse_a_state_dict_and_load_quantized(tmp_path):
+    """With the bf16 weights freed: state_dict and save_pretrained raise, naming the Linear and
+    keep_bf16_weights (rather than leave the weights out); load_state_dict quantizes the weights
+    it is given (the output of a model loaded with them before injection, bit for bit) and
+    reports a weight of another shape; peft refuses adapters on a freed Linear (it has no weight
+    to place them by); group offloading moves the FP8 weights (no parameter without values), and
+    sequential offloading (accelerate's cpu_offload, which reads the state dict) raises."""
+    from accelerate import cpu_offload
+    from diffusers.hooks import apply_group_offloading
+    from peft import LoraConfig
+
+    model = tiny_model(BF16)
+    inputs = tiny_inputs(BF16)
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    fp8_injected(model)
+    refusal = r"no state dict for transformer_blocks\.0\.attn1\.to_q\.weight: .*freed at inj"
+    with pytest.raises(RuntimeError, match=refusal):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="keep_bf16_weights=True"):
+        model.save_pretrained(tmp_path)
+    loaded = tiny_model(BF16)
+    loaded.load_state_dict(new_state)
+    fp8_injected(loaded)
+    with torch.no_grad():
+        result = model.load_state_dict(new_state)
+        assert not result.missing_keys and not result.unexpected_keys
+        assert torch.equal(output_of(model(**inputs)), output_of(loaded(**inputs)))
+    wrong = {"transformer_blocks.0.ff.net.2.weight": torch.zeros(3, 3, dtype=BF16)}
+    with pytest.raises(RuntimeError, match=r"size mismatch for transformer_blocks\.0\.ff\.net"):
+        model.load_state_dict(wrong, strict=False)
+    with pytest.raises(AttributeError):
+        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["ff.net.2"]))
+    with pytest.raises(RuntimeError, match="keep_bf16_weights=True"):
+        cpu_offload(model, execution_device=torch.device("cpu"))
+    offloaded = tiny_model(BF16)
+    offloaded.load_state_dict(new_state)
+    fp8_injected(offloaded)
+    apply_group_offloading(
+        offloaded, torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1
+    )
+    with torch.no_grad():
+        assert torch.equal(output_of(offloaded(**inputs)), output_of(loaded(**inputs)))
+
+
+@pytest.mark.parametrize("family", ["ltx", "wan", "ltx2-2.0", "hunyuanvideo-1.5"])
+def test_fp8_remove_restores_freed_weights_dequantized(family):
+    """remove_optimized_kernels on a model whose bf16 weights were freed: a warning, and plain
+    Linears whose weights are their FP8 weights dequantized (weight_fp8 * weight_scale in bf16):
+    the output of the stock model with those weights, bit for bit; the state dict works again,
+    and the model injects again."""
+    model, call = fp8_model(family)
+    stock, _ = fp8_model(family)
+    names = fp8_linear_names(model, family)
+    fp8_injected(model)
+    dequantized = {}
+    for name in names:
+        linear = model.get_submodule(name)
+        dequantized[name] = (linear.weight_fp8.float() * linear.weight_scale[:, None]).to(BF16)
+    with pytest.warns(UserWarning, match=r"weights of \d+ FP8 Linears .* dequantized from FP8"):
+        ltx_kernels.remove_optimized_kernels(model)
+    with torch.no_grad():
+        for name in names:
+            linear = model.get_submodule(name)
+            assert type(linear) is torch.nn.Linear and not linear._buffers
+            assert torch.equal(linear.weight, dequantized[name])
+            stock.get_submodule(name).weight.copy_(dequantized[name])
+        assert_same_samples(call(model), call(stock))
+    assert model.state_dict().keys() == stock.state_dict().keys()
+    fp8_injected(model)
+
+
+def test_fp8_memory_options():
+    """fp8_device on the device the weights are on changes nothing (bit for bit); the memory
+    options without fp8=True raise."""
+    model, call = fp8_model("ltx")
+    on_device, _ = fp8_model("ltx")
+    fp8_injected(model)
+    fp8_injected(on_device, fp8_device="cpu")
+    for name in fp8_linear_names(model, "ltx"):
+        a, b = model.get_submodule(name), on_device.get_submodule(name)
+        assert torch.equal(a.weight_fp8.view(torch.uint8), b.weight_fp8.view(torch.uint8))
+    with torch.no_grad():
+        assert_same_samples(call(model), call(on_device))
+    for option in (dict(keep_bf16_weights=True), dict(fp8_device="cpu")):
+        ((name, value),) = option.items()
+        with pytest.raises(ValueError, match=f"{name}={value!r} needs fp8=True"):
+            ltx_kernels.inject_optimized_kernels(tiny_model(BF16), **option)
+
+
+# ------------------------------------------------------------------------------------------------
 # Full size on the GPU
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -842,7 +979,7 @@ def test_full_size_fp8_gpu():
     names = fp8_linear_names(model, "ltx")
     freed = sum((m.weight.numel() - 4 * m.out_features) for m in map(model.get_submodule, names))
     before = torch.cuda.memory_allocated()
-    report = fp8_injected(model)
+    report = fp8_injected(model, keep_bf16_weights=True)
     after = torch.cuda.memory_allocated()
     assert report.patched["Linear (FP8 GEMM)"] == len(names) == 28 * len(FP8_LINEARS)
     with torch.no_grad():
@@ -967,3 +1104,51 @@ def test_fp8_matmul_with_bias_at_any_row_count_gpu(rows, k, n):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     # two bf16 roundings at most (the bias added after the GEMM); fast accumulation's fp32 sums
     assert rel_l2(out.double(), expected) <= 2 * 2**-8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["ltx2-2.3-stg", "hunyuanvideo-1.5"])
+def test_fp8_device_quantizes_a_cpu_model_onto_the_gpu(family):
+    """A bf16 model at real widths on the CPU, injected with fp8_device="cuda" (a checkpoint the
+    GPU could not hold in bf16): the GPU's peak during injection stays under what injection
+    leaves there (the FP8 Linears' e4m3 weights, scales and biases, in the allocator's blocks:
+    up to 1 MiB more each) plus the largest bf16 Linear weight (the one being quantized) plus
+    the largest FP8 storage (a fused group, concatenated while its members still hold theirs)
+    and 2 MiB; the FP8 weights are those of the model injected on the GPU bit for bit, and so is
+    the output once the rest of the model is moved."""
+    model, inputs = _real_size(family, device="cpu")
+    call = caller(pytree.tree_map(lambda t: t.cuda() if torch.is_tensor(t) else t, inputs))
+    on_gpu = clone(model).cuda()
+    fp8_injected(on_gpu)
+    names = fp8_linear_names(model, family)
+    largest_bf16 = max(model.get_submodule(name).weight.nbytes for name in names)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fp8_injected(model, fp8_device="cuda")
+    peak = torch.cuda.max_memory_allocated() - start
+    held = torch.cuda.memory_allocated() - start
+    storages = {}  # the FP8 Linears' GPU storages (a fused group's members share one)
+    for name in names:
+        linear = model.get_submodule(name)
+        for tensor in (linear.weight_fp8, linear.weight_scale, linear.bias):
+            if tensor is not None:
+                assert tensor.is_cuda
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    resident = sum(storages.values())
+    bound = held + largest_bf16 + max(storages.values()) + 2 * 2**20
+    print(
+        f"{family} at real widths, fp8_device='cuda' from the CPU: GPU peak "
+        f"{peak / 2**20:.1f} MiB, FP8 Linears {resident / 2**20:.1f} MiB (held "
+        f"{held / 2**20:.1f}), largest bf16 Linear {largest_bf16 / 2**20:.1f} MiB, bound "
+        f"{bound / 2**20:.1f} MiB"
+    )
+    assert resident <= held <= resident + 2**20 * len(storages)
+    assert peak <= bound
+    for name in names:
+        linear, twin = model.get_submodule(name), on_gpu.get_submodule(name)
+        assert torch.equal(linear.weight_fp8.view(torch.uint8), twin.weight_fp8.view(torch.uint8))
+        assert torch.equal(linear.weight_scale, twin.weight_scale)
+    model.cuda()
+    with torch.no_grad():
+        assert_same_samples(call(model), call(on_gpu))

@@ -173,13 +173,15 @@ def test_chart_title_fits_the_image(gv, tmp_path, monkeypatch):
 # ---- benchmark_transformer.py's table -----------------------------------------------------------
 
 
-def row(ms, vs_eager=None, vs_compile=None, rel_l2=None):
+def row(ms, vs_eager=None, vs_compile=None, rel_l2=None, peak_vs_bf16=None):
     return dict(
         ms=ms,
         first_call_s=1.5,
         speedup_vs_eager=vs_eager,
         speedup_vs_compile=vs_compile,
         rel_l2=rel_l2,
+        peak_gib=12.345,
+        peak_vs_bf16=peak_vs_bf16,
     )
 
 
@@ -188,7 +190,7 @@ def test_table_without_the_compile_column_has_no_vs_compile(bt):
     assert "vs compile" not in header
     cells = header.splitlines()[0].count("|") - 1
     line = bt.table_row("kernels", row(10.0, vs_eager=1.5, rel_l2=1e-3), vs_compile=False)
-    assert line == "| kernels | 10.00 | 1.50x | 1.5 | 1.00e-03 |"
+    assert line == "| kernels | 10.00 | 1.50x | 1.5 | 1.00e-03 | 12.35 | - |"
     assert line.count("|") - 1 == cells and header.splitlines()[1].count("---") == cells
 
 
@@ -197,9 +199,22 @@ def test_table_ratios_without_a_reference_are_dashes(bt):
     assert "| vs eager | vs compile |" in header
     # kernels measured before compile: no ratio to compile yet; no eager column asked for
     line = bt.table_row("kernels", row(10.0), vs_compile=True)
-    assert line == "| kernels | 10.00 | - | - | 1.5 | - |" and "nan" not in line
+    assert line == "| kernels | 10.00 | - | - | 1.5 | - | 12.35 | - |" and "nan" not in line
     line = bt.table_row("compile+kernels", row(8.0, 2.0, 1.25, 2e-3), vs_compile=True)
-    assert line == "| compile+kernels | 8.00 | 2.00x | 1.25x | 1.5 | 2.00e-03 |"
+    assert line == "| compile+kernels | 8.00 | 2.00x | 1.25x | 1.5 | 2.00e-03 | 12.35 | - |"
+    line = bt.table_row("kernels+fp8", row(8.0, 2.0, None, 2e-2, 0.6), vs_compile=True)
+    assert line == "| kernels+fp8 | 8.00 | 2.00x | - | 1.5 | 2.00e-02 | 12.35 | 0.60x |"
+
+
+def test_fp8_columns_peak_memory_against_their_bf16_column(bt):
+    pairs = {
+        "kernels+fp8": "kernels",
+        "blocks+kernels+fp8": "blocks+kernels",
+        "torchao-fp8+blocks": "blocks",
+        "torchao-fp8": "eager",
+        "blocks+kernels": None,
+    }
+    assert {column: bt.bf16_column(column) for column in pairs} == pairs
 
 
 def test_ratio_cell(bt):

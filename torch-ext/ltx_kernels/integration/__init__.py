@@ -21,12 +21,14 @@ can be taken out one at a time when hunting a numerical difference.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .._op_names import OPS
 from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
 from .cfg_parallel import enable_cfg_parallel
-from .linears import FP8_PRESETS
+from .linears import FP8_PRESETS, Fp8Linear, bf16_weight_freed
 from .injector import (
     ATTENTION_CHOICES,
     DISABLE_ENV,
@@ -107,6 +109,8 @@ def inject_optimized_kernels(
     fp8_linears: str | None = None,
     fp8_bf16_blocks: int = 0,
     attention: str = "auto",
+    keep_bf16_weights: bool = False,
+    fp8_device: torch.device | str | None = None,
 ) -> InjectionReport:
     """Patches every supported block of a diffusers pipeline or model (LTX-Video, FLUX.1, Wan 2.x,
     SD3/SD3.5, HunyuanVideo/HunyuanVideo-1.5 transformers, or a bare block) to run on the fused
@@ -125,8 +129,15 @@ def inject_optimized_kernels(
     float16/bfloat16, head_dim 64 or 128), "diffusers" each processor's diffusers attention
     backend, as stock; "auto" (default) our op only where injector.LTX_ATTENTION_FASTER says it
     measured faster (nowhere yet), "diffusers" elsewhere (attention.py).
-    Inject after loading and before offloading, caching or compiling. Returns an InjectionReport
-    (printed when verbose). Raises on a model that is already injected."""
+    The FP8 weights are quantized one Linear at a time and each bf16 original is freed after
+    (the state dict then refuses; remove_optimized_kernels restores weights dequantized from FP8,
+    with a warning); keep_bf16_weights=True parks the originals on the CPU instead (state dict
+    unchanged, restored exactly). fp8_device: quantize on that device and keep the FP8 Linears
+    there (their bf16 weight goes there alone, one Linear at a time: a bf16 model on the CPU goes
+    to a GPU that could not hold it in bf16; the other modules stay where they are, move them
+    after); None: where each weight is. Inject after loading and before offloading, caching or
+    compiling. Returns an InjectionReport (printed when verbose). Raises on a model that is
+    already injected."""
     from .. import _library
 
     _library()  # raises with the build error when the extension did not load
@@ -141,6 +152,11 @@ def inject_optimized_kernels(
         raise ValueError(
             f"inject_optimized_kernels: attention={attention!r} is none of {ATTENTION_CHOICES}"
         )
+    for option, value in (("keep_bf16_weights", keep_bf16_weights), ("fp8_device", fp8_device)):
+        if value not in (None, False) and not fp8:
+            raise ValueError(f"inject_optimized_kernels: {option}={value!r} needs fp8=True")
+    if fp8_device is not None:
+        fp8_device = torch.device(fp8_device)
     if fp8_bf16_blocks < 0:
         raise ValueError(
             f"inject_optimized_kernels: fp8_bf16_blocks must be >= 0, got {fp8_bf16_blocks}"
@@ -148,7 +164,7 @@ def inject_optimized_kernels(
     report = InjectionReport(
         ops=tuple(name for name in FUSIONS if name in ops), fp8=fp8, attention=attention
     )
-    injector = Injector(ops, report, fp8, fp8_linears, attention)
+    injector = Injector(ops, report, fp8, fp8_linears, attention, keep_bf16_weights, fp8_device)
     for prefix, model in _models(pipe_or_model):
         modules = list(model.named_modules())
         for name, module in modules:
@@ -158,7 +174,7 @@ def inject_optimized_kernels(
                     "call remove_optimized_kernels first"
                 )
         if fp8:
-            _check_fp8_device(model, prefix)
+            _check_fp8_device(model, prefix, fp8_device)
         patched_before = report.total_patched
         for name, module in modules:
             patch = _PATCHERS.get(type(module).__name__)
@@ -172,9 +188,10 @@ def inject_optimized_kernels(
     return report
 
 
-def _check_fp8_device(model: torch.nn.Module, prefix: str) -> None:
+def _check_fp8_device(model: torch.nn.Module, prefix: str, fp8_device) -> None:
     """fp8=True needs the weights (quantized at injection: no meta-device model) and FP8 tensor
-    cores (compute capability 8.9+) where the weights are on a GPU."""
+    cores (compute capability 8.9+) where the FP8 weights go (fp8_device, else where the weights
+    are) on a GPU."""
     if any(p.is_meta for p in model.parameters()):
         raise RuntimeError(
             f"inject_optimized_kernels(fp8=True): {prefix or 'the model'} has parameters on the "
@@ -182,7 +199,8 @@ def _check_fp8_device(model: torch.nn.Module, prefix: str) -> None:
             "do before loading); FP8 quantizes the weights at injection: inject after the "
             "weights are loaded (fp8=False injects on an empty model too)"
         )
-    devices = {p.device for p in model.parameters() if p.is_cuda}
+    devices = {p.device for p in model.parameters()} if fp8_device is None else {fp8_device}
+    devices = {d for d in devices if d.type == "cuda"}
     for device in devices:
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
@@ -195,14 +213,26 @@ def _check_fp8_device(model: torch.nn.Module, prefix: str) -> None:
 
 
 def remove_optimized_kernels(pipe_or_model) -> int:
-    """Undoes inject_optimized_kernels exactly (classes and processors restored). Returns the number
-    of modules restored. Raises if a hook was added to a patched module after injection (it holds
-    the patched forward): remove that hook first."""
+    """Undoes inject_optimized_kernels exactly (classes and processors restored), but the bf16
+    weights of FP8 Linears injected without keep_bf16_weights, which were freed: those come back
+    dequantized from FP8 (a warning says so). Returns the number of modules restored. Raises if a
+    hook was added to a patched module after injection (it holds the patched forward): remove
+    that hook first."""
     restored = 0
     for prefix, model in _models(pipe_or_model):
         modules = list(model.named_modules())
         for name, module in modules:
             check_restorable(".".join(p for p in (prefix, name) if p), module)
+        freed = [n for n, m in modules if isinstance(m, Fp8Linear) and bf16_weight_freed(m)]
+        if freed:
+            warnings.warn(
+                f"remove_optimized_kernels: the bf16 weights of {len(freed)} FP8 Linears "
+                f"({'.'.join(p for p in (prefix, freed[0]) if p)}, ...) were freed at injection "
+                "(keep_bf16_weights=False): restored dequantized from FP8 (weight_fp8 * "
+                "weight_scale in bf16), not the original values; inject with "
+                "keep_bf16_weights=True to restore them exactly",
+                stacklevel=2,
+            )
         for _, module in modules:  # (an owner of fused projections comes before its members)
             restored += restore(module)
     return restored

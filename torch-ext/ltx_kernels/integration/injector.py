@@ -217,12 +217,16 @@ class Injector:
         fp8: bool = False,
         fp8_preset: str | None = None,
         attention: str = "auto",
+        keep_bf16_weights: bool = False,
+        fp8_device=None,
     ):
         self.ops = ops
         self.report = report
         self.attention = attention
         self.fp8 = fp8
         self.fp8_preset = fp8_preset  # None: each family's default
+        self.keep_bf16_weights = keep_bf16_weights  # (linears.to_fp8)
+        self.fp8_device = fp8_device  # where FP8 weights are quantized and kept (None: in place)
         self._fp8_blocks: list = []  # (block name, [(Linear name, Linear)]), in model order
         self._projection_groups: list = []  # (owner name, owner, key, member names, fusion)
 
@@ -268,7 +272,7 @@ class Injector:
                 if reason:
                     self.skip(FP8_LINEAR, name, reason)
                 else:
-                    linears.to_fp8(linear)
+                    linears.to_fp8(linear, self.keep_bf16_weights, self.fp8_device)
                     self.report.patched[FP8_LINEAR] += 1
         groups, self._projection_groups = self._projection_groups, []
         grouped = set()  # ids of the modules fused so far

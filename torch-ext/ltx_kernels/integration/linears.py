@@ -37,12 +37,19 @@ with rowwise scales (cuBLASLt/CUTLASS through libtorch; bias in the epilogue; bf
 `quant.QuantRows` in the format it declares (`quant_input` "e4m3_row": e4m3 rows plus one fp32
 scale per row, produced by the norm / GELU op before it in the same pass) or a tensor, which it
 quantizes per row itself (`quantize`, one pass). The rule is torchao's dynamic rowwise one
-(reference.quantize_rows). The original bf16 weight stays the
-module's parameter, parked on the CPU (so GPU memory holds 1 byte per weight, not 3), untouched:
-state_dict unchanged, restored exactly by remove_optimized_kernels. Weights written after
-injection (load_state_dict into the parked parameter) are re-quantized at the next eager call. On
-the CPU the GEMM dequantizes (fp32 matmul of the e4m3 values, scaled, rounded once), so CPU tests
-run the same code path up to the GEMM."""
+(reference.quantize_rows). Weights are quantized one Linear at a time, where the FP8 weights are
+to live (inject's fp8_device, default the weight's device: a weight on the CPU goes to that device
+alone, so a GPU holds the FP8 weights and one bf16 Linear at most). The bf16 original is then
+freed: the module's `weight` is None (bf16_weight_freed; a meta tensor of its shape and dtype is
+kept aside, _FREED_WEIGHT), so nothing computes with values that are gone (peft refuses to place
+adapters on it); the state dict refuses (_refuse_state_dict) rather than leave the weights out,
+load_state_dict quantizes what it is given (_quantize_loaded), and remove_optimized_kernels
+restores the weight dequantized from FP8 (with a warning). With keep_bf16_weights=True it stays
+the module's parameter instead, parked on the CPU, untouched: state_dict unchanged, restored
+exactly by remove_optimized_kernels, and weights written after injection (load_state_dict into
+the parked parameter) re-quantized at the next eager call. Either way GPU memory holds 1 byte per
+FP8 weight, not 3. On the CPU the GEMM dequantizes (fp32 matmul of the e4m3 values, scaled,
+rounded once), so CPU tests run the same code path up to the GEMM."""
 
 from __future__ import annotations
 
@@ -67,7 +74,9 @@ SMALL_GEMM_ROWS = 128
 _GROUPS = "_ltx_kernels_fused_groups"
 # (the weight tensor, its version counter or None, whether load_state_dict wrote since)
 _QUANTIZED_FROM = "_ltx_kernels_quantized_from"
-_STALE_HOOK = "_ltx_kernels_stale_hook"  # the load_state_dict post-hook's handle
+_FP8_HOOKS = "_ltx_kernels_fp8_hooks"  # the handles of the state dict hooks to_fp8 registers
+# A freed bf16 weight's shape, dtype and requires_grad, as a meta tensor (remove_optimized_kernels)
+_FREED_WEIGHT = "_ltx_kernels_freed_weight"
 
 
 def fp8_matmul(
@@ -101,7 +110,8 @@ def fp8_matmul(
 
 class Fp8Linear(torch.nn.Linear):
     """nn.Linear whose GEMM runs in FP8 (module docstring): weight_fp8 [N, K] float8_e4m3fn and
-    weight_scale [N] fp32 buffers; `weight` is the original parameter, parked on the CPU."""
+    weight_scale [N] fp32 buffers; `weight` is the original parameter parked on the CPU, or None
+    where it was freed (bf16_weight_freed)."""
 
     _ltx_kernels_original_class = torch.nn.Linear
     quant_input = "e4m3_row"  # the QuantRows it takes as is (quant.input_format)
@@ -116,11 +126,11 @@ class Fp8Linear(torch.nn.Linear):
         if not torch.compiler.is_compiling():
             refresh_fp8_weight(self)
         rows = x if isinstance(x, QuantRows) else quantize_rows(x, self.quant_input)
-        return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, self.weight.dtype)
+        return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, out_dtype(self))
 
     def _apply(self, fn, recurse=True):
         """Device moves and casts (`.to`, `.cuda()`, offload hooks) move the FP8 buffers and the
-        bias; the parked weight stays on the CPU as it is, the buffers keep their dtypes."""
+        bias; the parked (or freed) weight stays as it is, the buffers keep their dtypes."""
         parked = self._parameters.pop("weight")
         fp8 = {name: self._buffers.pop(name) for name in ("weight_fp8", "weight_scale")}
         try:
@@ -191,19 +201,51 @@ def fp8_linear_reason(linear) -> str | None:
     return None
 
 
-def to_fp8(linear: torch.nn.Linear) -> None:
-    """Quantizes linear's weight per output channel, parks the original on the CPU, and makes the
-    module an Fp8Linear. (Normal tensors even under torch.inference_mode: the parked weight stays
-    writable by load_state_dict after it.)"""
+def to_fp8(linear: torch.nn.Linear, keep_bf16_weight: bool, device=None) -> None:
+    """Quantizes linear's weight per output channel on `device` (None: the weight's; a weight
+    elsewhere is copied there alone for it), moves its bias there, and makes the module an
+    Fp8Linear. The bf16 weight is then parked on the CPU (keep_bf16_weight) or freed: the
+    module's weight becomes None, the state dict refuses and load_state_dict quantizes what it is
+    given. (Normal tensors even under torch.inference_mode: the parked weight stays writable by
+    load_state_dict after it.)"""
     weight = linear.weight
+    device = weight.device if device is None else torch.device(device)
     with torch.inference_mode(False):
-        weight_fp8, weight_scale = quantize(weight.detach(), format=Fp8Linear.quant_input)
+        weight_fp8, weight_scale = quantize(
+            weight.detach().to(device), format=Fp8Linear.quant_input
+        )
         linear.register_buffer("weight_fp8", weight_fp8, persistent=False)
         linear.register_buffer("weight_scale", weight_scale, persistent=False)
-        weight.data = weight.data.to("cpu")  # frees the device copy (the buffers hold the GEMM's)
+        if linear.bias is not None and linear.bias.device != device:
+            linear.bias.data = linear.bias.data.to(device)
+        if keep_bf16_weight:  # (a device copy freed: the buffers hold the GEMM's weights)
+            weight.data = weight.data.to("cpu")
+        else:
+            freed = torch.empty_like(weight, device="meta").requires_grad_(weight.requires_grad)
+            linear.__dict__[_FREED_WEIGHT] = freed
+            linear.weight = None
     _mark_quantized(linear)
-    linear.__dict__[_STALE_HOOK] = linear.register_load_state_dict_post_hook(_mark_stale)
+    linear.__dict__[_FP8_HOOKS] = (
+        [linear.register_load_state_dict_post_hook(_mark_stale)]
+        if keep_bf16_weight
+        else [
+            linear.register_load_state_dict_pre_hook(_quantize_loaded),
+            linear.register_state_dict_pre_hook(_refuse_state_dict),
+        ]
+    )
     linear.__class__ = Fp8Linear
+
+
+def bf16_weight_freed(linear: Fp8Linear) -> bool:
+    """Whether the FP8 Linear's bf16 weight was freed at injection (keep_bf16_weights=False) and
+    no weight was given to it since (`linear.weight = ...`)."""
+    return linear._parameters["weight"] is None
+
+
+def out_dtype(linear: Fp8Linear) -> torch.dtype:
+    """The dtype an FP8 Linear writes: its weight's (bf16: fp8_linear_reason), freed or not."""
+    weight = linear._parameters["weight"]
+    return FP8_MODEL_DTYPE if weight is None else weight.dtype
 
 
 def _mark_quantized(linear) -> None:
@@ -212,7 +254,7 @@ def _mark_quantized(linear) -> None:
     through load_state_dict only, _mark_stale)."""
     weight = linear.weight
     try:
-        version = weight._version
+        version = None if weight is None else weight._version
     except RuntimeError:  # ("Inference tensors do not track version counter")
         version = None
     linear.__dict__[_QUANTIZED_FROM] = (weight, version, False)
@@ -225,10 +267,48 @@ def _mark_stale(linear, incompatible_keys) -> None:
     linear.__dict__[_QUANTIZED_FROM] = (weight, version, True)
 
 
+def _quantize_loaded(
+    linear, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+):
+    """load_state_dict into an FP8 Linear whose bf16 weight was freed: quantizes the weight it is
+    given (as load_state_dict would have copied it: in the weight's dtype) where the FP8 weights
+    are, the bits the kept weight would give, and takes it out of this module's entries (its own
+    copy of the dict: not an unexpected key), so the weight stays freed, assign=True too. A
+    weight of another shape is reported as load_state_dict reports one."""
+    key = prefix + "weight"
+    given, freed = state_dict.get(key), linear.__dict__[_FREED_WEIGHT]
+    if not bf16_weight_freed(linear) or not isinstance(given, torch.Tensor):
+        return
+    del state_dict[key]
+    if given.shape != freed.shape:
+        errors.append(
+            f"size mismatch for {key}: copying a param with shape {given.shape} from checkpoint, "
+            f"the shape in current model is {freed.shape}."
+        )
+        return
+    with torch.inference_mode(False):
+        linear.weight_fp8, linear.weight_scale = quantize(
+            given.detach().to(linear.weight_scale.device, freed.dtype), format=linear.quant_input
+        )
+
+
+def _refuse_state_dict(linear, prefix, keep_vars) -> None:
+    """The state dict of an FP8 Linear whose bf16 weight was freed: it has no value to give (a
+    saved checkpoint would leave it out)."""
+    if bf16_weight_freed(linear):
+        raise RuntimeError(
+            f"ltx_kernels: no state dict for {prefix}weight: its Linear runs in FP8 and its bf16 "
+            "weight was freed at injection (inject_optimized_kernels(..., fp8=True) frees them "
+            "unless keep_bf16_weights=True), so save_pretrained or state_dict would leave it "
+            "out. Inject with keep_bf16_weights=True (the originals parked on the CPU), or call "
+            "remove_optimized_kernels first (it restores the weights dequantized from FP8)"
+        )
+
+
 def refresh_fp8_weight(linear: Fp8Linear) -> None:
     """Re-quantizes an Fp8Linear whose weight was written since (load_state_dict, or an in-place
     write its version counter shows) or replaced (load_state_dict(..., assign=True),
-    `linear.weight = ...`)."""
+    `linear.weight = ...`, also one that was freed)."""
     weight = linear.weight
     source, version, stale = linear.__dict__[_QUANTIZED_FROM]
     if stale or weight is not source or (version is not None and weight._version != version):
@@ -241,13 +321,22 @@ def refresh_fp8_weight(linear: Fp8Linear) -> None:
 
 
 def restore_from_fp8(linear: Fp8Linear) -> None:
-    """The plain nn.Linear again, its original weight back on the module's device."""
+    """The plain nn.Linear again, on the module's device: its original weight where it was kept,
+    else one dequantized from FP8 (weight_fp8 * weight_scale, rounded to the weight's dtype)."""
     device = linear.weight_scale.device
+    freed = linear.__dict__.pop(_FREED_WEIGHT, None)
     with torch.inference_mode(False):
-        linear.weight.data = linear.weight.data.to(device)
+        if bf16_weight_freed(linear):
+            values = linear.weight_fp8.float() * linear.weight_scale[:, None]
+            linear.weight = torch.nn.Parameter(
+                values.to(freed.dtype), requires_grad=freed.requires_grad
+            )
+        else:
+            linear.weight.data = linear.weight.data.to(device)
     del linear._buffers["weight_fp8"], linear._buffers["weight_scale"]
     del linear.__dict__[_QUANTIZED_FROM]
-    linear.__dict__.pop(_STALE_HOOK).remove()
+    for hook in linear.__dict__.pop(_FP8_HOOKS):
+        hook.remove()
     linear.__class__ = torch.nn.Linear
 
 
@@ -535,7 +624,7 @@ def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | 
     if group.attrs[0] == "weight_fp8":
         rows = x if isinstance(x, QuantRows) else quantize_rows(x, Fp8Linear.quant_input)
         weight, scale = tensors["weight_fp8"], tensors["weight_scale"]
-        out = fp8_matmul(rows, weight, scale, tensors["bias"], members[0].weight.dtype)
+        out = fp8_matmul(rows, weight, scale, tensors["bias"], out_dtype(members[0]))
     else:
         out = F.linear(x, tensors["weight"], tensors["bias"])
     return out.split(group.sizes, dim=-1)

@@ -85,7 +85,7 @@ def _plain(*modules) -> bool:
 
 
 def _bf16_linear(m) -> bool:
-    """An nn.Linear whose weight the fused ops may read (an Fp8Linear's is parked on the CPU)."""
+    """An nn.Linear whose weight the fused ops may read (not an Fp8Linear's: parked or freed)."""
     return isinstance(m, torch.nn.Linear) and not isinstance(m, Fp8Linear)
 
 
