@@ -5,8 +5,11 @@
 // - One CTA of three warpgroups per (tile of 128 queries, head, batch element). Warpgroup 0 is the
 //   producer: it gives up registers (setmaxnreg) and one thread issues TMA copies
 //   (cp.async.bulk.tensor) of the Q tile and of K and V tiles of 128 keys into a ring of kStages
-//   shared-memory stages, each completing an mbarrier by its byte count (expect-tx). Warpgroups
-//   1 and 2 are consumers of 64 query rows each (setmaxnreg raises theirs).
+//   shared-memory stages, each completing an mbarrier by its byte count (expect-tx); the consumers
+//   release a stage's K tile when their S GEMM of it is done and its V tile after the P V GEMM, so
+//   the next K tile loads during the P V GEMM of the tile before (one release per stage made K
+//   wait for it, a bubble per tile at kStages = 2). Warpgroups 1 and 2 are consumers of 64
+//   query rows each (setmaxnreg raises theirs).
 // - Per key tile a consumer computes S = Q K^T with wgmma (both operands in shared memory), the
 //   online softmax on S in registers, and O += P V with wgmma, P (rounded to T) in registers as
 //   the A operand: the fp32 accumulator layout of S is the A-fragment layout of P. The S GEMM of
@@ -76,8 +79,10 @@ struct Barriers {
   uint64_t q;                // the Q tiles landed (TMA bytes)
   uint64_t k_full[kStages];  // stage's K tile landed (TMA bytes)
   uint64_t v_full[kStages];  // stage's V tile landed (TMA bytes)
-  uint64_t empty[kStages];   // both consumers are done with the stage (one arrival per warp)
-  uint64_t v_tail;           // the last V tile's rows in [n_b, kv_len) are zeroed (32 arrivals)
+  uint64_t
+      k_empty[kStages];  // both consumers' S GEMMs read the stage's K tile (one arrival per warp)
+  uint64_t v_empty[kStages];  // both consumers' P V GEMMs read the stage's V tile (one per warp)
+  uint64_t v_tail;            // the last V tile's rows in [n_b, kv_len) are zeroed (32 arrivals)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -483,7 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(shared_address(&bars.k_full[s]), 1);
       mbarrier_init(shared_address(&bars.v_full[s]), 1);
-      mbarrier_init(shared_address(&bars.empty[s]), kConsumers * 4);
+      mbarrier_init(shared_address(&bars.k_empty[s]), kConsumers * 4);
+      mbarrier_init(shared_address(&bars.v_empty[s]), kConsumers * 4);
     }
     mbarrier_init(shared_address(&bars.v_tail), 32);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -517,14 +523,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                       q_first + c * kConsumerRows, b, q_bar);
       for (int j = 0; j < kv_tiles; ++j) {
         const int stage = j % kStages, use = j / kStages;
-        // the stage's previous use (tile j - kStages) is done by both consumers
-        if (use > 0) mbarrier_wait(shared_address(&bars.empty[stage]), (use - 1) & 1);
+        // a stage's K tile j - kStages is free once both consumers' S GEMMs of it are done (early
+        // in their iteration j - kStages), its V tile once their P V GEMMs are (one iteration
+        // later): separate barriers, so K tile j loads while the P V GEMM of tile j - kStages runs
         const uint32_t k_bar = shared_address(&bars.k_full[stage]);
         const uint32_t v_bar = shared_address(&bars.v_full[stage]);
+        if (use > 0) mbarrier_wait(shared_address(&bars.k_empty[stage]), (use - 1) & 1);
         mbarrier_arrive_expect_tx(k_bar, kTileBytes);
         for (int panel = 0; panel < L::kPanels; ++panel)
           tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k, panel * kPanelElems, h,
                       j * kBlockN, b, k_bar);
+        if (use > 0) mbarrier_wait(shared_address(&bars.v_empty[stage]), (use - 1) & 1);
         mbarrier_arrive_expect_tx(v_bar, kTileBytes);
         for (int panel = 0; panel < L::kPanels; ++panel)
           tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v, panel * kPanelElems, h,
@@ -587,6 +596,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!(consumer == 1 && kv_tiles == 1)) named_barrier_arrive(other_turn, kTurnThreads);
     wgmma_wait<0>();
     fence_registers(s);
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[0]));  // K tile 0 is read
     if (kv_tiles == 1 && last_valid < kBlockN)
       softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
     else
@@ -604,17 +615,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
       wgmma_commit();
       if (!(consumer == 1 && j == kv_tiles - 1)) named_barrier_arrive(other_turn, kTurnThreads);
-      wgmma_wait<1>();  // S has landed; the P V GEMM may still run
+      wgmma_wait<1>();  // S has landed (K tile j is read); the P V GEMM may still run
       fence_registers(s);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));
       if (j == kv_tiles - 1 && last_valid < kBlockN)
         softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
       else
         softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
-      wgmma_wait<0>();  // the P V GEMM is done: O, pr and the stage of tile j - 1 are free
+      wgmma_wait<0>();  // the P V GEMM is done: O, pr and V tile j - 1's stage are free
       fence_registers(o);
       fence_registers(pr);
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(shared_address(&bars.empty[prev]));
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];
       round_probabilities<T>(pr, s);
