@@ -10,6 +10,7 @@ The CPU-only quirk of test_context_parallel.py is handled the same way: diffuser
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import ltx_kernels
 from distributed_helpers import free_port, generate_video_script, run_cases, run_generate_video
 from inject_helpers import rel_l2
 from ltx_kernels.integration import enable_cfg_parallel
-from model_zoo import ltx, wan
+from model_zoo import hunyuan, ltx, wan
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo"
@@ -99,6 +100,66 @@ def _wan_call(pipe, guidance_scale=3.0):
     )[0]
 
 
+class _LatentsOnlyVae:
+    """What HunyuanVideo15Pipeline reads of its VAE when it returns latents (it reads the VAE's
+    config in its constructor even when none is given)."""
+
+    config = SimpleNamespace(latent_channels=4)
+    temporal_compression_ratio = 4
+    spatial_compression_ratio = 16
+
+
+def _hunyuan15_pipeline():
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    # in: the latents, the condition latents (zeros for text-to-video) and their mask channel
+    model = hunyuan.tiny_model(torch.float32, v15=True, in_channels=2 * 4 + 1)
+    return HunyuanVideo15Pipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=model,
+        vae=_LatentsOnlyVae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder_2=None,
+        tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=3.0),
+    )
+
+
+def _hunyuan15_call(pipe, guidance_scale=3.0):
+    """Two steps of 5 frames 64 x 64 (2 x 4 x 4 latents: 32 tokens) on Qwen and ByT5 prompts
+    padded differently in each branch (key lengths differing between the calls)."""
+    pipe.guider.guidance_scale = guidance_scale
+    generator = torch.Generator().manual_seed(1)
+    text, text_2 = hunyuan.TEXT, 4
+
+    def prompt(width, length, valid):
+        mask = torch.ones(1, length)
+        mask[:, valid:] = 0
+        return torch.randn(1, length, width, generator=generator), mask
+
+    (embeds, mask), (negative, negative_mask) = prompt(16, text, 4), prompt(16, text, 2)
+    (embeds_2, mask_2), (negative_2, negative_mask_2) = prompt(8, text_2, 3), prompt(8, text_2, 1)
+    return pipe(
+        prompt_embeds=embeds,
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=negative,
+        negative_prompt_embeds_mask=negative_mask,
+        prompt_embeds_2=embeds_2,
+        prompt_embeds_mask_2=mask_2,
+        negative_prompt_embeds_2=negative_2,
+        negative_prompt_embeds_mask_2=negative_mask_2,
+        num_frames=5,
+        height=64,
+        width=64,
+        num_inference_steps=STEPS,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        return_dict=False,
+    )[0]
+
+
 def _ltx2_pipeline():
     """generate_video.py's tiny LTX-2 (2.0) pipeline: video and audio, text connectors."""
     return generate_video_script().build_random_pipeline("ltx-2", torch.float32, "cpu", tiny=True)
@@ -136,6 +197,7 @@ FAMILIES = {
     "ltx": (_ltx_pipeline, _ltx_call),
     "ltx2": (_ltx2_pipeline, _ltx2_call),
     "wan": (_wan_pipeline, _wan_call),
+    "hunyuan15": (_hunyuan15_pipeline, _hunyuan15_call),
 }
 
 
@@ -203,6 +265,8 @@ CASES = {
         "ltx_inject_after": lambda: _case("ltx", 1, "after"),
         "guidance_off_ltx": lambda: _guidance_off("ltx"),
         "guidance_off_wan": lambda: _guidance_off("wan"),
+        "hunyuan15": lambda: _case("hunyuan15", 1),
+        "guidance_off_hunyuan15": lambda: _guidance_off("hunyuan15"),
         "no_guidance_pipeline": _no_guidance_pipeline,
         "world_not_divisible": _world_not_divisible,
     },
@@ -211,12 +275,14 @@ CASES = {
         "wan_ulysses": lambda: _case("wan", 2),
         "ltx2_ulysses": lambda: _case("ltx2", 2),
         "ltx_ulysses_inject_after": lambda: _case("ltx", 2, "after"),
+        "hunyuan15_ulysses": lambda: _case("hunyuan15", 2),
     },
 }
 #: Cases that must raise, with a part of the expected message.
 RAISES = {
     "guidance_off_ltx": "LTXPipeline was called with guidance off",
     "guidance_off_wan": "WanPipeline was called with guidance off",
+    "guidance_off_hunyuan15": "HunyuanVideo15Pipeline was called with guidance off",
     "no_guidance_pipeline": "FluxPipeline is not supported",
     "world_not_divisible": "the world size 2 must be 2 (guidance branches) x the context-parallel",
 }
@@ -225,6 +291,8 @@ RAISES = {
 SEEN = {"ltx": [[1, 8]] * STEPS, "ltx_ulysses": [[1, 4]] * STEPS}
 SEEN.update(wan=SEEN["ltx"], wan_ulysses=SEEN["ltx_ulysses"], ltx_inject_after=SEEN["ltx"])
 SEEN.update(ltx_ulysses_inject_after=SEEN["ltx_ulysses"])
+# HunyuanVideo-1.5: Wan's separate calls, 32 tokens (its patch size 1)
+SEEN.update(hunyuan15=[[1, 32]] * STEPS, hunyuan15_ulysses=[[1, 16]] * STEPS)
 # LTX-2: the batched call, then the STG pass (group 0) or the modality pass (group 1), a step
 SEEN.update(ltx2=[[1, 8]] * 2 * STEPS, ltx2_ulysses=[[1, 4]] * 2 * STEPS)
 #: Injected after enable_cfg_parallel, then removed: how many modules came back (blocks, two

@@ -26,6 +26,7 @@ import torch
 from .._op_names import OPS
 from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
 from .cfg_parallel import enable_cfg_parallel
+from .context_parallel import injected_plan
 from .linears import FP8_PRESETS
 from .injector import (
     DISABLE_ENV,
@@ -51,6 +52,7 @@ __all__ = [
     "InjectionReport",
     "enable_cfg_parallel",
     "inject_optimized_kernels",
+    "injected_plan",
     "register_inductor_fallbacks",
     "remove_optimized_kernels",
 ]
