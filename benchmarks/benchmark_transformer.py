@@ -72,8 +72,9 @@ from ltx_kernels.integration import (  # noqa: E402
 )
 
 
-def time_step(fn, reps: int):
-    """(compile/first-call seconds, median ms per call)."""
+def time_step(fn, reps: int, warmup: int = 2):
+    """(compile/first-call seconds, median ms per call, output): the first call, `warmup` more,
+    then `reps` timed."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
@@ -81,7 +82,7 @@ def time_step(fn, reps: int):
     torch.cuda.synchronize()
     first_s = time.perf_counter() - start
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(warmup):
             fn()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
@@ -94,20 +95,20 @@ def time_step(fn, reps: int):
     return first_s, statistics.median(times), out
 
 
-def graph_step(fn, reps: int):
+def graph_step(fn, reps: int, warmup: int = 2):
     """(capture seconds, median ms per replay, output) of fn captured as one CUDA graph: the step's
     GPU time without host launch gaps (thread_local capture: NCCL's watchdog thread queries its
     events while a rank captures)."""
     with torch.no_grad():
         times_ms, (out,), capture_s = bench_utils.graph_replays(
-            fn, [()], reps, warmup_replays=2, capture_error_mode="thread_local"
+            fn, [()], reps, warmup_replays=warmup, capture_error_mode="thread_local"
         )
     return capture_s, statistics.median(times_ms), out
 
 
-def run_column(column, model, call, reps):
+def run_column(column, model, call, reps, warmup):
     with transformer_cases.configured(column, model) as target:
-        return None if target is None else time_step(lambda: call(target), reps)
+        return None if target is None else time_step(lambda: call(target), reps, warmup)
 
 
 def rel_l2(out, ref):
@@ -132,7 +133,7 @@ def context_parallel_columns(args, tokens, rank, world):
 
     def attempt(column, fn, timer=time_step):
         try:
-            measured[column] = timer(fn, args.reps)
+            measured[column] = timer(fn, args.reps, args.warmup)
         except Exception as error:  # reported as the column's result
             measured[column] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
 
@@ -211,7 +212,7 @@ def cfg_parallel_columns(args, tokens, world):
         try:
             pipe, step = pipeline()
             setup(pipe)
-            measured[column] = time_step(step, args.reps)
+            measured[column] = time_step(step, args.reps, args.warmup)
         except Exception as error:  # reported as the column's result
             measured[column] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         gc.collect()  # (the pipeline, its model and the hooks' references to them)
@@ -229,7 +230,7 @@ def cfg_parallel_columns(args, tokens, world):
                 config=config(world), cp_plan=injected_plan(pipe.transformer)
             ),
         )
-    layout = f"cfg 2 x {mode} {world // 2}" if world > 2 else "cfg x 2"
+    layout = f"cfg 2 x {mode} {world // 2}" if world > 2 else "cfg x 2"  # (2: no inner split)
     attempt(f"{layout} GPUs kernels", lambda pipe: enable_cfg_parallel(pipe, config(world // 2)))
     return measured
 
@@ -401,6 +402,12 @@ def main():
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed calls after the first, before the timed ones (the large models: 0 or 1)",
+    )
+    parser.add_argument(
         "--compile-mode",
         default=None,
         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)",
@@ -452,7 +459,7 @@ def main():
         vs_compile = "compile" in columns
         print(table_header(vs_compile), flush=True)
         for column in columns:
-            measured = run_column(column, model, call, args.reps)
+            measured = run_column(column, model, call, args.reps, args.warmup)
             if measured is None:
                 continue
             first_s, ms, out = measured
