@@ -25,7 +25,9 @@ some elements, so the norm is the rmsnorm op and the rotation the rope op.
 Attention masks (they hide padded text keys) become key lengths (attention.py): the padded keys
 are dropped where every batch element has as many ("drop_padded_keys"), otherwise a broadcast
 [B, 1, 1, S] key mask; HunyuanVideo-1.5's [B, 1, S, S] pair mask is never built (its padded query
-rows come out zero, as SDPA gives them under it).
+rows come out zero, as SDPA gives them under it). Under context parallelism (HunyuanVideo-1.5,
+context_parallel_plan: diffusers has none) the image rows are split and the text is whole on every
+GPU; the attention runs Ulysses with the text rows replicated and the whole sequence's key lengths.
 FP8 (fp8=True; FP8_PRESETS, default "ffn+self_attn", for the double blocks of HunyuanVideo-1.5
 and HunyuanVideo): the image stream's FF ("ffn") and its q/k/v and out ("ffn+self_attn"); "all"
 adds the text stream's (its q/k/v, out and FF: as large as the image stream's, on a few hundred
@@ -66,6 +68,8 @@ REPRODUCED = Reproduced(
         "HunyuanVideo15PatchEmbed.forward": "cc038fb47212815d",
         "HunyuanVideoAttnProcessor2_0.__call__": "6d78c997f1d3d454",
         "HunyuanVideo15AttnProcessor2_0.__call__": "9525039276556a04",
+        # not patched: the forward context_parallel_plan's plan is written for
+        "HunyuanVideo15Transformer3DModel.forward": "1387c21027607822",
     },
 )
 
@@ -256,6 +260,9 @@ def context_parallel_plan(model):
     would attend a rank's chunk as if it were the sequence)."""
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
+    reason = REPRODUCED.unpatched(type(model), "forward")
+    if reason:
+        raise RuntimeError(f"ltx_kernels: no HunyuanVideo-1.5 context-parallel plan: {reason}")
     stock = [
         name
         for name, block in model.named_modules()
