@@ -17,12 +17,21 @@ bf16, with one denoising step's inputs at a typical resolution: transformer_case
 --tokens picks among a model's shapes (ltx: 2688 = 49 frames 512x768, 8064 = 161 frames; the
 others have one, the default).
 
---context-parallel ulysses|ring (LTX-Video and LTX-2 models; launch with torchrun --nproc_per_node
-N): diffusers' context parallelism over the N GPUs, in these columns: 1-GPU eager and kernels
-(each rank alone on its GPU), N-GPU stock diffusers with the padded text mask (fails or is wrong
-in diffusers 0.42: reported) and without it, N-GPU with the kernels (injected before
-enable_parallelism), and that with compile_repeated_blocks; under Ulysses the same two with
-diffusers' Ulysses attention in place of ulysses_attention (the A/B). --profile adds the GPU kernel
+--context-parallel ulysses|ring (LTX-Video, LTX-2, Wan and HunyuanVideo-1.5 models; launch with
+torchrun --nproc_per_node N): diffusers' context parallelism over the N GPUs, in these columns:
+1-GPU eager and kernels (each rank alone on its GPU), N-GPU stock diffusers (LTX: with the padded
+text mask, which fails or is wrong in diffusers 0.42: reported, and without it; HunyuanVideo-1.5:
+none, diffusers 0.42 has no plan for it), N-GPU with the kernels (injected before
+enable_parallelism; HunyuanVideo-1.5 with its plan, integration.injected_plan: Ulysses only), and
+(LTX-Video 2B) that with compile_repeated_blocks; under Ulysses the same with diffusers' Ulysses
+attention in place of ulysses_attention (the A/B; not HunyuanVideo-1.5, whose text rows need
+ulysses_attention).
+--cfg-parallel (the same models, N even; with --context-parallel inside each group when N > 2):
+one guided denoising step (transformer_cases.guided_step: LTX-Video and LTX-2 one call on the
+cond + uncond batch of 2, Wan and HunyuanVideo-1.5 one call a branch) with the kernels on one GPU,
+under --context-parallel over all N GPUs, and under enable_cfg_parallel: the guidance branches on
+two groups of N/2 GPUs. LTX-2: its CFG call only (LTX2Pipeline's STG and modality passes, two
+more single-branch calls a step, are not timed). --profile adds the GPU kernel
 time by category of the kernel columns; --graph the 1-GPU and N-GPU kernel columns replayed as one
 CUDA graph per step (NCCL's kernels inside): the step's GPU time without host launch gaps, which
 also keep one GPU waiting for the other in the collectives. Ring attention runs on cuDNN (`_native_cudnn`, every
@@ -40,11 +49,14 @@ injected without keeping them holds.
 
   python benchmarks/benchmark_transformer.py --model ltx --tokens 2688 8064 --out results/
   torchrun --nproc_per_node 2 benchmarks/benchmark_transformer.py --context-parallel ulysses
+  torchrun --nproc_per_node 4 benchmarks/benchmark_transformer.py --cfg-parallel \
+      --context-parallel ulysses --model wan-14b --tokens 75600 --reps 3
 """
 
 import argparse
 import contextlib
 import functools
+import gc
 import io
 import os
 import statistics
@@ -59,11 +71,17 @@ import bench_utils  # noqa: E402
 import transformer_cases  # noqa: E402
 
 import ltx_kernels  # noqa: E402
-from ltx_kernels.integration import FP8_PRESETS, FUSIONS  # noqa: E402
+from ltx_kernels.integration import (  # noqa: E402
+    FP8_PRESETS,
+    FUSIONS,
+    enable_cfg_parallel,
+    injected_plan,
+)
 
 
-def time_step(fn, reps: int):
-    """(compile/first-call seconds, median ms per call)."""
+def time_step(fn, reps: int, warmup: int = 2):
+    """(compile/first-call seconds, median ms per call, output): the first call, `warmup` more,
+    then `reps` timed."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
@@ -71,7 +89,7 @@ def time_step(fn, reps: int):
     torch.cuda.synchronize()
     first_s = time.perf_counter() - start
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(warmup):
             fn()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
@@ -84,13 +102,13 @@ def time_step(fn, reps: int):
     return first_s, statistics.median(times), out
 
 
-def graph_step(fn, reps: int):
+def graph_step(fn, reps: int, warmup: int = 2):
     """(capture seconds, median ms per replay, output) of fn captured as one CUDA graph: the step's
     GPU time without host launch gaps (thread_local capture: NCCL's watchdog thread queries its
     events while a rank captures)."""
     with torch.no_grad():
         times_ms, (out,), capture_s = bench_utils.graph_replays(
-            fn, [()], reps, warmup_replays=2, capture_error_mode="thread_local"
+            fn, [()], reps, warmup_replays=warmup, capture_error_mode="thread_local"
         )
     return capture_s, statistics.median(times_ms), out
 
@@ -105,12 +123,13 @@ def step_peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated()
 
 
-def run_column(column, model, call, reps):
+def run_column(column, model, call, reps, warmup):
     """(first call s, ms per step, output, peak bytes of a step) of `column`, or None."""
     with transformer_cases.configured(column, model) as target:
         if target is None:
             return None
-        return *time_step(lambda: call(target), reps), step_peak_bytes(lambda: call(target))
+        timed = time_step(lambda: call(target), reps, warmup)
+        return *timed, step_peak_bytes(lambda: call(target))
 
 
 def bf16_column(column: str) -> str | None:
@@ -133,6 +152,7 @@ def context_parallel_columns(args, tokens, rank, world):
 
     degree = "ulysses_degree" if args.context_parallel == "ulysses" else "ring_degree"
     backend = "_native_cudnn" if args.context_parallel == "ring" else None
+    family = transformer_cases.CASES[args.model].family
     measured = {}
 
     def build():
@@ -143,7 +163,7 @@ def context_parallel_columns(args, tokens, rank, world):
 
     def attempt(column, fn, timer=time_step):
         try:
-            measured[column] = timer(fn, args.reps)
+            measured[column] = timer(fn, args.reps, args.warmup)
         except Exception as error:  # reported as the column's result
             measured[column] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
 
@@ -153,13 +173,21 @@ def context_parallel_columns(args, tokens, rank, world):
                 attempt(f"1 GPU {column}", lambda: call(target))
                 if args.graph and column == "kernels":
                     attempt("1 GPU kernels, CUDA graph", lambda: call(target), graph_step)
+        if family == "HunyuanVideo-1.5":
+            measured["N GPU eager"] = "diffusers 0.42 has no context-parallel plan for it"
+            return
         model.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
+        if family == "Wan":  # (no text mask)
+            attempt("N GPU eager", lambda: call(model))
+            return
         attempt("N GPU eager (mask)", lambda: call(model))
         attempt("N GPU eager (no mask)", lambda: call(model, mask=False))
 
     def with_kernels(model, call, ops=None, label="N GPU kernels"):
         ltx_kernels.inject_optimized_kernels(model, verbose=False, ops=ops)
-        model.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
+        model.enable_parallelism(
+            config=ContextParallelConfig(**{degree: world}), cp_plan=injected_plan(model)
+        )
         attempt(label, lambda: call(model))
         if args.graph:
             attempt(f"{label}, CUDA graph", lambda: call(model), graph_step)
@@ -178,7 +206,7 @@ def context_parallel_columns(args, tokens, rank, world):
             attempt(label.replace("kernels", "blocks+kernels"), lambda: call(model))
 
     phases = [one_gpu_then_stock, with_kernels]
-    if degree == "ulysses_degree":  # the A/B of ulysses_attention
+    if degree == "ulysses_degree" and family != "HunyuanVideo-1.5":  # ulysses_attention's A/B
         phases.append(
             functools.partial(
                 with_kernels,
@@ -192,31 +220,89 @@ def context_parallel_columns(args, tokens, rank, world):
     return measured
 
 
-def context_parallel_main(parser, args):
+def cfg_parallel_columns(args, tokens, world):
+    """{column: (first call s, ms, output) or an error string} of one guided denoising step
+    (module docstring: --cfg-parallel)."""
+    import diffusers
+    from diffusers import ContextParallelConfig
+
+    pipeline_class = getattr(diffusers, transformer_cases.PIPELINES[args.model])
+    mode = args.context_parallel
+    measured = {}
+
+    def pipeline():  # a fresh injected model each: enable_parallelism cannot be undone
+        model, call, _ = transformer_cases.model_case(args.model, tokens)
+        if mode == "ring":
+            model.set_attention_backend("_native_cudnn")
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+        pipe = transformer_cases.denoising_pipeline(pipeline_class, model)
+        return pipe, lambda: transformer_cases.guided_step(pipe, call)
+
+    def attempt(column, setup):
+        try:
+            pipe, step = pipeline()
+            setup(pipe)
+            measured[column] = time_step(step, args.reps, args.warmup)
+        except Exception as error:  # reported as the column's result
+            measured[column] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        gc.collect()  # (the pipeline, its model and the hooks' references to them)
+        torch.cuda.empty_cache()
+
+    def config(degree):
+        key = "ulysses_degree" if mode == "ulysses" else "ring_degree"
+        return None if degree == 1 else ContextParallelConfig(**{key: degree})
+
+    attempt("1 GPU kernels", lambda pipe: None)
+    if mode:
+        attempt(
+            f"{mode} x {world} GPUs kernels",
+            lambda pipe: pipe.transformer.enable_parallelism(
+                config=config(world), cp_plan=injected_plan(pipe.transformer)
+            ),
+        )
+    layout = f"cfg 2 x {mode} {world // 2}" if world > 2 else "cfg x 2"  # (2: no inner split)
+    attempt(f"{layout} GPUs kernels", lambda pipe: enable_cfg_parallel(pipe, config(world // 2)))
+    return measured
+
+
+def _distributed(parser, args, flag):
+    """(rank, world, say) of this torchrun process, its GPU set and the NCCL group joined; `say`
+    prints on rank 0 only."""
     import torch.distributed as dist
 
     if "WORLD_SIZE" not in os.environ:
-        parser.error("--context-parallel runs under torchrun --nproc_per_node N (N GPUs)")
-    if args.model not in ("ltx", "ltx-13b", "ltx2", "ltx2.3", "ltx2.5"):
-        parser.error("--context-parallel: --model ltx, ltx-13b, ltx2, ltx2.3 or ltx2.5")
+        parser.error(f"{flag} runs under torchrun --nproc_per_node N (N GPUs)")
+    if args.model not in transformer_cases.PIPELINES:
+        parser.error(f"{flag}: --model {', '.join(transformer_cases.PIPELINES)}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
-    env = bench_utils.environment()
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(
-        f"# {args.model}, context parallel {args.context_parallel} x {world}: {env['device']}, "
-        f"torch {env['torch']}, bf16, median of {args.reps} steps (CUDA events, rank 0)"
-    )
+    return rank, world, say
+
+
+#: The default --tokens under context parallelism: LTX-Video 161 frames; HunyuanVideo-1.5 480p in
+#: a grid 4 GPUs divide (480x832); the others: the case's own shape.
+PARALLEL_TOKENS = {"ltx": 8064, "hunyuanvideo-1.5": 48360}
+#: The batch of a case's call: one guidance branch (Wan, HunyuanVideo-1.5) or both.
+ONE_BRANCH = ("Wan", "HunyuanVideo-1.5")
+
+
+def parallel_tables(args, say, columns, reference: str) -> list:
+    """For each --tokens, the table of `columns(tokens)` ({column: (first s, ms, output) or an
+    error}): ms, the speedup over "1 GPU kernels" (a CUDA-graph column over its graph) and the
+    relative L2 against the `reference` column; returns the rows per shape."""
+    family = transformer_cases.CASES[args.model].family
     results = []
-    # LTX-Video: 161 frames (8064 tokens); the others: the case's own shape
-    default = 8064 if args.model == "ltx" else transformer_cases.CASES[args.model].shapes[0]
+    default = PARALLEL_TOKENS.get(args.model, transformer_cases.CASES[args.model].shapes[0])
     for tokens in args.tokens or [default]:
-        say(f"\n## {args.model}, batch 2 x {tokens} tokens, padded text mask")
-        say("| column | ms/step | vs 1 GPU kernels | first call s | rel L2 vs 1 GPU eager |")
+        batch = 1 if family in ONE_BRANCH else 2
+        masked = ", padded text mask" if family != "Wan" else ""
+        say(f"\n## {args.model}, batch {batch} x {tokens} tokens{masked}")
+        say(f"| column | ms/step | vs 1 GPU kernels | first call s | rel L2 vs {reference} |")
         say("|---|---|---|---|---|", flush=True)
-        measured = context_parallel_columns(args, tokens, rank, world)
+        measured = columns(tokens)
         rows = {}
         for column, value in measured.items():
             if isinstance(value, str):
@@ -226,16 +312,34 @@ def context_parallel_main(parser, args):
             first_s, ms, out = value
             graphed = ", CUDA graph" if column.endswith(", CUDA graph") else ""
             base = measured.get(f"1 GPU kernels{graphed}")  # a graph against a graph
-            eager = measured.get("1 GPU eager")
+            ref = measured.get(reference)
             row = rows[column] = dict(ms=ms, first_call_s=first_s)
             row["speedup_vs_1gpu_kernels"] = base[1] / ms if isinstance(base, tuple) else None
-            row["rel_l2"] = rel_l2(out, eager[2]) if isinstance(eager, tuple) else None
+            row["rel_l2"] = rel_l2(out, ref[2]) if isinstance(ref, tuple) else None
             say(
                 f"| {column} | {ms:.2f} | {bench_utils.ratio_cell(row['speedup_vs_1gpu_kernels'])} "
                 f"| {first_s:.1f} | {_rel_l2_cell(row['rel_l2'])} |",
                 flush=True,
             )
         results.append(dict(tokens=tokens, columns=rows))
+    return results
+
+
+def context_parallel_main(parser, args):
+    import torch.distributed as dist
+
+    rank, world, say = _distributed(parser, args, "--context-parallel")
+    env = bench_utils.environment()
+    say(
+        f"# {args.model}, context parallel {args.context_parallel} x {world}: {env['device']}, "
+        f"torch {env['torch']}, bf16, median of {args.reps} steps (CUDA events, rank 0)"
+    )
+    results = parallel_tables(
+        args,
+        say,
+        lambda tokens: context_parallel_columns(args, tokens, rank, world),
+        "1 GPU eager",
+    )
     if args.out and rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         bench_utils.write_json(
@@ -243,6 +347,42 @@ def context_parallel_main(parser, args):
             dict(
                 environment=env,
                 model=args.model,
+                context_parallel=args.context_parallel,
+                world_size=world,
+                results=results,
+            ),
+        )
+    dist.destroy_process_group()
+
+
+def cfg_parallel_main(parser, args):
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    if world % 2 or world < 2 or (world > 2 and not args.context_parallel):
+        parser.error(
+            f"--cfg-parallel: {world} GPUs; launch 2 (one guidance branch each), or an even "
+            "number with --context-parallel (inside each half)"
+        )
+    rank, world, say = _distributed(parser, args, "--cfg-parallel")
+    env = bench_utils.environment()
+    inner = f", {args.context_parallel} inside each group" if args.context_parallel else ""
+    say(
+        f"# {args.model}, CFG parallel on {world} GPUs{inner}: {env['device']}, torch "
+        f"{env['torch']}, bf16, one guided denoising step, median of {args.reps} steps (CUDA "
+        "events, rank 0)"
+    )
+    results = parallel_tables(
+        args, say, lambda tokens: cfg_parallel_columns(args, tokens, world), "1 GPU kernels"
+    )
+    if args.out and rank == 0:
+        suffix = f"_{args.context_parallel}" if args.context_parallel else ""
+        bench_utils.write_json(
+            args.out / f"transformer_{args.model}_cfg{world}{suffix}.json",
+            dict(
+                environment=env,
+                model=args.model,
+                cfg_parallel=True,
                 context_parallel=args.context_parallel,
                 world_size=world,
                 results=results,
@@ -295,6 +435,12 @@ def main():
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed calls after the first, before the timed ones (the large models: 0 or 1)",
+    )
+    parser.add_argument(
         "--compile-mode",
         default=None,
         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)",
@@ -307,6 +453,11 @@ def main():
     )
     parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
     parser.add_argument(
+        "--cfg-parallel",
+        action="store_true",
+        help="one guided step with the guidance branches on two GPU groups (enable_cfg_parallel)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="--context-parallel: also the GPU kernel time by category of the kernel columns",
@@ -318,6 +469,8 @@ def main():
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.cfg_parallel:
+        return cfg_parallel_main(parser, args)
     if args.context_parallel:
         return context_parallel_main(parser, args)
     columns = bench_utils.parse_columns(parser, args.columns, transformer_cases.ALL_COLUMNS)
@@ -337,7 +490,7 @@ def main():
         vs_compile = "compile" in columns
         print(table_header(vs_compile), flush=True)
         for column in columns:
-            measured = run_column(column, model, call, args.reps)
+            measured = run_column(column, model, call, args.reps, args.warmup)
             if measured is None:
                 continue
             first_s, ms, out, peak = measured

@@ -17,15 +17,20 @@ Shapes (latent tokens; the text lengths are the pipelines' own):
                   tokens (121 frames 768x512) + 126 audio latents, 1024 text tokens.
   wan-1.3b, wan-14b
                   WanPipeline, Wan 2.1: batch 1 (diffusers runs the CFG halves one by one),
-                  32760 tokens (81 frames 480x832), 512 text tokens.
+                  32760 tokens (81 frames 480x832), 75600 (81 frames 720x1280), 512 text tokens.
   flux            FluxPipeline, FLUX.1-dev (19 double + 38 single blocks): batch 1, 4096 image
                   tokens (1024x1024) + 512 text tokens, guidance embedding.
   sd3.5           StableDiffusion3Pipeline, SD3.5 Large: batch 2 (CFG), 4096 image tokens
                   (1024x1024) + 333 text tokens (77 CLIP + 256 T5).
   hunyuanvideo-1.5
                   HunyuanVideo15Pipeline 480p text-to-video: batch 1 (its guider runs the CFG
-                  halves one by one), 49290 tokens (121 frames 480x848), 1000 Qwen + 256 ByT5
-                  text tokens (padded), 729 all-zero image tokens.
+                  halves one by one), 49290 tokens (121 frames 480x848; 48360: 480x832, which
+                  4 GPUs divide), 1000 Qwen + 256 ByT5 text tokens (padded), 729 all-zero image
+                  tokens.
+
+`denoising_pipeline` holds a model in its diffusers pipeline (no encoders, VAE or scheduler) with
+guidance on, and `guided_step` runs the transformer calls of one guided denoising step as that
+pipeline makes them (its cache contexts): what enable_cfg_parallel splits over the GPU groups.
 """
 
 from __future__ import annotations
@@ -118,8 +123,9 @@ def ltx2_inputs(model, tokens, generator):
     )
 
 
-# Token grids: 81 frames 480x832 -> 21 x 60 x 104 latents (VAE 4x temporal, 8x spatial), 2x2 patches.
-WAN_GRIDS = {32760: (21, 30, 52)}
+# Token grids: 81 frames 480x832 -> 21 x 60 x 104 latents (VAE 4x temporal, 8x spatial), 2x2 patches;
+# 720x1280 -> 21 x 90 x 160.
+WAN_GRIDS = {32760: (21, 30, 52), 75600: (21, 45, 80)}
 
 
 def wan_inputs(model, tokens, generator):
@@ -163,8 +169,8 @@ def sd3_inputs(model, tokens, generator):
     )
 
 
-# 121 (61) frames 480x848: VAE 4x temporal, 16x spatial.
-HUNYUAN15_GRIDS = {49290: (31, 30, 53), 25440: (16, 30, 53)}
+# 121 (61) frames 480x848 (480x832): VAE 4x temporal, 16x spatial.
+HUNYUAN15_GRIDS = {49290: (31, 30, 53), 25440: (16, 30, 53), 48360: (31, 30, 52)}
 
 
 def hunyuan15_inputs(model, tokens, generator):
@@ -200,12 +206,15 @@ CASES = {
     "ltx2": Case("ltx-2", (6144,), ltx2_inputs, "LTX-2"),
     "ltx2.3": Case("ltx-2.3", (6144,), ltx2_inputs, "LTX-2"),
     "ltx2.5": Case("ltx-2.5", (6144,), ltx2_inputs, "LTX-2"),
-    "wan-1.3b": Case("wan2.1-t2v-1.3b", (32760,), wan_inputs, "Wan"),
-    "wan-14b": Case("wan2.1-t2v-14b", (32760,), wan_inputs, "Wan"),
+    "wan-1.3b": Case("wan2.1-t2v-1.3b", (32760, 75600), wan_inputs, "Wan"),
+    "wan-14b": Case("wan2.1-t2v-14b", (32760, 75600), wan_inputs, "Wan"),
     "flux": Case("flux.1-dev", (4096,), flux_inputs, "FLUX"),
     "sd3.5": Case("sd3.5-large", (4096,), sd3_inputs, "SD3"),
     "hunyuanvideo-1.5": Case(
-        "hunyuanvideo-1.5-480p-t2v", (49290, 25440), hunyuan15_inputs, "HunyuanVideo-1.5"
+        "hunyuanvideo-1.5-480p-t2v",
+        (49290, 25440, 48360),
+        hunyuan15_inputs,
+        "HunyuanVideo-1.5",
     ),
 }
 
@@ -232,6 +241,70 @@ def build(name: str, tokens: int | None = None, seed: int = 0, device="cuda", **
         return m(**kwargs)[0]
 
     return model, call, tokens
+
+
+#: The pipeline whose guided step each case's inputs are one call of (cfg_parallel.PIPELINES).
+PIPELINES = {
+    "ltx": "LTXPipeline",
+    "ltx-13b": "LTXConditionPipeline",
+    "ltx2": "LTX2Pipeline",
+    "ltx2.3": "LTX2Pipeline",
+    "ltx2.5": "LTX2Pipeline",
+    "wan-1.3b": "WanPipeline",
+    "wan-14b": "WanPipeline",
+    "hunyuanvideo-1.5": "HunyuanVideo15Pipeline",
+}
+
+
+class LatentsOnlyVae:
+    """What HunyuanVideo-1.5's pipelines read of their VAE when they return latents (in their
+    constructor, even without a VAE)."""
+
+    temporal_compression_ratio = 4
+    spatial_compression_ratio = 16
+
+    def __init__(self, latent_channels: int):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(latent_channels=latent_channels)
+
+
+def denoising_pipeline(pipeline_class, transformer, guidance_scale=3.0, **components):
+    """`pipeline_class` (a diffusers video pipeline) holding `transformer` and `components`, the
+    other components None (HunyuanVideo-1.5: a LatentsOnlyVae and a ClassifierFreeGuidance guider),
+    guidance on at `guidance_scale` (also outside a call: what enable_cfg_parallel's hook reads).
+    For a denoising loop on latents (with a scheduler) or one guided step (guided_step)."""
+    import inspect
+
+    names = list(inspect.signature(pipeline_class.__init__).parameters)[1:]
+    parts = dict.fromkeys(names)
+    if "guider" in names:
+        from diffusers.guiders import ClassifierFreeGuidance
+
+        channels = (transformer.config.in_channels - 1) // 2  # latents, condition, mask channel
+        parts.update(guider=ClassifierFreeGuidance(guidance_scale), vae=LatentsOnlyVae(channels))
+    pipe = pipeline_class(**{**parts, "transformer": transformer, **components})
+    if "guider" not in names:  # (set again by each pipeline call)
+        pipe._guidance_scale = pipe._audio_guidance_scale = guidance_scale
+    return pipe
+
+
+def guided_step(pipe, call):
+    """The transformer calls of one guided denoising step of `pipe` (a denoising_pipeline) as the
+    pipeline makes them, in its cache contexts (cfg_parallel.PIPELINES): the branches' batched
+    call, or one call a branch (the outputs concatenated along the batch). `call(model)` is one
+    call's inputs (both branches the same prompt here)."""
+    from ltx_kernels.integration.cfg_parallel import PIPELINES as BRANCHES
+
+    branches, model = BRANCHES[type(pipe).__name__], pipe.transformer
+    if branches.batched:
+        with model.cache_context(branches.batched):
+            return call(model)
+    outputs = []
+    for context in branches.separate:
+        with model.cache_context(context):
+            outputs.append(call(model))
+    return torch.cat(outputs)  # (after the last call: enable_cfg_parallel fills the first's)
 
 
 def model_case(name: str, tokens: int | None):

@@ -5,6 +5,7 @@ diffusers on every row, padded text rows included, and no [B, 1, S, S] mask buil
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,13 +78,18 @@ def test_uniform_key_lengths_drop_the_padded_keys(monkeypatch):
     assert mixed_keys == 11 and mixed_mask.shape == (2, 1, 1, 11) and mixed_mask.dtype == torch.bool
 
 
-def test_key_lengths_with_a_mask_or_under_context_parallelism_raise():
+def test_key_lengths_with_a_mask_or_under_ring_attention_raise():
+    """Key lengths under context parallelism run under Ulysses only (test_context_parallel.py
+    runs them): ring attention raises."""
     query, key, value = _qkv()
     with pytest.raises(ValueError, match="key_lengths or mask"):
         attention.attend(
             _Processor(), query, key, value, key_lengths=(3, 3), mask=torch.ones(2, 1, 1, 11)
         )
-    parallel = type("Parallel", (), {"context_parallel_config": object()})()
+    ring = SimpleNamespace(
+        ring_degree=2, ulysses_degree=1, ulysses_anything=False, ring_anything=False
+    )
+    parallel = SimpleNamespace(context_parallel_config=ring)
     with pytest.raises(NotImplementedError, match="context parallelism"):
         attention.attend(
             _Processor(), query, key, value, key_lengths=(3, 3), parallel_config=parallel

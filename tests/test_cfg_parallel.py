@@ -10,6 +10,7 @@ The CPU-only quirk of test_context_parallel.py is handled the same way: diffuser
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import ltx_kernels
 from distributed_helpers import free_port, generate_video_script, run_cases, run_generate_video
 from inject_helpers import rel_l2
 from ltx_kernels.integration import enable_cfg_parallel
-from model_zoo import ltx, wan
+from model_zoo import hunyuan, ltx, wan
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo"
@@ -28,6 +29,10 @@ pytestmark = pytest.mark.skipif(
 
 TOLERANCE = 1e-5  # fp32: the split changes the summation order only (Ulysses), or nothing
 STEPS = 2
+
+
+def _device(pipe) -> torch.device:
+    return pipe.transformer.device
 
 
 def _ulysses(degree):
@@ -51,6 +56,7 @@ def _ltx_call(pipe, guidance_scale=3.0):
     text = torch.randn(2, 1, ltx.TEXT, ltx.TINY["caption_channels"], generator=generator)
     mask = torch.ones(1, ltx.TEXT, dtype=torch.long)
     mask[:, ltx.TEXT - 2 :] = 0
+    text, mask = text.to(_device(pipe)), mask.to(_device(pipe))
     return pipe(
         prompt_embeds=text[0],
         prompt_attention_mask=mask,
@@ -84,7 +90,7 @@ def _wan_pipeline():
 def _wan_call(pipe, guidance_scale=3.0):
     """Two steps of 5 frames 32 x 32 (2 x 4 x 4 latents: 8 tokens) on a 5-token prompt."""
     generator = torch.Generator().manual_seed(1)
-    text = torch.randn(2, 1, 5, wan.TINY["text_dim"], generator=generator)
+    text = torch.randn(2, 1, 5, wan.TINY["text_dim"], generator=generator).to(_device(pipe))
     return pipe(
         prompt_embeds=text[0],
         negative_prompt_embeds=text[1],
@@ -93,6 +99,52 @@ def _wan_call(pipe, guidance_scale=3.0):
         width=32,
         num_inference_steps=STEPS,
         guidance_scale=guidance_scale,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        return_dict=False,
+    )[0]
+
+
+def _hunyuan15_pipeline():
+    import transformer_cases  # (benchmarks/, on the path with model_zoo)
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+
+    # in: the latents, the condition latents (zeros for text-to-video) and their mask channel
+    model = hunyuan.tiny_model(torch.float32, v15=True, in_channels=2 * 4 + 1)
+    return transformer_cases.denoising_pipeline(
+        HunyuanVideo15Pipeline, model, scheduler=FlowMatchEulerDiscreteScheduler()
+    )
+
+
+def _hunyuan15_call(pipe, guidance_scale=3.0):
+    """Two steps of 5 frames 64 x 64 (2 x 4 x 4 latents: 32 tokens) on Qwen and ByT5 prompts
+    padded differently in each branch (key lengths differing between the calls)."""
+    pipe.guider.guidance_scale = guidance_scale
+    generator = torch.Generator().manual_seed(1)
+    text, text_2 = hunyuan.TEXT, 4
+
+    def prompt(width, length, valid):
+        mask = torch.ones(1, length)
+        mask[:, valid:] = 0
+        return torch.randn(1, length, width, generator=generator).to(_device(pipe)), mask.to(
+            _device(pipe)
+        )
+
+    (embeds, mask), (negative, negative_mask) = prompt(16, text, 4), prompt(16, text, 2)
+    (embeds_2, mask_2), (negative_2, negative_mask_2) = prompt(8, text_2, 3), prompt(8, text_2, 1)
+    return pipe(
+        prompt_embeds=embeds,
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=negative,
+        negative_prompt_embeds_mask=negative_mask,
+        prompt_embeds_2=embeds_2,
+        prompt_embeds_mask_2=mask_2,
+        negative_prompt_embeds_2=negative_2,
+        negative_prompt_embeds_mask_2=negative_mask_2,
+        num_frames=5,
+        height=64,
+        width=64,
+        num_inference_steps=STEPS,
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
         return_dict=False,
@@ -113,6 +165,7 @@ def _ltx2_call(pipe, guidance_scale=3.0):
     text = torch.randn(2, 1, 8, width, generator=generator)
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[:, :2] = 0
+    text, mask = text.to(_device(pipe)), mask.to(_device(pipe))
     video, audio = pipe(
         prompt_embeds=text[0],
         prompt_attention_mask=mask,
@@ -136,16 +189,18 @@ FAMILIES = {
     "ltx": (_ltx_pipeline, _ltx_call),
     "ltx2": (_ltx2_pipeline, _ltx2_call),
     "wan": (_wan_pipeline, _wan_call),
+    "hunyuan15": (_hunyuan15_pipeline, _hunyuan15_call),
 }
 
 
-def _case(family, ulysses, order="before"):
+def _case(family, ulysses, order="before", device="cpu"):
     """The pipeline with its transformer injected before or after enable_cfg_parallel against
-    stock diffusers in this process; the (batch, tokens) each call of the last block saw on this
-    rank. Injected after: then removed, the hooks on the model and how many modules came back."""
+    stock diffusers in this process, on `device`; the (batch, tokens) each call of the last block
+    saw on this rank. Injected after: then removed, the hooks on the model and how many modules
+    came back."""
     build_pipeline, call = FAMILIES[family]
-    expected = call(build_pipeline())
-    pipe = build_pipeline()
+    expected = call(build_pipeline().to(device))
+    pipe = build_pipeline().to(device)
     model, stock_class = pipe.transformer, type(pipe.transformer)
     if order == "before":
         ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
@@ -194,29 +249,33 @@ def _world_not_divisible():
     return _raises(lambda: enable_cfg_parallel(pipe, _ulysses(2)))  # 2 processes: 2 x 2 needed
 
 
-#: World size -> {case: function}.
+#: World size -> {case: function(device)}.
 CASES = {
     2: {
-        "ltx": lambda: _case("ltx", 1),
-        "wan": lambda: _case("wan", 1),
-        "ltx2": lambda: _case("ltx2", 1),
-        "ltx_inject_after": lambda: _case("ltx", 1, "after"),
-        "guidance_off_ltx": lambda: _guidance_off("ltx"),
-        "guidance_off_wan": lambda: _guidance_off("wan"),
-        "no_guidance_pipeline": _no_guidance_pipeline,
-        "world_not_divisible": _world_not_divisible,
+        "ltx": lambda d: _case("ltx", 1, device=d),
+        "wan": lambda d: _case("wan", 1, device=d),
+        "ltx2": lambda d: _case("ltx2", 1, device=d),
+        "ltx_inject_after": lambda d: _case("ltx", 1, "after", device=d),
+        "guidance_off_ltx": lambda d: _guidance_off("ltx"),
+        "guidance_off_wan": lambda d: _guidance_off("wan"),
+        "hunyuan15": lambda d: _case("hunyuan15", 1, device=d),
+        "guidance_off_hunyuan15": lambda d: _guidance_off("hunyuan15"),
+        "no_guidance_pipeline": lambda d: _no_guidance_pipeline(),
+        "world_not_divisible": lambda d: _world_not_divisible(),
     },
     4: {
-        "ltx_ulysses": lambda: _case("ltx", 2),
-        "wan_ulysses": lambda: _case("wan", 2),
-        "ltx2_ulysses": lambda: _case("ltx2", 2),
-        "ltx_ulysses_inject_after": lambda: _case("ltx", 2, "after"),
+        "ltx_ulysses": lambda d: _case("ltx", 2, device=d),
+        "wan_ulysses": lambda d: _case("wan", 2, device=d),
+        "ltx2_ulysses": lambda d: _case("ltx2", 2, device=d),
+        "ltx_ulysses_inject_after": lambda d: _case("ltx", 2, "after", device=d),
+        "hunyuan15_ulysses": lambda d: _case("hunyuan15", 2, device=d),
     },
 }
 #: Cases that must raise, with a part of the expected message.
 RAISES = {
     "guidance_off_ltx": "LTXPipeline was called with guidance off",
     "guidance_off_wan": "WanPipeline was called with guidance off",
+    "guidance_off_hunyuan15": "HunyuanVideo15Pipeline was called with guidance off",
     "no_guidance_pipeline": "FluxPipeline is not supported",
     "world_not_divisible": "the world size 2 must be 2 (guidance branches) x the context-parallel",
 }
@@ -225,6 +284,8 @@ RAISES = {
 SEEN = {"ltx": [[1, 8]] * STEPS, "ltx_ulysses": [[1, 4]] * STEPS}
 SEEN.update(wan=SEEN["ltx"], wan_ulysses=SEEN["ltx_ulysses"], ltx_inject_after=SEEN["ltx"])
 SEEN.update(ltx_ulysses_inject_after=SEEN["ltx_ulysses"])
+# HunyuanVideo-1.5: Wan's separate calls, 32 tokens (its patch size 1)
+SEEN.update(hunyuan15=[[1, 32]] * STEPS, hunyuan15_ulysses=[[1, 16]] * STEPS)
 # LTX-2: the batched call, then the STG pass (group 0) or the modality pass (group 1), a step
 SEEN.update(ltx2=[[1, 8]] * 2 * STEPS, ltx2_ulysses=[[1, 4]] * 2 * STEPS)
 #: Injected after enable_cfg_parallel, then removed: how many modules came back (blocks, two
@@ -240,20 +301,37 @@ RESTORED = {
 }
 
 
-def _worker(rank, world, port, results_dir):
-    run_cases(rank, world, port, "cpu:gloo", results_dir, CASES[world])
+#: NVLink multicast off on the GPU machines (NCCL's NVLS, symmetric memory's and NVSHMEM's).
+NO_MULTICAST = dict(
+    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """World size -> per rank {case: result}, of one spawn of that many gloo processes (run on
-    first use)."""
-    spawned = {}
+def _worker(rank, world, port, results_dir, device):
+    backend = "cpu:gloo"
+    if device == "cuda":
+        os.environ.update(NO_MULTICAST)
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        backend = "cpu:gloo,cuda:nccl"
+    run_cases(rank, world, port, backend, results_dir, CASES[world], device)
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def results(request, tmp_path_factory):
+    """World size -> per rank {case: result}, of one spawn of that many processes (run on first
+    use): gloo on the CPU, or NCCL with one GPU each (skipped without enough GPUs)."""
+    device, spawned = request.param, {}
 
     def of(world):
+        if device == "cuda" and torch.cuda.device_count() < world:
+            pytest.skip(f"needs {world} GPUs (NCCL)")
         if world not in spawned:
-            directory = tmp_path_factory.mktemp(f"cfg_parallel_{world}")
-            mp.spawn(_worker, args=(world, free_port(), str(directory)), nprocs=world, join=True)
+            directory = tmp_path_factory.mktemp(f"cfg_parallel_{device}_{world}")
+            mp.spawn(
+                _worker, args=(world, free_port(), str(directory), device), nprocs=world, join=True
+            )
             spawned[world] = [
                 json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world)
             ]

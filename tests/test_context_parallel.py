@@ -333,9 +333,11 @@ LTX2_CASES = {
 RING_CASES["ltx2_ring"] = _ltx2_ring
 
 
-def _wan_case(device, config, variant="t2v"):
+def _wan_case(device, config, variant="t2v", padded=False):
     """The tiny Wan transformer injected before enable_parallelism, against stock diffusers in one
-    process (Wan's plan splits the tokens at its first block; its cross-attention stays local)."""
+    process (Wan's plan splits the tokens at its first block; its cross-attention stays local).
+    padded: the text zero-padded after 7 and 4 tokens, as WanPipeline pads its prompts (Wan takes
+    no text mask: it attends to the zeros)."""
     from model_zoo import wan
 
     torch.manual_seed(0)
@@ -345,12 +347,61 @@ def _wan_case(device, config, variant="t2v"):
         name: value.to(device) if torch.is_tensor(value) else value
         for name, value in wan.tiny_inputs(torch.float32, variant).items()
     }
+    if padded:
+        for sample, length in enumerate((7, 4)):
+            inputs["encoder_hidden_states"][sample, length:] = 0
     ltx_kernels.inject_optimized_kernels(model, verbose=False)
     model.enable_parallelism(config=config)
     with torch.no_grad(), _CountUlyssesCalls() as ulysses:
         out = model(**inputs)[0]
         expected = reference(**inputs)[0]
     return {"out": rel_l2(out, expected), "tolerance": TOLERANCE, "ulysses_calls": ulysses.calls}
+
+
+def _hunyuan15_model(device, dtype=torch.float32, **config):
+    """The tiny HunyuanVideo-1.5 transformer (a stock reference and an injected copy)."""
+    from model_zoo import hunyuan
+
+    reference = hunyuan.tiny_model(dtype, v15=True, **config).to(device)
+    model = copy.deepcopy(reference)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    return reference, model
+
+
+def _hunyuan15_case(device, config, variant=None):
+    """The tiny HunyuanVideo-1.5 transformer injected, then under enable_parallelism with its plan
+    (injected_plan: diffusers has none), against stock diffusers in one process; the text padded
+    differently per batch element (the Qwen prompt of one, the ByT5 prompt of the other), so the
+    key lengths differ per element."""
+    from ltx_kernels.integration import injected_plan
+    from model_zoo import hunyuan
+
+    reference, model = _hunyuan15_model(device)
+    model.enable_parallelism(config=config, cp_plan=injected_plan(model))
+    inputs = hunyuan.tiny_inputs(torch.float32, v15=True, variant=variant)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    with torch.no_grad(), _CountUlyssesCalls() as ulysses:
+        out = model(**inputs)[0]
+        expected = reference(**inputs)[0]
+    return {"out": rel_l2(out, expected), "tolerance": TOLERANCE, "ulysses_calls": ulysses.calls}
+
+
+def _raised(run, *args):
+    """{"raised": the message of the NotImplementedError / RuntimeError run(*args) raises, or
+    None}."""
+    try:
+        run(*args)
+    except (NotImplementedError, RuntimeError) as error:
+        return {"raised": str(error)}
+    return {"raised": None}
+
+
+def _hunyuan15_stock_plan(device):
+    """injected_plan on a stock HunyuanVideo-1.5 (its processors would attend a chunk)."""
+    from ltx_kernels.integration import injected_plan
+
+    reference, _ = _hunyuan15_model(device)
+    injected_plan(reference)
 
 
 def _text_gather_reuse(device):
@@ -394,18 +445,37 @@ WAN_CASES = {
     f"wan_ulysses_{variant}": lambda d, variant=variant: _wan_case(d, _ulysses(), variant)
     for variant in ("t2v", "i2v", "ti2v")
 }
+WAN_CASES["wan_ulysses_padded_text"] = lambda d: _wan_case(d, _ulysses(), padded=True)
+#: HunyuanVideo-1.5 under Ulysses (injected_plan): text-to-video (the image tokens masked out) and
+#: image-to-video; per-element text lengths (key lengths on the gathered sequence).
+HUNYUAN15_CASES = {
+    f"hunyuan15_ulysses_{variant or 't2v'}": lambda d, variant=variant: _hunyuan15_case(
+        d, _ulysses(), variant
+    )
+    for variant in (None, "i2v")
+}
 #: Cases that must raise, with a word of the expected message.
 RAISES = {
     "ltx2_training": (_ltx2_training, "training LTX-2 under context parallelism"),
+    "hunyuan15_ring": (
+        lambda d: _raised(_hunyuan15_case, d, _ring()),
+        "run under Ulysses only, not with ring attention",
+    ),
+    "hunyuan15_stock_plan": (
+        lambda d: _raised(_hunyuan15_stock_plan, d),
+        "needs the injected attention processors",
+    ),
 }
 CASES.update(LTX2_CASES)
 CASES.update(WAN_CASES)
+CASES.update(HUNYUAN15_CASES)
 CHECKS = {"text_gather_reuse": _text_gather_reuse}
 CASES.update(CHECKS)
 CASES.update({name: run for name, (run, _) in RAISES.items()})
 CASES.update(RING_CASES)
 ULYSSES_ATTENTION.update(dict.fromkeys(LTX2_CASES, 2))  # LTX-2: each block's video self-attention
 ULYSSES_ATTENTION.update(dict.fromkeys(WAN_CASES, 2))  # Wan: each block's self-attention
+ULYSSES_ATTENTION.update(dict.fromkeys(HUNYUAN15_CASES, 2))  # HunyuanVideo-1.5: each block's
 ULYSSES_ATTENTION["ltx2_ring"] = 0
 
 
@@ -434,9 +504,48 @@ def _ltx2_full_width(device, config, backend=None):
     return {"out": error, "tolerance": tolerance, "ulysses_calls": ulysses.calls}
 
 
+def _hunyuan15_full_width(device, config):
+    """HunyuanVideo-1.5 480p at full width (two of its 54 blocks, random weights, bf16), 2 x
+    (3 x 30 x 52) video tokens and a 256 + 64-token prompt padded differently per element:
+    injected under Ulysses against stock diffusers on one GPU."""
+    import step_inputs
+    from diffusers import HunyuanVideo15Transformer3DModel
+    from ltx_kernels.integration import injected_plan
+    from model_zoo import hunyuan
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = HunyuanVideo15Transformer3DModel(**hunyuan.config_480p(num_layers=2))
+        model = model.to(torch.bfloat16).eval()
+        masks = torch.ones(2, 256), torch.ones(2, 64)
+        masks[0][0, 200:] = 0
+        masks[1][1, 40:] = 0
+        inputs = step_inputs.hunyuan_video15(
+            model.config,
+            lambda *shape: torch.randn(*shape, dtype=torch.bfloat16),
+            batch=2,
+            frames=3,
+            height=30,
+            width=52,
+            text=256,
+            text_2=64,
+            image_tokens=729,
+            image=lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16),
+            timestep=torch.tensor([500.0, 500.0], dtype=torch.bfloat16),
+            masks=masks,
+        )
+    with torch.no_grad():
+        expected = output_of(model(**inputs))
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+        model.enable_parallelism(config=config, cp_plan=injected_plan(model))
+        out = output_of(model(**inputs))
+    return {"out": rel_l2(out, expected), "tolerance": REL_L2_TOLERANCE[torch.bfloat16]}
+
+
 GPU_CASES = {
     "full_size_ulysses": lambda d: _full_size(d, _ulysses()),
     "ltx2_full_width_ulysses": lambda d: _ltx2_full_width(d, _ulysses()),
+    "hunyuan15_full_width_ulysses": lambda d: _hunyuan15_full_width(d, _ulysses()),
 }
 
 
@@ -474,8 +583,9 @@ def results(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(RAISES))
-def test_ltx2_raises_clearly(results, case):
-    """LTX-2: training under context parallelism raises with the reason."""
+def test_raises_clearly(results, case):
+    """LTX-2: training under context parallelism; HunyuanVideo-1.5: ring attention, and its plan
+    for a stock model: each raises with the reason."""
     for by_case in results:
         assert by_case[case]["raised"] and RAISES[case][1] in by_case[case]["raised"]
 

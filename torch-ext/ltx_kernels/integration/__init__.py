@@ -28,6 +28,7 @@ import torch
 from .._op_names import OPS
 from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
 from .cfg_parallel import enable_cfg_parallel
+from .context_parallel import injected_plan
 from .linears import FP8_PRESETS, Fp8Linear, bf16_weight_freed
 from .injector import (
     ATTENTION_CHOICES,
@@ -55,6 +56,7 @@ __all__ = [
     "InjectionReport",
     "enable_cfg_parallel",
     "inject_optimized_kernels",
+    "injected_plan",
     "register_inductor_fallbacks",
     "remove_optimized_kernels",
 ]

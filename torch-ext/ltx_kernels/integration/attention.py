@@ -15,7 +15,11 @@ Contract of `attend(processor, query, key, value, *, parallel_config, mask, key_
 - `key_lengths`: per batch element, how many leading keys are attended (the keys past it are
   padding), a tuple of ints (`padded_key_lengths` reads them off a key mask). Where every
   element has the same length the padded keys are dropped (k/v sliced, no mask: exact in
-  math, and what SDPA runs fastest); otherwise they become a broadcast [B, 1, 1, Sk] key mask;
+  math, and what SDPA runs fastest); otherwise they become a broadcast [B, 1, 1, Sk] key mask.
+  Under context parallelism they count the whole sequence (Ulysses only: below);
+- `replicated`: under context parallelism, how many trailing rows of q/k/v are whole on every
+  rank (HunyuanVideo-1.5's text, after this rank's chunk of the video); their output rows come
+  back whole (Ulysses only: below);
 - `sdpa=True`: F.scaled_dot_product_attention as stock SD3's processor calls it (diffusers'
   JointAttnProcessor2_0 ignores the attention backend), for stock numerics bit for bit.
 
@@ -36,6 +40,11 @@ copies (eight copies of a [B, s, H, D] tensor per call). ulysses_attention sends
 all-to-all, attention reads them where they land (strided views), and the output returns in one
 more: five such copies, through 8-byte elements, and two all-to-alls. Every other case (ring
 attention, uneven splits, a mask, autograd recording) keeps diffusers' parallel attention.
+Key lengths and replicated rows under context parallelism run ulysses_attention only: after its
+all-to-all each rank holds the whole sequence of its heads in the original order (rank r's chunk
+at r * s, the replicated rows last, sliced to this rank's heads locally), so the key lengths of
+the whole sequence apply there as on one GPU, and no mask is ever split or gathered; ring
+attention, uneven splits and autograd recording raise.
 (Pipelining head chunks, one chunk's all-to-all beside the previous chunk's attention, was slower
 on 2 H200s: NCCL's kernels wait for SMs and for the peer behind the attention kernel;
 benchmarks/NOTES.md.)
@@ -47,7 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import attention as ltx_attention
-from .context_parallel import capturing, context_parallel_config, version_of, waited
+from .context_parallel import (
+    _GatherSequence,
+    capturing,
+    context_parallel_config,
+    version_of,
+    waited,
+)
 from .injector import LTX_ATTENTION_FASTER, LTX_ATTENTION_HEAD_DIMS
 
 
@@ -61,21 +76,21 @@ def attend(
     mask: torch.Tensor | None = None,
     key_lengths: tuple[int, ...] | None = None,
     sdpa: bool = False,
+    replicated: int = 0,
 ) -> torch.Tensor:
     """The attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] (the module docstring's contract)."""
-    if key_lengths is not None:
-        if mask is not None:
-            raise ValueError("ltx_kernels attend: pass key_lengths or mask, not both")
-        if context_parallel_config(parallel_config) is not None:
-            raise NotImplementedError(
-                "ltx_kernels attend: key_lengths under context parallelism (each rank holds a "
-                "chunk of the keys; the lengths count the whole sequence)"
-            )
-    ours = (
-        mask is None
-        and context_parallel_config(parallel_config) is None
-        and runs_ltx_attention(processor, query, key, value)
-    )
+    if key_lengths is not None and mask is not None:
+        raise ValueError("ltx_kernels attend: pass key_lengths or mask, not both")
+    cp_config = context_parallel_config(parallel_config)
+    if cp_config is not None and (key_lengths is not None or replicated):
+        _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated)
+
+        def local(query, key, value):  # this rank's heads, the whole sequence
+            return attend(processor, query, key, value, key_lengths=key_lengths, sdpa=sdpa)
+
+        out = ulysses_attention(query, key, value, parallel_config, local, replicated)
+        return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
+    ours = mask is None and cp_config is None and runs_ltx_attention(processor, query, key, value)
     lengths = None  # (ours: the key lengths as the op takes them)
     if key_lengths is not None and len(set(key_lengths)) == 1:
         key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
@@ -221,6 +236,29 @@ def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> 
     )
 
 
+def _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated: int) -> None:
+    """Raises unless key lengths / replicated rows can attend under `cp_config` (ulysses_attention:
+    the module docstring)."""
+    reasons = []
+    if mask is not None:
+        reasons.append("a mask (pass key lengths only)")
+    if cp_config.ring_degree > 1 or cp_config.ulysses_anything or cp_config.ring_anything:
+        reasons.append("ring attention or uneven splits (run Ulysses: ulysses_degree only)")
+    if query.shape[1] != key.shape[1]:
+        reasons.append("queries and keys of different lengths")
+    if query.shape[2] % cp_config.ulysses_degree:
+        reasons.append(f"{query.shape[2]} heads, not divisible by the Ulysses degree")
+    if not 0 <= replicated <= query.shape[1]:
+        reasons.append(f"{replicated} replicated rows of {query.shape[1]}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)):
+        reasons.append("autograd recording (inference only)")
+    if reasons:
+        raise NotImplementedError(
+            "ltx_kernels attend: key lengths / rows whole on every rank under context parallelism "
+            f"run under Ulysses only, not with {'; '.join(reasons)}"
+        )
+
+
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """All-to-all along dim 0 of a contiguous tensor (waits on the stream at its first use)."""
     import torch.distributed._functional_collectives as funcol
@@ -252,10 +290,13 @@ def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def ulysses_attention(query, key, value, parallel_config, attend) -> torch.Tensor:
+def ulysses_attention(query, key, value, parallel_config, attend, replicated=0) -> torch.Tensor:
     """Ulysses self-attention: query/key/value [B, s, H, D] (this rank's s tokens of the sequence,
     every head; any strides with D contiguous) -> [B, s, H * D]. `attend(q, k, v)` attends this
-    rank's heads over the whole sequence: [B, S, h, D] each -> [B, S, h, D].
+    rank's heads over the whole sequence: [B, S, h, D] each -> [B, S, h, D]. With `replicated`
+    rows, q/k/v are [B, s + R, H, D] whose last R rows are the same on every rank: they are not
+    sent, each rank appends its heads of them to the sequence it received ([B, S + R, h, D]), and
+    their output rows, all-gathered over the heads, follow this rank's: [B, s + R, H * D].
 
     Rank r attends heads [r h, (r + 1) h), h = H / N. q, k and v travel in one send buffer
     [N (to rank), s, B, 3, h * D]; what arrives, [N (from rank), s, B, 3, h * D], is the whole
@@ -265,19 +306,32 @@ def ulysses_attention(query, key, value, parallel_config, attend) -> torch.Tenso
     cp_config = context_parallel_config(parallel_config)
     group = cp_config._ulysses_mesh.get_group()
     ranks = cp_config.ulysses_degree
-    batch, tokens, heads, head_dim = query.shape
+    batch, rows, heads, head_dim = query.shape
+    tokens = rows - replicated  # this rank's chunk
     width = heads // ranks * head_dim  # of one rank's heads
 
     send = query.new_empty(ranks, tokens, batch, 3, width)
     for i, x in enumerate((query, key, value)):  # [B, s, H, D] -> [N, s, B, h * D]
-        _copy(send[:, :, :, i], x.flatten(2).unflatten(2, (ranks, width)).permute(2, 1, 0, 3))
+        x = x[:, :tokens].flatten(2).unflatten(2, (ranks, width))
+        _copy(send[:, :, :, i], x.permute(2, 1, 0, 3))
     qkv = _all_to_all(send, group).flatten(0, 1).transpose(0, 1)  # [B, S, 3, h * D]
+    if replicated:  # this rank's heads of the whole rows, after the sequence
+        head = cp_config._ulysses_mesh.get_local_rank() * width
+        whole = [x[:, tokens:].flatten(2)[..., head : head + width] for x in (query, key, value)]
+        whole = torch.stack(whole, 2)  # [B, R, 3, h * D]
+        qkv = torch.cat([qkv, whole], 1)  # [B, S + R, 3, h * D]
     qkv = qkv.unflatten(3, (heads // ranks, head_dim))
-    out = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).flatten(2)  # [B, S, h * D]
+    out = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).flatten(2)  # [B, S (+ R), h * D]
+    sequence = ranks * tokens
+    out, whole = out[:, :sequence], out[:, sequence:]
     out = _copy(
         out.new_empty(ranks, tokens, batch, width),
         out.unflatten(1, (ranks, tokens)).permute(1, 2, 0, 3),
     )
     out = _all_to_all(out, group)  # [N, s, B, h * D], back on the tokens' rank
-    result = out.new_empty(batch, tokens, ranks, width)
-    return _copy(result, out.permute(2, 1, 0, 3)).flatten(2)
+    result = out.new_empty(batch, rows, ranks, width)
+    _copy(result[:, :tokens], out.permute(2, 1, 0, 3))
+    if replicated:  # every rank's heads of the whole rows: [N, B, R, h * D]
+        gathered = _GatherSequence.apply(whole.contiguous(), 0, group)  # [N * B, R, h * D]
+        _copy(result[:, tokens:], gathered.unflatten(0, (ranks, batch)).permute(1, 2, 0, 3))
+    return result.flatten(2)

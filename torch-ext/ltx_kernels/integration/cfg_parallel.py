@@ -16,8 +16,8 @@ How a pipeline calls its transformer (PIPELINES; the pipeline names each call's 
 - batched (LTX-Video, LTX-2): one call on the branches concatenated along the batch, in the cache
   context "cond_uncond". Each group runs its half of the batch (every tensor argument whose first
   dim is the batch is halved) and one all-gather across the groups puts the whole batch back.
-- separate (Wan): one call per branch, "cond" then "uncond", the first call's output not read
-  before the second call. Group 0 runs the first call and group 1 returns an empty tensor of the
+- separate (Wan: "cond" then "uncond"; HunyuanVideo-1.5, through its guider: "pred_cond" then
+  "pred_uncond"): one call per branch, the first call's output not read before the second call. Group 0 runs the first call and group 1 returns an empty tensor of the
   output's shape for it; group 1 runs the second; after the second call one all-gather exchanges
   the two outputs and group 1 fills the first call's tensor in place.
 - twins (LTX-2's STG and modality-isolation passes, one branch each, "uncond_stg" then
@@ -30,11 +30,12 @@ How a pipeline calls its transformer (PIPELINES; the pipeline names each call's 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .context_parallel import CFG_PARALLEL_HOOK, _GatherSequence
+from .context_parallel import CFG_PARALLEL_HOOK, _GatherSequence, injected_plan
 
 GROUPS = 2  # the guidance branches: unconditional and conditional
 
@@ -62,6 +63,9 @@ class Branches:
     batched: str | None = None
     separate: tuple[str, str] | None = None
     twins: Twins | None = None
+    # Whether a pipeline runs both guidance branches at this step, and what it is when not.
+    guided: Callable = lambda pipe: pipe.do_classifier_free_guidance
+    unguided: str = "do_classifier_free_guidance is False: guidance_scale <= 1"
 
 
 _LTX = Branches(batched="cond_uncond")
@@ -75,6 +79,11 @@ _LTX2 = Branches(
     ),
 )
 _WAN = Branches(separate=("cond", "uncond"))
+_HUNYUAN_VIDEO_15 = Branches(
+    separate=("pred_cond", "pred_uncond"),
+    guided=lambda pipe: pipe.guider._enabled and pipe.guider.num_conditions > 1,
+    unguided="its guider runs one condition: guidance_scale <= 1, or a step outside its range",
+)
 PIPELINES = {
     "LTXPipeline": _LTX,
     "LTXImageToVideoPipeline": _LTX,
@@ -83,6 +92,8 @@ PIPELINES = {
     "LTX2ImageToVideoPipeline": _LTX2,
     "WanPipeline": _WAN,
     "WanImageToVideoPipeline": _WAN,
+    "HunyuanVideo15Pipeline": _HUNYUAN_VIDEO_15,
+    "HunyuanVideo15ImageToVideoPipeline": _HUNYUAN_VIDEO_15,
 }
 
 
@@ -93,7 +104,7 @@ def enable_cfg_parallel(pipe, context_parallel=None) -> None:
 
     Call instead of the transformer's enable_parallelism (it calls that on each half), before or
     after inject_optimized_kernels (injected after, remove_optimized_kernels can restore the
-    model). Every pipeline call must have guidance on (guidance_scale > 1); every rank must make
+    model; HunyuanVideo-1.5 under context parallelism: before, its plan is ours). Every pipeline call must have guidance on (guidance_scale > 1); every rank must make
     the same calls with the same inputs, as under context parallelism."""
     import torch.distributed as dist
 
@@ -144,7 +155,7 @@ def enable_cfg_parallel(pipe, context_parallel=None) -> None:
         if context_parallel is not None:
             config = _copy_config(context_parallel)
             config.mesh = mesh
-            transformer.enable_parallelism(config=config)
+            transformer.enable_parallelism(config=config, cp_plan=injected_plan(transformer))
         hook = _CfgParallelHook(pipe, PIPELINES[name], mesh["cfg"])
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(hook, CFG_PARALLEL_HOOK)
@@ -213,12 +224,11 @@ class _CfgParallelHook:
         name = None if context is None else context.name
         branches, pipe = self.branches, self.pipe()
         if name == branches.batched or name in (branches.separate or ()):
-            if pipe is not None and not pipe.do_classifier_free_guidance:
+            if pipe is not None and not branches.guided(pipe):
                 raise RuntimeError(
                     f"enable_cfg_parallel: {type(pipe).__name__} was called with guidance off "
-                    "(do_classifier_free_guidance is False: guidance_scale <= 1): one branch, "
-                    "nothing to run in parallel; call it with guidance_scale > 1, or on a "
-                    "pipeline without enable_cfg_parallel"
+                    f"({branches.unguided}): one branch, nothing to run in parallel; call it "
+                    "with guidance_scale > 1, or on a pipeline without enable_cfg_parallel"
                 )
             if name == branches.batched:
                 return self._batched(module, args, kwargs)

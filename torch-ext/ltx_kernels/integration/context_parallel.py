@@ -144,6 +144,17 @@ def beneath_parallel_hooks(model: torch.nn.Module, replan):
         registry.register_hook(hook, name)
 
 
+def injected_plan(model):
+    """The `cp_plan` to pass to `model.enable_parallelism` where diffusers has none and the
+    injected model runs one: HunyuanVideo-1.5 (hunyuan.context_parallel_plan); None (the model's
+    own `_cp_plan`) for the others."""
+    if type(model).__name__ == "HunyuanVideo15Transformer3DModel":
+        from .hunyuan import context_parallel_plan
+
+        return context_parallel_plan(model)
+    return None
+
+
 def split_token_timesteps(cp_plan):
     """A model's `_cp_plan` plus its per-token timesteps [B, S] (LTXConditionPipeline, LTX-2's
     image-to-video) split with the tokens (a [B] timestep is left whole, with a warning from

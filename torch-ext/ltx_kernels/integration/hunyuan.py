@@ -26,7 +26,9 @@ Attention masks (they hide padded text keys) become key lengths (attention.py): 
 are dropped where every batch element has as many ("drop_padded_keys"), otherwise the lengths go
 to our attention op (inject_optimized_kernels' attention=) or become a broadcast [B, 1, 1, S] key
 mask; HunyuanVideo-1.5's [B, 1, S, S] pair mask is never built (its padded query
-rows come out zero, as SDPA gives them under it).
+rows come out zero, as SDPA gives them under it). Under context parallelism (HunyuanVideo-1.5,
+context_parallel_plan: diffusers has none) the image rows are split and the text is whole on every
+GPU; the attention runs Ulysses with the text rows replicated and the whole sequence's key lengths.
 FP8 (fp8=True; FP8_PRESETS, default "ffn+self_attn", for the double blocks of HunyuanVideo-1.5
 and HunyuanVideo): the image stream's FF ("ffn") and its q/k/v and out ("ffn+self_attn"); "all"
 adds the text stream's (its q/k/v, out and FF: as large as the image stream's, on a few hundred
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 
 from . import adaln, quant, recompute, steps
 from .attention import attend, padded_key_lengths
+from .context_parallel import context_parallel_config
 from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
 from .linears import attention_projections, ff_projections, fp8_presets
@@ -66,6 +69,8 @@ REPRODUCED = Reproduced(
         "HunyuanVideo15PatchEmbed.forward": "cc038fb47212815d",
         "HunyuanVideoAttnProcessor2_0.__call__": "6d78c997f1d3d454",
         "HunyuanVideo15AttnProcessor2_0.__call__": "9525039276556a04",
+        # not patched: the forward context_parallel_plan's plan is written for
+        "HunyuanVideo15Transformer3DModel.forward": "1387c21027607822",
     },
 )
 
@@ -198,6 +203,9 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
         1x16x49290 with 700 padded keys on an H100: dense mask 77.3 ms, key mask 47.8, dropped
         33.1.)"""
         seq_len, image_rows = query.shape[1], query.shape[1] - attention_mask.shape[1]
+        cp_config = context_parallel_config(self._parallel_config)
+        if cp_config is not None:
+            return self._attend_context_parallel(query, key, value, attention_mask, cp_config)
         text_lengths = _key_lengths(self.ops, attention_mask.bool())
         if text_lengths is not None and len(set(text_lengths)) == 1:
             rows = image_rows + text_lengths[0]
@@ -217,6 +225,67 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
                 parallel_config=self._parallel_config,
             )
         return out.masked_fill(~valid[:, :, None, None], 0)
+
+    def _attend_context_parallel(self, query, key, value, attention_mask, cp_config):
+        """Under context parallelism (context_parallel_plan): q/k/v are this rank's image rows and
+        the whole text. Ulysses with the text rows replicated (attention.attend): each rank
+        attends its heads over the whole sequence, image then text as on one GPU, with the
+        per-element key lengths of the whole sequence; the padded query rows set to zero."""
+        text = attention_mask.shape[1]
+        image_rows = query.shape[1] - text  # this rank's
+        valid = attention_mask.bool()
+        lengths = padded_key_lengths(valid)
+        if lengths is None:
+            raise NotImplementedError(
+                "ltx_kernels: HunyuanVideo-1.5 under context parallelism attends with the text's "
+                "key lengths, which cannot be read here (under torch.compile or CUDA-graph "
+                "capture, or a text mask whose valid tokens do not lead); run the attention eager"
+            )
+        image = image_rows * cp_config.ulysses_degree  # the whole sequence's image rows
+        out = attend(
+            self,
+            query,
+            key,
+            value,
+            key_lengths=tuple(image + length for length in lengths),
+            parallel_config=self._parallel_config,
+            replicated=text,
+        )
+        valid = F.pad(valid, (image_rows, 0), value=True)
+        return out.masked_fill(~valid[:, :, None, None], 0)
+
+
+def context_parallel_plan(model):
+    """HunyuanVideo-1.5's context-parallel plan (diffusers 0.42 has none), for
+    `model.enable_parallelism(config=..., cp_plan=context_parallel_plan(model))` on an injected
+    model: the image tokens (the patch embedding's output) and their RoPE tables are split over
+    the GPUs and gathered at proj_out; the text stays whole on every GPU (its stream runs on
+    each), and the attention attends the whole sequence per head group (_attend_context_parallel:
+    Ulysses only). Raises unless every block's attention runs our processor (stock diffusers'
+    would attend a rank's chunk as if it were the sequence)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    reason = REPRODUCED.unpatched(type(model), "forward")
+    if reason:
+        raise RuntimeError(f"ltx_kernels: no HunyuanVideo-1.5 context-parallel plan: {reason}")
+    stock = [
+        name
+        for name, block in model.named_modules()
+        if type(block).__name__ == "HunyuanVideo15TransformerBlock"
+        and not isinstance(block.attn.processor, HunyuanVideo15KernelsAttnProcessor)
+    ]
+    if stock:
+        raise RuntimeError(
+            f"ltx_kernels: HunyuanVideo-1.5 context parallelism needs the injected attention "
+            f"processors (inject_optimized_kernels first); {stock[0]} runs "
+            f"{type(model.get_submodule(stock[0]).attn.processor).__name__}"
+        )
+    rows = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)  # RoPE [S, r]
+    return {
+        "x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+        "rope": {0: rows, 1: rows},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
