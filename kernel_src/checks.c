@@ -466,3 +466,48 @@ ltx_check_t ltx_check_attention(const ltx_attention_args_t* a) {
   }
   return ok();
 }
+
+/* attention_int8: q8, k8 int8 and v8 float8_e4m3 codes, out float (or float64); k8 q8's batch and
+ * heads, v8 {batch, heads, head_dim} rows of kv_pad >= kv_len keys, out q8's sizes; the scales
+ * present (their sizes follow from the rows'). */
+ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* a) {
+  const char* const names[4] = {"q8", "k8", "v8", "out"};
+  const ltx_rows_t* operands[4];
+  const ltx_dtype_t dtypes[3] = {LTX_INT8, LTX_INT8, LTX_FLOAT8_E4M3};
+  int i;
+  if (!a) return malformed("args");
+  operands[0] = &a->q8;
+  operands[1] = &a->k8;
+  operands[2] = &a->v8;
+  operands[3] = &a->out;
+  LTX_RETURN_IF_FAILED(float_or_float64_dtype("out", a->out.dtype));
+  for (i = 0; i < 3; ++i)
+    if (operands[i]->dtype != dtypes[i])
+      return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_CODE_DTYPE, names[i],
+                        operands[i]->dtype, NULL, dtypes[i]);
+  if (a->key_lengths.data && a->key_lengths.dtype != LTX_INT32 && a->key_lengths.dtype != LTX_INT64)
+    return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_INDEX_DTYPE, "key_lengths",
+                      a->key_lengths.dtype, NULL, a->key_lengths.dtype);
+  for (i = 0; i < 4; ++i)
+    if (!ltx_valid_rows(operands[i])) return malformed(names[i]);
+  if (a->k8.size[0] != a->q8.size[0] || a->k8.size[2] != a->q8.size[2])
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "k8", "q8");
+  if (a->v8.size[0] != a->q8.size[0] || a->v8.size[1] != a->q8.size[2] ||
+      a->v8.size[2] != a->head_dim || a->kv_pad < a->k8.size[1])
+    return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "v8", "k8");
+  for (i = 0; i < LTX_MAX_ROW_DIMS; ++i)
+    if (a->out.size[i] != a->q8.size[i])
+      return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "out", "q8");
+  if (a->head_dim < 0) return malformed("head_dim");
+  if (ltx_num_rows(&a->q8) > 0 && !a->q_scale) return malformed("q_scale");
+  if (ltx_num_rows(&a->k8) > 0 && !a->k_scale) return malformed("k_scale");
+  if (ltx_num_rows(&a->v8) > 0 && !a->v_scale) return malformed("v_scale");
+  if (!(a->scale > -INFINITY && a->scale < INFINITY)) { /* (NaN fails both) */
+    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
+                           .rule = LTX_RULE_FINITE,
+                           .arg = "scale",
+                           .value = a->scale};
+    return c;
+  }
+  return ok();
+}

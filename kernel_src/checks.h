@@ -32,6 +32,7 @@ typedef enum ltx_rule {
   LTX_RULE_INDEX_DTYPE,            /* arg must be int32 or int64 */
   LTX_RULE_SHAPE_OF,               /* arg's sizes must agree with ref's (the op says which) */
   LTX_RULE_FINITE,                 /* arg (value) must be finite */
+  LTX_RULE_CODE_DTYPE,             /* arg must be codes of ref_dtype (int8, float8_e4m3fn) */
 } ltx_rule_t;
 
 /* What a check found. */
@@ -63,6 +64,7 @@ ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout
                                     const ltx_rows_t* x, int64_t hidden,
                                     ltx_gelu_approximate_t approximate, int gated);
 ltx_check_t ltx_check_attention(const ltx_attention_args_t* args);
+ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* args);
 
 #ifdef __cplusplus
 }

@@ -189,4 +189,15 @@ static inline void* ltx_row_ptr(const ltx_rows_t* r, int64_t row) {
   return (char*)r->data + offset * ltx_dtype_size(r->dtype);
 }
 
+/* The keys batch element b attends (the attention ops): key_lengths[b] clamped to [0, kv_len]
+ * (all without lengths). */
+static inline int64_t ltx_attended_keys(const ltx_vector_t* key_lengths, int64_t b,
+                                        int64_t kv_len) {
+  int64_t n;
+  if (!key_lengths->data) return kv_len;
+  n = key_lengths->dtype == LTX_INT32 ? (int64_t)((const int32_t*)key_lengths->data)[b]
+                                      : ((const int64_t*)key_lengths->data)[b];
+  return n < 0 ? 0 : n > kv_len ? kv_len : n;
+}
+
 #endif /* LTX_CPU_UTILS_H_ */

@@ -32,6 +32,7 @@ typedef enum ltx_dtype {
   LTX_FLOAT8_E4M3 = 4, /* float8_e4m3fn: only quantized outputs (below) */
   LTX_INT32 = 5,       /* int32 and int64: only index vectors (attention's key lengths) */
   LTX_INT64 = 6,
+  LTX_INT8 = 7, /* int8: only attention_int8's q and k codes */
 } ltx_dtype_t;
 
 /* Status codes (CUDA launchers may also return a positive cudaError_t). */
@@ -432,6 +433,42 @@ static inline int ltx_attention_cuda_takes_dtype(ltx_dtype_t dtype) {
 int ltx_attention_cuda(const ltx_attention_args_t* args, ltx_stream_t stream);
 /* Over query rows [row_begin, row_end) only, in q's row order ((b * q_len + i) * heads + h). */
 int ltx_attention_cpu(const ltx_attention_args_t* args, int64_t row_begin, int64_t row_end);
+
+/*
+ * 8-bit attention: ltx_attention's formula (key lengths, scale, lse, no keys) over the dequantized
+ * operands, per batch b and head h (kb = j / 128, key j's block):
+ *   q[b, i, h, :] = q8[b, i, h, :] * q_scale[b, i, h]       (int8, a scale per token and head)
+ *   k[b, j, h, :] = k8[b, j, h, :] * k_scale[b, h, kb]      (int8, a scale per head, 128 keys)
+ *   v[b, j, h, d] = v8[b, h, d, j] * v_scale[b, h, d]       (e4m3 transposed, a scale per channel)
+ * q8 {batch, q_len, heads}, k8 {batch, kv_len, heads}: int8 rows of head_dim; v8 {batch, heads,
+ * head_dim}: float8_e4m3 rows of kv_pad >= kv_len keys (columns from kv_len on are never read);
+ * the scales contiguous float32. out: T; lse as ltx_attention's (float64 when T is).
+ * The CUDA launcher takes T float16 or bfloat16, head_dim 64 or 128 (ltx_attention_cuda_takes_*),
+ * a compute capability 9.0 device, and q8, k8, v8 rows at 16-byte boundaries (ltx_rows_aligned);
+ * it computes q8.k8 exactly in int32 on tensor cores, scales the scores in fp32, rounds the
+ * probabilities times 448 to e4m3 before p.v8 (fp32 accumulation), out = O v_scale / l. The C
+ * twin takes T float32, float16, bfloat16 or float64 and any head_dim, computes in double and
+ * rounds out once.
+ */
+#define LTX_ATTENTION_INT8_KEY_BLOCK 128 /* keys per k_scale */
+typedef struct ltx_attention_int8_args {
+  ltx_rows_t out;           /* {batch, q_len, heads} rows of head_dim: T */
+  ltx_rows_t q8;            /* {batch, q_len, heads} rows of head_dim: int8 */
+  ltx_rows_t k8;            /* {batch, kv_len, heads} rows of head_dim: int8 */
+  ltx_rows_t v8;            /* {batch, heads, head_dim} rows of kv_pad keys: float8_e4m3 */
+  const float* q_scale;     /* [batch, q_len, heads] */
+  const float* k_scale;     /* [batch, heads, ceil(kv_len / 128)] */
+  const float* v_scale;     /* [batch, heads, head_dim] */
+  void* lse;                /* [batch, heads, q_len] contiguous; NULL: not written */
+  ltx_vector_t key_lengths; /* [batch] contiguous int32/int64; data NULL: every key */
+  int64_t head_dim, kv_pad;
+  double scale; /* (the CUDA kernel rounds scale * log2(e) to fp32) */
+} ltx_attention_int8_args_t;
+
+int ltx_attention_int8_cuda(const ltx_attention_int8_args_t* args, ltx_stream_t stream);
+/* Over query rows [row_begin, row_end) only, in q8's row order ((b * q_len + i) * heads + h). */
+int ltx_attention_int8_cpu(const ltx_attention_int8_args_t* args, int64_t row_begin,
+                           int64_t row_end);
 
 #ifdef __cplusplus
 }

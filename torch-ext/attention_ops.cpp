@@ -1,6 +1,7 @@
 // Binding of attention (ltx_attention_*): q [B, Sq, H, D], k and v [B, Sk, H, D] read where they
 // are (any strides with the last dim contiguous: slices of a fused qkv projection need no copy),
-// out [B, Sq, H, D] contiguous, lse [B, H, Sq] when asked for (else empty).
+// out [B, Sq, H, D] contiguous, lse [B, H, Sq] when asked for (else empty). attention_int8
+// (ltx_attention_int8_*): the same over 8-bit codes and their scales (ltx_kernels.h).
 #include <cmath>
 
 #include "../kernel_src/rows.h"
@@ -35,6 +36,26 @@ void check_operand(const char* op, const char* name, const at::Tensor& t, const 
   check_activation(op, name, t, /*cpu_float64=*/true);
 }
 
+// key_lengths (optional) as the launchers' vector: int32 or int64 [batch] on ref's device.
+ltx_vector_t key_lengths_vector(const char* op, const std::optional<at::Tensor>& key_lengths,
+                                const char* ref_name, const at::Tensor& ref, int64_t batch) {
+  if (!key_lengths) return ltx_vector_t{nullptr, LTX_INT32};
+  const at::Tensor& n = *key_lengths;
+  check_same_device(op, "key_lengths", n, ref_name, ref);
+  LTX_CHECK(n.scalar_type() == at::kInt || n.scalar_type() == at::kLong, op,
+            ": key_lengths must be int32 or int64, got ", n.scalar_type());
+  LTX_CHECK(n.dim() == 1 && n.size(0) == batch, op, ": key_lengths must have shape [batch] = [",
+            batch, "], got ", n.sizes());
+  LTX_CHECK(n.stride(0) == 1 || batch <= 1, op, ": key_lengths must be contiguous, got stride ",
+            n.stride(0));
+  return ltx_vector_t{present_data(n), to_ltx_dtype(n.scalar_type())};
+}
+
+// The softmax scale: `scale`, default head_dim^-0.5.
+double default_scale(std::optional<double> scale, int64_t head_dim) {
+  return scale ? *scale : head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
@@ -64,21 +85,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                 ".contiguous()");
     }
   }
-  ltx_vector_t lengths{nullptr, LTX_INT32};
-  if (key_lengths) {
-    const at::Tensor& n = *key_lengths;
-    check_same_device(op, "key_lengths", n, "q", q);
-    LTX_CHECK(n.scalar_type() == at::kInt || n.scalar_type() == at::kLong, op,
-              ": key_lengths must be int32 or int64, got ", n.scalar_type());
-    LTX_CHECK(n.dim() == 1 && n.size(0) == batch, op, ": key_lengths must have shape [batch] = [",
-              batch, "], got ", n.sizes());
-    LTX_CHECK(n.stride(0) == 1 || batch <= 1, op, ": key_lengths must be contiguous, got stride ",
-              n.stride(0));
-    lengths = ltx_vector_t{present_data(n), to_ltx_dtype(n.scalar_type())};
-  }
-  const double softmax_scale = scale          ? *scale
-                               : head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim))
-                                              : 1.0;
+  const ltx_vector_t lengths = key_lengths_vector(op, key_lengths, "q", q, batch);
+  const double softmax_scale = default_scale(scale, head_dim);
 
   at::Tensor out = at::empty(q.sizes(), q.options());
   const at::ScalarType lse_dtype = is_float64(q) ? at::kDouble : at::kFloat;
@@ -99,5 +107,109 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
       op, ltx_check_attention(&args), q, ltx_num_rows(&args.q), row_work,
       [&](ltx_stream_t stream) { return ltx_attention_cuda(&args, stream); },
       [&](int64_t b, int64_t e) { return ltx_attention_cpu(&args, b, e); });
+  return {out, lse};
+}
+
+namespace {
+
+// A code operand: 4-D, `dtype`, on ref's device, last dim contiguous.
+void check_codes(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
+                 const char* shape, const at::Tensor& ref) {
+  check_same_device(op, name, t, "q8", ref);
+  LTX_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", shape, ", got shape ", t.sizes());
+  LTX_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ",
+            t.scalar_type());
+  LTX_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0, op, ": ", name,
+            " must have a contiguous last dimension (stride 1), got strides ", t.strides());
+}
+
+// A scale operand: contiguous float32 of `sizes` on ref's device.
+void check_scales(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef sizes,
+                  const char* shape, const at::Tensor& ref) {
+  check_same_device(op, name, t, "q8", ref);
+  LTX_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+            t.scalar_type());
+  LTX_CHECK(t.sizes() == sizes, op, ": ", name, " must have shape ", shape, " = ", sizes, ", got ",
+            t.sizes());
+  LTX_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at::Tensor& q_scale,
+                                                  const at::Tensor& k8, const at::Tensor& k_scale,
+                                                  const at::Tensor& v8, const at::Tensor& v_scale,
+                                                  const std::optional<at::Tensor>& key_lengths,
+                                                  std::optional<double> scale,
+                                                  std::optional<at::ScalarType> out_dtype,
+                                                  bool return_lse) {
+  const char* op = "ltx_kernels.attention_int8";
+  check_codes(op, "q8", q8, at::kChar, "[batch, seq_len, heads, head_dim]", q8);
+  check_codes(op, "k8", k8, at::kChar, "[batch, kv_len, heads, head_dim]", q8);
+  check_codes(op, "v8", v8, at::kFloat8_e4m3fn, "[batch, heads, head_dim, kv_len_padded]", q8);
+  const int64_t batch = q8.size(0), q_len = q8.size(1), heads = q8.size(2), head_dim = q8.size(3);
+  const int64_t kv_len = k8.size(1), key_blocks = (kv_len + LTX_ATTENTION_INT8_KEY_BLOCK - 1) /
+                                                  LTX_ATTENTION_INT8_KEY_BLOCK;
+  LTX_CHECK(k8.size(0) == batch && k8.size(2) == heads && k8.size(3) == head_dim, op,
+            ": k8 must have q8's batch, heads and head_dim [", batch, ", kv_len, ", heads, ", ",
+            head_dim, "], got shape ", k8.sizes());
+  LTX_CHECK(
+      v8.size(0) == batch && v8.size(1) == heads && v8.size(2) == head_dim && v8.size(3) >= kv_len,
+      op, ": v8 must have shape [batch, heads, head_dim, kv_len_padded] = [", batch, ", ", heads,
+      ", ", head_dim, ", >= ", kv_len, "] (V transposed, kv_len rounded up to 16), got ",
+      v8.sizes());
+  check_scales(op, "q_scale", q_scale, {batch, q_len, heads}, "[batch, seq_len, heads]", q8);
+  check_scales(op, "k_scale", k_scale, {batch, heads, key_blocks},
+               "[batch, heads, ceil(kv_len / 128)]", q8);
+  check_scales(op, "v_scale", v_scale, {batch, heads, head_dim}, "[batch, heads, head_dim]", q8);
+  const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
+  if (q8.is_cuda()) {
+    LTX_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": out_dtype must be bfloat16 or float16 on CUDA, got ", dtype);
+    LTX_CHECK(ltx_attention_cuda_takes_head_dim(head_dim), op,
+              ": head_dim (q8.shape[-1]) must be 64 or 128 on CUDA, got ", head_dim);
+#if defined(CUDA_KERNEL)
+    const int major = at::cuda::getDeviceProperties(q8.device().index())->major;
+    LTX_CHECK(major == 9, op, ": the 8-bit kernel is for Hopper (compute capability 9.0), got ",
+              q8.device(), " of compute capability ", major, ".x");
+#endif
+    for (const auto& [name, t] :
+         {std::pair<const char*, const at::Tensor&>{"q8", q8}, {"k8", k8}, {"v8", v8}}) {
+      const ltx_rows_t rows = head_rows(t);
+      LTX_CHECK(ltx_num_rows(&rows) == 0 || ltx_rows_aligned(&rows, 1, 16), op, ": ", name,
+                "'s rows must start at 16-byte boundaries on CUDA (data pointer, and strides of "
+                "dims 0-2 multiples of 16 elements), got strides ",
+                t.strides(), " at storage offset ", t.storage_offset(), "; pass ", name,
+                ".contiguous()", name[0] == 'v' ? " with kv_len_padded a multiple of 16" : "");
+    }
+  } else {
+    LTX_CHECK(
+        dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat || dtype == at::kDouble,
+        op, ": out_dtype must be bfloat16, float16, float32 or float64, got ", dtype);
+  }
+  const ltx_vector_t lengths = key_lengths_vector(op, key_lengths, "q8", q8, batch);
+
+  at::Tensor out = at::empty(q8.sizes(), q8.options().dtype(dtype));
+  const at::ScalarType lse_dtype = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor lse = return_lse ? at::empty({batch, heads, q_len}, q8.options().dtype(lse_dtype))
+                              : at::empty({0}, q8.options().dtype(lse_dtype));
+  ltx_attention_int8_args_t args{};
+  args.out = head_rows(out);
+  args.q8 = head_rows(q8);
+  args.k8 = head_rows(k8);
+  args.v8 = head_rows(v8);  // rows {batch, heads, head_dim} of kv_len_padded keys
+  args.q_scale = static_cast<const float*>(present_data(q_scale));
+  args.k_scale = static_cast<const float*>(present_data(k_scale));
+  args.v_scale = static_cast<const float*>(present_data(v_scale));
+  args.lse = return_lse ? present_data(lse) : nullptr;
+  args.key_lengths = lengths;
+  args.head_dim = head_dim;
+  args.kv_pad = v8.size(3);
+  args.scale = default_scale(scale, head_dim);
+  const int64_t row_work = std::max<int64_t>(head_dim, 1) * std::max<int64_t>(kv_len, 1);
+  run_launcher(
+      op, ltx_check_attention_int8(&args), q8, ltx_num_rows(&args.q8), row_work,
+      [&](ltx_stream_t stream) { return ltx_attention_int8_cuda(&args, stream); },
+      [&](int64_t b, int64_t e) { return ltx_attention_int8_cpu(&args, b, e); });
   return {out, lse};
 }

@@ -813,9 +813,9 @@ TORCH_LIBRARY_IMPL_EXPAND(LTX_OPS_NAMESPACE, Autograd, m) {
         "add_layernorm_modulate_quant", "quantize"})
     m.impl(name,
            torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&quant_message>>());
-  m.impl(
-      "attention",
-      torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&attention_message>>());
+  for (const char* name : {"attention", "attention_int8"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<
+                     &raise_when_differentiated<&attention_message>>());
   for (const char* name : {"gelu_backward", "geglu_backward", "norm_modulate_backward",
                            "rope_backward", "qk_rmsnorm_rope_backward"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<

@@ -72,6 +72,7 @@ inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
     case at::kFloat8_e4m3fn: return LTX_FLOAT8_E4M3;  // (quantized outputs only)
     case at::kInt: return LTX_INT32;                  // (index vectors only)
     case at::kLong: return LTX_INT64;
+    case at::kChar: return LTX_INT8;                        // (attention_int8's codes only)
     default: LTX_CHECK(false, "unsupported dtype ", type);  // callers check first
   }
   return LTX_FLOAT32;  // unreachable
@@ -85,6 +86,7 @@ inline at::ScalarType to_scalar_type(ltx_dtype_t dtype) {
     case LTX_FLOAT8_E4M3: return at::kFloat8_e4m3fn;
     case LTX_INT32: return at::kInt;
     case LTX_INT64: return at::kLong;
+    case LTX_INT8: return at::kChar;
     default: return at::kFloat;
   }
 }
@@ -297,6 +299,7 @@ inline std::string check_message(const char* op, const ltx_check_t& c, ArgNames 
     case LTX_RULE_INDEX_DTYPE: return cat(op, ": ", arg, " must be int32 or int64, got ", dtype);
     case LTX_RULE_SHAPE_OF: return cat(op, ": ", arg, "'s shape does not agree with ", ref, "'s");
     case LTX_RULE_FINITE: return cat(op, ": ", arg, " must be finite, got ", c.value);
+    case LTX_RULE_CODE_DTYPE: return cat(op, ": ", arg, " must be ", ref_dtype, ", got ", dtype);
     default: return cat(op, ": invalid launcher argument ", arg);
   }
 }

@@ -77,6 +77,13 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_lengths=None, float? scale=None, *, "
       "bool return_lse=False) -> (Tensor, Tensor)",
       "attention", &attention);
+  // attention over 8-bit operands: q8, k8 int8 [B, S, H, D] with q_scale [B, Sq, H] and k_scale
+  // [B, H, ceil(Sk / 128)], v8 e4m3 transposed [B, H, D, Sk rounded up to 16] with v_scale
+  // [B, H, D]; returns (out [B, Sq, H, D] in out_dtype (default bfloat16), lse or empty).
+  def("attention_int8(Tensor q8, Tensor q_scale, Tensor k8, Tensor k_scale, Tensor v8, "
+      "Tensor v_scale, Tensor? key_lengths=None, float? scale=None, *, ScalarType? out_dtype=None, "
+      "bool return_lse=False) -> (Tensor, Tensor)",
+      "attention_int8", &attention_int8);
   // Backward ops (functional; the autograd of the ops above calls them, _autograd.py).
   // The gradient of x for gelu's output gradient (x's shape and dtype).
   def("gelu_backward(Tensor grad_out, Tensor x, str approximate='none') -> Tensor", "gelu_backward",

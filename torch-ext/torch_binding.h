@@ -93,6 +93,13 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const at::Tensor& v,
                                              const std::optional<at::Tensor>& key_lengths,
                                              std::optional<double> scale, bool return_lse);
+std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at::Tensor& q_scale,
+                                                  const at::Tensor& k8, const at::Tensor& k_scale,
+                                                  const at::Tensor& v8, const at::Tensor& v_scale,
+                                                  const std::optional<at::Tensor>& key_lengths,
+                                                  std::optional<double> scale,
+                                                  std::optional<at::ScalarType> out_dtype,
+                                                  bool return_lse);
 
 // linear_ops.cpp
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,

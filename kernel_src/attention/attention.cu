@@ -6,7 +6,8 @@
 // flash_mma.cuh (mma.sync, any CUDA device). LTX_KERNELS_ATTENTION_KERNEL, read at each call (tests
 // and benchmarks switch it), picks one for testing: "mma" always flash_mma.cuh, "wgmma" always
 // hopper_wgmma.cuh (a call it does not take fails with LTX_ERR_INVALID_ARGUMENT instead of falling
-// back); unset or "auto", the choice above.
+// back); unset or "auto", the choice above. ltx_attention_int8_cuda runs hopper_int8.cuh, the one
+// body of the 8-bit op (compute capability 9.0 only).
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,6 +15,7 @@
 #include "../rows.h"
 #include "attention_params.cuh"
 #include "flash_mma.cuh"
+#include "hopper_int8.cuh"
 #include "hopper_wgmma.cuh"
 
 namespace ltx {
@@ -56,6 +58,30 @@ int attention_typed(const ltx_attention_args_t& a, cudaStream_t stream) {
   return flash_mma::run<T, kHeadDim>(p, stream);
 }
 
+template <typename T, int kHeadDim>
+int attention_int8_typed(const ltx_attention_int8_args_t& a, cudaStream_t stream) {
+  AttentionInt8Params<T> p;
+  p.out = HeadRows<T>::of(a.out);
+  p.q = HeadRows<const int8_t>::of(a.q8);
+  p.k = HeadRows<const int8_t>::of(a.k8);
+  p.v = HeadRows<const uint8_t>::of(a.v8);
+  p.q_scale = a.q_scale;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.lse = static_cast<float*>(a.lse);
+  p.key_lengths = a.key_lengths.data;
+  p.key_lengths_int64 = a.key_lengths.dtype == LTX_INT64;
+  p.batch = a.q8.size[0];
+  p.q_len = a.q8.size[1];
+  p.heads = a.q8.size[2];
+  p.kv_len = a.k8.size[1];
+  p.key_blocks = ceil_div(p.kv_len, LTX_ATTENTION_INT8_KEY_BLOCK);
+  p.scale_log2 = static_cast<float>(a.scale * kLog2e);
+  hopper_int8::TensorMaps maps{};
+  if (!hopper_int8::takes<T, kHeadDim>(p, &maps)) return LTX_ERR_INVALID_ARGUMENT;
+  return hopper_int8::run<T, kHeadDim>(p, maps, stream);
+}
+
 }  // namespace
 }  // namespace ltx
 
@@ -75,4 +101,25 @@ extern "C" int ltx_attention_cuda(const ltx_attention_args_t* args, ltx_stream_t
     return a.head_dim == 64 ? attention_typed<__nv_bfloat16, 64>(a, s)
                             : attention_typed<__nv_bfloat16, 128>(a, s);
   return a.head_dim == 64 ? attention_typed<__half, 64>(a, s) : attention_typed<__half, 128>(a, s);
+}
+
+extern "C" int ltx_attention_int8_cuda(const ltx_attention_int8_args_t* args, ltx_stream_t stream) {
+  using namespace ltx;
+  const ltx_check_t check = ltx_check_attention_int8(args);
+  if (check.status != LTX_OK) return check.status;
+  const ltx_attention_int8_args_t& a = *args;
+  if (!ltx_attention_cuda_takes_dtype(a.out.dtype)) return LTX_ERR_UNSUPPORTED_DTYPE;
+  if (!ltx_attention_cuda_takes_head_dim(a.head_dim)) return LTX_ERR_INVALID_ARGUMENT;
+  const ltx_rows_t* const operands[4] = {&a.out, &a.q8, &a.k8, &a.v8};
+  const int elem_bytes[4] = {2, 1, 1, 1};
+  for (int i = 0; i < 4; ++i)  // (an empty operand's data is never read)
+    if (ltx_num_rows(operands[i]) > 0 && !ltx_rows_aligned(operands[i], elem_bytes[i], 16))
+      return LTX_ERR_INVALID_ARGUMENT;
+  if (ltx_num_rows(&a.q8) == 0) return LTX_OK;
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.out.dtype == LTX_BFLOAT16)
+    return a.head_dim == 64 ? attention_int8_typed<__nv_bfloat16, 64>(a, s)
+                            : attention_int8_typed<__nv_bfloat16, 128>(a, s);
+  return a.head_dim == 64 ? attention_int8_typed<__half, 64>(a, s)
+                          : attention_int8_typed<__half, 128>(a, s);
 }

@@ -8,16 +8,6 @@
 
 #define LTX_ATTENTION_CPU_CHUNK 64
 
-/* The keys batch element b attends: key_lengths[b] clamped to [0, kv_len] (all without lengths).
- */
-static int64_t attended_keys(const ltx_vector_t* key_lengths, int64_t b, int64_t kv_len) {
-  int64_t n;
-  if (!key_lengths->data) return kv_len;
-  n = key_lengths->dtype == LTX_INT32 ? (int64_t)((const int32_t*)key_lengths->data)[b]
-                                      : ((const int64_t*)key_lengths->data)[b];
-  return n < 0 ? 0 : n > kv_len ? kv_len : n;
-}
-
 /* scale * q_row . k_row over head_dim elements, in double. */
 static double score(const ltx_attention_args_t* a, const void* q_row, const void* k_row) {
   double dot = 0.0;
@@ -40,7 +30,7 @@ int ltx_attention_cpu(const ltx_attention_args_t* args, int64_t row_begin, int64
   for (row = row_begin; row < row_end; ++row) {
     /* Query row (b, i, h); key j of (b, h) is k's row (b * kv_len + j) * heads + h. */
     const int64_t h = row % heads, i = row / heads % q_len, b = row / heads / q_len;
-    const int64_t n = attended_keys(&a->key_lengths, b, kv_len);
+    const int64_t n = ltx_attended_keys(&a->key_lengths, b, kv_len);
     const int64_t first_key = b * kv_len * heads + h;
     const void* q_row = ltx_row_ptr(&a->q, row);
     void* out_row = ltx_row_ptr(&a->out, row);

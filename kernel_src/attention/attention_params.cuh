@@ -1,7 +1,7 @@
-// The attention kernels' view of ltx_attention_args_t (ltx_kernels.h): what the launcher
-// (attention.cu) hands to a kernel body. A kernel body (flash_mma.cuh today) reads q, k, v and
-// key_lengths and writes out and lse through these; the launcher, its checks and the C twin do not
-// depend on how the body computes.
+// The attention kernels' view of ltx_attention_args_t and ltx_attention_int8_args_t
+// (ltx_kernels.h): what the launcher (attention.cu) hands to a kernel body. A kernel body reads
+// the operands and key_lengths and writes out and lse through these; the launcher, its checks and
+// the C twins do not depend on how the body computes.
 #pragma once
 
 #include <stdint.h>
@@ -25,6 +25,16 @@ struct HeadRows {
   }
 };
 
+// The keys batch element b attends: key_lengths[b] (int32, or int64 when key_lengths_int64)
+// clamped to [0, kv_len]; every key without lengths (nullptr).
+__device__ __forceinline__ int64_t attended_keys(const void* key_lengths, bool key_lengths_int64,
+                                                 int64_t kv_len, int64_t b) {
+  if (key_lengths == nullptr) return kv_len;
+  const int64_t n = key_lengths_int64 ? static_cast<const int64_t*>(key_lengths)[b]
+                                      : static_cast<const int32_t*>(key_lengths)[b];
+  return n < 0 ? 0 : n > kv_len ? kv_len : n;
+}
+
 template <typename T>
 struct AttentionParams {
   HeadRows<T> out;
@@ -35,12 +45,29 @@ struct AttentionParams {
   int64_t batch, heads, q_len, kv_len;
   float scale_log2;  // scale * log2(e): scores in base 2, so that softmax runs on exp2
 
-  // The keys batch element b attends: key_lengths[b] clamped to [0, kv_len].
   __device__ __forceinline__ int64_t attended_keys(int64_t b) const {
-    if (key_lengths == nullptr) return kv_len;
-    const int64_t n = key_lengths_int64 ? static_cast<const int64_t*>(key_lengths)[b]
-                                        : static_cast<const int32_t*>(key_lengths)[b];
-    return n < 0 ? 0 : n > kv_len ? kv_len : n;
+    return ltx::attended_keys(key_lengths, key_lengths_int64, kv_len, b);
+  }
+};
+
+// The 8-bit kernel's view of ltx_attention_int8_args_t (ltx_kernels.h): int8 q and k rows of
+// head_dim, e4m3 v rows of keys ({batch, heads, head_dim}: row(b, h, d)), the fp32 scales.
+template <typename T>
+struct AttentionInt8Params {
+  HeadRows<T> out;
+  HeadRows<const int8_t> q, k;
+  HeadRows<const uint8_t> v;  // float8_e4m3 codes
+  const float* q_scale;       // [batch, q_len, heads]
+  const float* k_scale;       // [batch, heads, key_blocks]
+  const float* v_scale;       // [batch, heads, head_dim]
+  float* lse;                 // [batch, heads, q_len] contiguous; nullptr: not written
+  const void* key_lengths;    // as AttentionParams'
+  bool key_lengths_int64;
+  int64_t batch, heads, q_len, kv_len, key_blocks;
+  float scale_log2;
+
+  __device__ __forceinline__ int64_t attended_keys(int64_t b) const {
+    return ltx::attended_keys(key_lengths, key_lengths_int64, kv_len, b);
   }
 };
 

@@ -36,12 +36,14 @@
 #include "../device/reduce.cuh"
 #include "attention_params.cuh"
 #include "flash_mma.cuh"  // round_pair
+#include "hopper_common.cuh"
 
 namespace ltx {
 namespace hopper_wgmma {
 
+using namespace hopper;  // the shared PTX wrappers and the tensor-map encoder
+
 constexpr int kConsumers = 2;                        // consumer warpgroups
-constexpr int kWarpgroup = 128;                      // threads
 constexpr int kConsumerRows = 64;                    // query rows per consumer (wgmma's M)
 constexpr int kBlockM = kConsumers * kConsumerRows;  // queries per CTA
 constexpr int kBlockN = 128;                         // keys per K/V tile (the S GEMM's N)
@@ -72,142 +74,6 @@ struct Smem {
   }
   static_assert(kQPanelBytes % kAtomBytes == 0 && kKvPanelBytes % kAtomBytes == 0);
 };
-
-// The CTA's mbarriers (static shared memory).
-template <int kStages>
-struct Barriers {
-  uint64_t q;                // the Q tiles landed (TMA bytes)
-  uint64_t k_full[kStages];  // stage's K tile landed (TMA bytes)
-  uint64_t v_full[kStages];  // stage's V tile landed (TMA bytes)
-  uint64_t
-      k_empty[kStages];  // both consumers' S GEMMs read the stage's K tile (one arrival per warp)
-  uint64_t v_empty[kStages];  // both consumers' P V GEMMs read the stage's V tile (one per warp)
-  uint64_t v_tail;            // the last V tile's rows in [n_b, kv_len) are zeroed (32 arrivals)
-};
-
-// ------------------------------------------------------------------------------------------------
-// PTX wrappers: shared addresses are 32-bit (cvta to the shared window).
-// ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
-}
-
-// One arrival that also raises the phase's expected transaction bytes (the TMA copies' sizes).
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-// Waits until the barrier's phase of parity `parity` has completed (phases alternate 0, 1, 0...:
-// use u of a barrier completes phase u, so its waiters pass parity u & 1).
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
-        "p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-}
-
-// TMA: the box at coordinates {c0, c1, c2, c3} (innermost first) of a 4-D tensor map into shared
-// memory at dst, completing `bar`'s transaction bytes.
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map, int c0, int c1,
-                                            int c2, int c3, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
-      "[%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
-}
-
-// Generic-proxy writes to shared memory made visible to the async proxy (TMA, wgmma).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-template <int kRegs>
-__device__ __forceinline__ void set_max_registers_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
-}
-
-template <int kRegs>
-__device__ __forceinline__ void set_max_registers_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
-}
-
-// Named barriers over `threads` threads: sync waits for them all, arrive only counts.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-// Waits until at most kPending committed wgmma groups of this warpgroup are in flight.
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
-}
-
-// Keeps the compiler from moving reads or writes of registers that an in-flight wgmma writes (or
-// reads) across the wait: each use after the wait depends on this empty asm's output.
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-template <int N, int M>
-__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][M]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
-
-// A wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"), 64 bits:
-//   bits  0-13  the matrix's start address >> 4
-//   bits 16-29  leading dimension byte offset >> 4 (LBO)
-//   bits 32-45  stride dimension byte offset >> 4 (SBO)
-//   bits 49-51  base offset: 0, every tile starts at a 1024-byte boundary (the swizzle's period)
-//   bits 62-63  swizzle mode: 1 = 128-byte swizzle (the pattern TMA writes, see the file comment)
-// With the 128-byte swizzle a "core" block is 8 rows of 128 bytes (1024 bytes). For a K-major
-// operand (Q, K: the reduction dim contiguous) a wgmma's 16 reduction elements (32 bytes) lie
-// within a row: SBO is the distance between 8-row groups (1024 bytes), LBO is unused (set to 1,
-// as CUTLASS does), and the k-th 16-element step starts 32 k bytes further (the hardware applies
-// the swizzle to the computed addresses, so the offset is the unswizzled one). For an MN-major
-// operand (V, the output dim contiguous: transposed through imm-trans-b = 1) SBO is the distance
-// between groups of 8 reduction rows (1024 bytes) and LBO that between 64-element groups of the
-// N dimension (the next panel).
-__device__ __forceinline__ uint64_t matrix_descriptor(uint32_t address, uint32_t lbo,
-                                                      uint32_t sbo) {
-  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) |
-         static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16 |
-         static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | uint64_t{1} << 62;
-}
 
 // d (+)= A B on the tensor cores of a warpgroup, fp32 accumulators, T operands (m64nNk16; scale_d
 // = 0: d = A B). wgmma_ss: A and B from shared memory (descriptors), both K-major. wgmma_rs: A
@@ -388,14 +254,6 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kHeadDim / 2],
         matrix_descriptor(v_tile + kb * 16 * kRowBytes, L::kKvPanelBytes, kAtomBytes);
     wgmma_rs<T, kHeadDim>(o, p[kb], b, 1);
   }
-}
-
-// 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp, subnormal results flushed to 0: probabilities below
-// 2^-126, far under any bound of the tests; exp2f adds the subnormal fix-ups to each).
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Online softmax over one tile's raw scores s = q.k (this thread's part of rows g and g + 8, see
@@ -668,28 +526,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ------------------------------------------------------------------------------------------------
 // Host side: the tensor maps and the launch.
 // ------------------------------------------------------------------------------------------------
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's cuTensorMapEncodeTiled, looked up once through the runtime (no link to libcuda);
-// nullptr when the driver has none.
-inline EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* entry = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();  // clear it: the launcher falls back to flash_mma.cuh
-      return EncodeTiled{nullptr};
-    }
-    return reinterpret_cast<EncodeTiled>(entry);
-  }();
-  return fn;
-}
-
 // A [batch, len, heads, head_dim] operand as a 4-D tensor map, dims innermost first {head_dim,
 // heads, len, batch} at its own byte strides (any order: a sequence-major view is fine), boxes of
 // {64, 1, box_rows, 1}: box_rows rows of one head, 64 elements (128 bytes, the 128-byte swizzle's

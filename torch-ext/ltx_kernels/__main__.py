@@ -46,6 +46,18 @@ def smoke_inputs(device: str) -> dict:
             rand(2, 7, 3, 64),
             torch.tensor([7, 4], dtype=torch.int32, device=device),
         ),
+        # (8-bit operands as the contract has them: v8 transposed, 7 keys padded to 16)
+        "attention_int8": (
+            torch.randint(-127, 128, (2, 5, 3, 64), generator=g, dtype=torch.int8).to(device),
+            rand(2, 5, 3, dtype=torch.float32).abs() * 1e-2,
+            torch.randint(-127, 128, (2, 7, 3, 64), generator=g, dtype=torch.int8).to(device),
+            rand(2, 3, 1, dtype=torch.float32).abs() * 1e-2,
+            torch.nn.functional.pad(rand(2, 3, 64, 7, dtype=torch.float32), (0, 9)).to(
+                device, torch.float8_e4m3fn
+            ),
+            rand(2, 3, 64, dtype=torch.float32).abs(),
+            torch.tensor([7, 4], dtype=torch.int32, device=device),
+        ),
     }
 
 
@@ -61,9 +73,11 @@ def _check_op(op: str, device: str) -> str:
             ((o.double() - r.double()).norm() / r.double().norm()).item()
             for o, r in zip(outs, refs)
         )
+        # (attention_int8's CUDA kernel rounds the probabilities to e4m3: 3 mantissa bits)
+        bound = 5e-2 if op == "attention_int8" and device == "cuda" else 1e-2
         return (
             f"ok (rel. L2 error vs reference {err:.1e})"
-            if err < 1e-2
+            if err < bound
             else f"WRONG (rel. L2 {err:.1e})"
         )
     except Exception as error:  # the report must finish whatever fails

@@ -299,10 +299,10 @@ def quantize(x, activation="none", approximate="none", *, format="e4m3_row"):
     return _quant_rows("quantize", x, format)
 
 
-def _check_attention_shape(name, t, shape, what):
+def _check_attention_shape(name, t, shape, what, op="attention"):
     torch._check(
         t.dim() == len(shape) and all(a == b for a, b in zip(t.shape, shape) if b is not None),
-        lambda: f"ltx_kernels.attention: {name} must have {what}, got shape {list(t.shape)}",
+        lambda: f"ltx_kernels.{op}: {name} must have {what}, got shape {list(t.shape)}",
     )
 
 
@@ -320,3 +320,36 @@ def attention(q, k, v, key_lengths=None, scale=None, *, return_lse=False):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=lse_dtype)
     return q.new_empty(q.shape), lse
+
+
+def attention_int8(
+    q8,
+    q_scale,
+    k8,
+    k_scale,
+    v8,
+    v_scale,
+    key_lengths=None,
+    scale=None,
+    *,
+    out_dtype=None,
+    return_lse=False,
+):
+    op = "attention_int8"
+    for name, t in (("q8", q8), ("k8", k8), ("v8", v8)):
+        torch._check(t.dim() == 4, lambda: f"ltx_kernels.{op}: {name} must be 4-D")
+    batch, q_len, heads, head_dim = q8.shape
+    kv_len = k8.shape[1]
+    blocks = (kv_len + 127) // 128
+    _check_attention_shape("k8", k8, (batch, None, heads, head_dim), "q8's batch, heads, D", op)
+    _check_attention_shape("v8", v8, (batch, heads, head_dim, None), "[B, H, D, Sk_pad]", op)
+    torch._check(v8.shape[3] >= kv_len, lambda: f"ltx_kernels.{op}: v8.shape[3] must be >= Sk")
+    _check_attention_shape("q_scale", q_scale, (batch, q_len, heads), "shape [B, Sq, H]", op)
+    _check_attention_shape("k_scale", k_scale, (batch, heads, blocks), "[B, H, ceil(Sk/128)]", op)
+    _check_attention_shape("v_scale", v_scale, (batch, heads, head_dim), "shape [B, H, D]", op)
+    if key_lengths is not None:
+        _check_attention_shape("key_lengths", key_lengths, (batch,), "shape [batch]", op)
+    dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    lse = q8.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=lse_dtype)
+    return q8.new_empty(q8.shape, dtype=dtype), lse

@@ -39,10 +39,11 @@ QUANT_OPS = (
     "quantize",
 )
 
-# Attention (forward only, for now): every piece an op of OPS has (wrapper, reference, fake, report
-# inputs), but not a fusion of OPS (the model families attend through integration/attention.py), and
-# no backward yet (its autograd raises, naming the op).
-ATTENTION_OPS = ("attention",)
+# Attention (forward only, for now; attention_int8 over 8-bit operands and their scales): every
+# piece an op of OPS has (wrapper, reference, fake, report inputs), but not a fusion of OPS (the
+# model families attend through integration/attention.py), and no backward yet (its autograd
+# raises, naming the op).
+ATTENTION_OPS = ("attention", "attention_int8")
 
 # The formats of QUANT_OPS' outputs. "e4m3_row": float8_e4m3fn with one fp32 scale per row.
 QUANT_FORMATS = ("e4m3_row",)

@@ -267,3 +267,47 @@ def attention(q, k, v, key_lengths=None, scale=None, *, return_lse: bool = False
     formula). No backward yet: differentiating it raises."""
     out, lse = _library().attention(q, k, v, key_lengths, scale, return_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def attention_int8(
+    q8,
+    q_scale,
+    k8,
+    k_scale,
+    v8,
+    v_scale,
+    key_lengths=None,
+    scale=None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    return_lse: bool = False,
+):
+    """`attention` over 8-bit operands: exactly `attention(q, k, v, key_lengths, scale)` of the
+    dequantized tensors (reference.attention_int8), computed on Hopper with INT8 q.k and FP8 p.v.
+    - q8: int8 [B, Sq, H, D] (rows of D contiguous, any other strides), q_scale: float32 [B, Sq, H]
+      (q = q8 * q_scale, one scale per token and head).
+    - k8: int8 [B, Sk, H, D], k_scale: float32 [B, H, ceil(Sk / 128)] (k = k8 * k_scale, one scale
+      per head and block of 128 keys). k may be smoothed (a per-(batch, head) mean subtracted from
+      every key: softmax-invariant).
+    - v8: float8_e4m3fn [B, H, D, Sk_pad], V transposed (keys contiguous), Sk_pad >= Sk (Sk rounded
+      up to 16 for the CUDA kernel's 16-byte rows; columns from Sk on are never read), v_scale:
+      float32 [B, H, D] (v[..., j, h, d] = v8[b, h, d, j] * v_scale[b, h, d], one per channel).
+    - key_lengths, scale, return_lse: as `attention` (lse: float32, float64 for float64 out).
+    Returns out [B, Sq, H, D] in out_dtype (bfloat16 or float16; the CPU backend also float32 and
+    float64). CUDA: compute capability 9.0 only, D 64 or 128, 16-byte aligned rows; the scores are
+    exact integer dot products scaled in fp32, the probabilities (times 448) rounded to e4m3 before
+    p.v (fp32 accumulation, promoted every 128 keys). CPU: any D, computed in double and rounded
+    once. No backward: differentiating it raises."""
+    out, lse = _library().attention_int8(
+        q8,
+        q_scale,
+        k8,
+        k_scale,
+        v8,
+        v_scale,
+        key_lengths,
+        scale,
+        out_dtype=out_dtype,
+        return_lse=return_lse,
+    )
+    return (out, lse) if return_lse else out

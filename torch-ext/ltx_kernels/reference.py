@@ -445,3 +445,82 @@ def attention(
         out = out.to(q.dtype).contiguous()
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     return (out, lse) if return_lse else out
+
+
+def _dequantize_attention_int8(q8, q_scale, k8, k_scale, v8, v_scale, dtype=torch.float64):
+    """The operands attention_int8 attends, in dtype: q = q8 q_scale, k = k8 k_scale (a scale per
+    block of 128 keys), v = (v8 v_scale) transposed back to [B, Sk, H, D] (columns of v8 past Sk
+    dropped)."""
+    kv_len = k8.shape[1]
+    q = q8.to(dtype) * q_scale.to(dtype)[..., None]
+    per_key = k_scale.to(dtype).repeat_interleave(128, dim=-1)[..., :kv_len]  # [B, H, Sk]
+    k = k8.to(dtype) * per_key.transpose(1, 2)[..., None]
+    v = (v8[..., :kv_len].to(dtype) * v_scale.to(dtype)[..., None]).permute(0, 3, 1, 2)
+    return q, k, v
+
+
+def _quantize_attention_int8(q, k, v, key_lengths=None):
+    """q [B, Sq, H, D], k and v [B, Sk, H, D] as attention_int8's operands, in plain PyTorch (the
+    tests' and benchmarks' quantizer; the fused quantizing ops produce the same contract): q8 with
+    one scale per token and head (amax / 127); k smoothed by its per-(batch, head) mean over the
+    attended keys (softmax-invariant), then int8 with one scale per head and block of 128 keys;
+    v8 e4m3 with one scale per channel (amax / 448), transposed to [B, H, D, Sk rounded up to 16]
+    with zero padding. Returns (q8, q_scale, k8, k_scale, v8, v_scale)."""
+    batch, kv_len, heads, head_dim = k.shape
+    blocks, padded = -(-kv_len // 128), -(-kv_len // 16) * 16
+    q_scale = q.float().abs().amax(-1).clamp_min(1e-20) / 127
+    q8 = (q.float() / q_scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    attended = torch.ones(batch, kv_len, device=k.device)
+    if key_lengths is not None:
+        attended = (torch.arange(kv_len, device=k.device) < key_lengths[:, None]).float()
+    count = attended.sum(1).clamp_min(1)[:, None, None]  # [B, 1, 1]
+    mean = (k.float() * attended[..., None, None]).sum(1) / count  # [B, H, D]
+    smoothed = k.float() - mean[:, None]
+    per_block = torch.nn.functional.pad(smoothed, (0, 0, 0, 0, 0, blocks * 128 - kv_len))
+    k_scale = per_block.unflatten(1, (blocks, 128)).abs().amax(dim=(2, 4)).transpose(1, 2)
+    k_scale = k_scale.clamp_min(1e-20) / 127  # [B, H, blocks]
+    per_key = k_scale.repeat_interleave(128, dim=-1)[..., :kv_len].transpose(1, 2)  # [B, Sk, H]
+    k8 = (smoothed / per_key[..., None]).round().clamp(-127, 127).to(torch.int8)
+    v_abs = v.float().abs()
+    v_amax = v_abs.amax(1) if kv_len else v_abs.new_zeros(batch, heads, head_dim)
+    v_scale = v_amax.clamp_min(1e-20) / 448  # [B, H, D]
+    v8 = (v.float().permute(0, 2, 3, 1) / v_scale[..., None]).to(torch.float8_e4m3fn)
+    v8 = v8.contiguous()
+    v8 = torch.nn.functional.pad(v8.view(torch.uint8), (0, padded - kv_len)).view(v8.dtype)
+    return q8, q_scale.contiguous(), k8, k_scale.contiguous(), v8, v_scale.contiguous()
+
+
+def attention_int8(
+    q8,
+    q_scale,
+    k8,
+    k_scale,
+    v8,
+    v_scale,
+    key_lengths=None,
+    scale=None,
+    *,
+    out_dtype=torch.bfloat16,
+    return_lse=False,
+    compute_dtype=torch.float32,
+    round_output=True,
+):
+    """ltx_kernels.attention_int8: `attention` (above, in compute_dtype) of the dequantized
+    operands (_dequantize_attention_int8), out rounded once to out_dtype; compute_dtype=float64 is
+    the exact value the op's output is a rounding of (the C twin computes it in double; the CUDA
+    kernel also rounds the probabilities, times 448, to e4m3 before `p @ v`)."""
+    q, k, v = _dequantize_attention_int8(q8, q_scale, k8, k_scale, v8, v_scale, compute_dtype)
+    out, lse = attention(
+        q,
+        k,
+        v,
+        key_lengths,
+        scale,
+        return_lse=True,
+        compute_dtype=compute_dtype,
+        round_output=False,
+    )
+    if round_output:
+        out = out.to(out_dtype).contiguous()
+        lse = lse.to(torch.float64 if out_dtype == torch.float64 else torch.float32)
+    return (out, lse) if return_lse else out

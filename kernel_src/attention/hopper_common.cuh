@@ -1,0 +1,195 @@
+// The Hopper (sm_90a) building blocks the attention kernel bodies share (hopper_wgmma.cuh: bf16
+// and fp16; hopper_int8.cuh: 8-bit): PTX wrappers for mbarriers, TMA, named barriers, register
+// limits, wgmma's fences and shared-memory descriptors, exp2 on the MUFU, and the driver's
+// tensor-map encoder (looked up at run time).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder is found at run time
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace ltx {
+namespace hopper {
+
+constexpr int kWarpgroup = 128;  // threads
+
+// The CTA's mbarriers (static shared memory) in both bodies' pipeline.
+template <int kStages>
+struct Barriers {
+  uint64_t q;                 // the Q tiles landed (TMA bytes)
+  uint64_t k_full[kStages];   // stage's K tile landed (TMA bytes)
+  uint64_t v_full[kStages];   // stage's V tile landed (TMA bytes)
+  uint64_t k_empty[kStages];  // both consumers' S GEMMs read the stage's K tile (one per warp)
+  uint64_t v_empty[kStages];  // both consumers' P V GEMMs read the stage's V tile (one per warp)
+  uint64_t v_tail;            // the last V tile's keys in [n_b, kv_len) are zeroed (32 arrivals)
+};
+
+// ------------------------------------------------------------------------------------------------
+// PTX wrappers: shared addresses are 32-bit (cvta to the shared window).
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// One arrival that also raises the phase's expected transaction bytes (the TMA copies' sizes).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed (phases alternate 0, 1, 0...:
+// use u of a barrier completes phase u, so its waiters pass parity u & 1).
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
+        "p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+}
+
+// TMA: the box at coordinates {c0, c1, c2, c3} (innermost first) of a 4-D tensor map into shared
+// memory at dst, completing `bar`'s transaction bytes.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map, int c0, int c1,
+                                            int c2, int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
+}
+
+// Generic-proxy writes to shared memory made visible to the async proxy (TMA, wgmma).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <int kRegs>
+__device__ __forceinline__ void set_max_registers_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+template <int kRegs>
+__device__ __forceinline__ void set_max_registers_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// Named barriers over `threads` threads: sync waits for them all, arrive only counts.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+// Waits until at most kPending committed wgmma groups of this warpgroup are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of registers that an in-flight wgmma writes (or
+// reads) across the wait: each use after the wait depends on this empty asm's output.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void fence_registers(int32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+template <int N, int M>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// A wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"), 64 bits:
+//   bits  0-13  the matrix's start address >> 4
+//   bits 16-29  leading dimension byte offset >> 4 (LBO)
+//   bits 32-45  stride dimension byte offset >> 4 (SBO)
+//   bits 49-51  base offset: 0, every tile starts at a 1024-byte boundary (the swizzle's period)
+//   bits 62-63  swizzle mode: 1 = 128-byte swizzle, 2 = 64-byte swizzle (the patterns TMA writes
+//               with CU_TENSOR_MAP_SWIZZLE_128B / _64B)
+// With the 128-byte swizzle a "core" block is 8 rows of 128 bytes (1024 bytes). For a K-major
+// operand (Q, K: the reduction dim contiguous) a wgmma's 16 reduction elements (32 bytes) lie
+// within a row: SBO is the distance between 8-row groups (1024 bytes), LBO is unused (set to 1,
+// as CUTLASS does), and the k-th 16-element step starts 32 k bytes further (the hardware applies
+// the swizzle to the computed addresses, so the offset is the unswizzled one). For an MN-major
+// operand (V, the output dim contiguous: transposed through imm-trans-b = 1) SBO is the distance
+// between groups of 8 reduction rows (1024 bytes) and LBO that between 64-element groups of the
+// N dimension (the next panel). With the 64-byte swizzle (rows of 64 bytes) a core block is 8
+// rows of 64 bytes: SBO 512 for a K-major operand.
+enum Swizzle : uint64_t { kSwizzle128B = 1, kSwizzle64B = 2 };
+
+__device__ __forceinline__ uint64_t matrix_descriptor(uint32_t address, uint32_t lbo, uint32_t sbo,
+                                                      Swizzle swizzle = kSwizzle128B) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16 |
+         static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
+}
+
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp, subnormal results flushed to 0: probabilities below
+// 2^-126, far under any bound of the tests; exp2f adds the subnormal fix-ups to each).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side.
+// ------------------------------------------------------------------------------------------------
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, looked up once through the runtime (no link to libcuda);
+// nullptr when the driver has none.
+inline EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // clear it: the launcher falls back to flash_mma.cuh
+      return EncodeTiled{nullptr};
+    }
+    return reinterpret_cast<EncodeTiled>(entry);
+  }();
+  return fn;
+}
+
+}  // namespace hopper
+}  // namespace ltx

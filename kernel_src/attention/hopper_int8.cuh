@@ -1,0 +1,592 @@
+// 8-bit attention kernel body for Hopper (sm_90a): ltx_attention_int8_cuda's formula
+// (ltx_kernels.h) in the pipeline of hopper_wgmma.cuh (read its file comment first): a TMA
+// producer warpgroup filling a ring of K/V stages, two consumer warpgroups of 64 query rows each
+// taking turns to issue their GEMMs (ping-pong), online softmax in exp2. What differs
+// (SageAttention2's scheme, see ../shared/research/fp8-and-attention.md):
+// - S = Q8 K8^T with wgmma s32.s8.s8 (exact integer scores), converted to fp32 and scaled in the
+//   softmax's FMA by factor = q_scale[row] * k_scale[tile] * scale * log2(e): one factor per row
+//   per tile (a K/V tile is the 128 keys of one k_scale). An unmasked tile's row max comes from
+//   the integer scores (max, or min for a negative factor) times the factor.
+// - P is computed times 448 (exp2(x - m + log2 448): e4m3's largest value, so probabilities down
+//   to 2^-9 / 448 keep a code) and rounded to e4m3; l sums the same unrounded values, so the 448
+//   cancels in O / l. The S accumulator's layout holds keys {2t, 2t+1, 2t+8, 2t+9} of each 16
+//   where the 8-bit A fragment wants {4t..4t+3}: quantize_probabilities exchanges bytes within
+//   each quad (two shuffles and two byte permutes per 32 keys and row).
+// - O_tile = P8 V8 with wgmma f32.e4m3.e4m3 (B = V^T: v8 is stored transposed, keys contiguous,
+//   the K-major layout fp8 wgmma requires) into a fresh accumulator (scale_d = 0), added to the
+//   fp32 O in registers once per tile: Hopper's FP8 tensor-core accumulation is narrower than
+//   fp32, so it never sums more than one tile (128 keys). A consumer issues the P V GEMM of tile
+//   j - 1 before the S GEMM of tile j and adds O_tile into O while S is computed, so that O_tile
+//   and P are dead during the softmax (O, O_tile, S and P at once would not fit 240 registers
+//   without spills); the softmax overlaps the other consumer's GEMMs (ping-pong).
+// - out = O v_scale / l per channel; lse = m ln 2 + ln(l / 448).
+// Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
+// the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
+// head_dim rows of 128 keys (128 bytes, 128-byte swizzle). Keys of the last tile in [n_b, kv_len)
+// are zeroed in shared memory by the producer before use; keys past kv_len are TMA's zero fill.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "../device/launch.cuh"
+#include "../device/reduce.cuh"
+#include "../ltx_kernels.h"
+#include "attention_params.cuh"
+#include "flash_mma.cuh"  // round_pair
+#include "hopper_common.cuh"
+
+namespace ltx {
+namespace hopper_int8 {
+
+using namespace hopper;  // the shared PTX wrappers and the tensor-map encoder
+
+constexpr int kConsumers = 2;                          // consumer warpgroups
+constexpr int kConsumerRows = 64;                      // query rows per consumer (wgmma's M)
+constexpr int kBlockM = kConsumers * kConsumerRows;    // queries per CTA
+constexpr int kBlockN = LTX_ATTENTION_INT8_KEY_BLOCK;  // keys per K/V tile: one k_scale each
+constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
+constexpr int kAtomBytes = 1024;     // the tiles' alignment (the 128-byte swizzle's period)
+constexpr int kVRowBytes = kBlockN;  // a V tile row: 128 keys of one channel
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 64K registers
+constexpr int kSchedBarrier = 1;  // named barriers 1 and 2: consumer c's turn to issue GEMMs
+constexpr float kLog2PScale = 8.80735492205760410745f;  // log2(448): P is computed times 448
+constexpr float kLnPScale = 6.10479323241498348998f;    // ln(448)
+constexpr float kLn2 = 0.693147180559945309f;
+static_assert(kBlockN == 128, "a V tile row is one 128-byte swizzled row");
+
+// Shared memory of a CTA (byte offsets from a 1024-byte aligned base): each consumer's Q tile,
+// then kStages K tiles, then kStages V tiles.
+template <int kHeadDim>
+struct Smem {
+  static constexpr int kStages = 4;
+  static constexpr int kQBytes = kConsumerRows * kHeadDim;  // one consumer's Q tile
+  static constexpr int kKBytes = kBlockN * kHeadDim;        // a K tile: 128 rows of head_dim
+  static constexpr int kVBytes = kHeadDim * kVRowBytes;     // a V tile: head_dim rows of 128 keys
+  static constexpr int kBytes = kConsumers * kQBytes + kStages * (kKBytes + kVBytes);
+  // Q and K rows are head_dim bytes: the swizzle of that width, 8 rows per core block (SBO).
+  static constexpr Swizzle kQkSwizzle = kHeadDim == 128 ? kSwizzle128B : kSwizzle64B;
+  static constexpr uint32_t kQkCoreBytes = 8 * kHeadDim;
+  __host__ __device__ static constexpr uint32_t q(int consumer) { return consumer * kQBytes; }
+  __host__ __device__ static constexpr uint32_t k(int stage) {
+    return kConsumers * kQBytes + stage * kKBytes;
+  }
+  __host__ __device__ static constexpr uint32_t v(int stage) {
+    return k(kStages) + stage * kVBytes;
+  }
+  static_assert(kQBytes % kAtomBytes == 0 && kKBytes % kAtomBytes == 0 &&
+                kVBytes % kAtomBytes == 0);
+};
+
+// The tensor maps of q8, k8 and v8 (kernel parameters: __grid_constant__, read by TMA in place).
+struct TensorMaps {
+  CUtensorMap q, k, v;
+};
+
+// S = Q8 K8^T for one consumer: s32 accumulators (the D fragment layout of wgmma_ss in
+// hopper_wgmma.cuh), int8 operands from shared memory, both K-major (m64n128k32; scale_d = 0:
+// d = A B).
+__device__ __forceinline__ void wgmma_s8_ss(int32_t (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %66, 0;"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p; }"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
+        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]),
+        "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]),
+        "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]),
+        "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]),
+        "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]),
+        "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]),
+        "+r"(d[63])
+      : "l"(a), "l"(b), "r"(scale_d));
+}
+
+// d (+)= P V for one consumer: fp32 accumulators, e4m3 operands, A (P) from registers (a: this
+// thread's fragment of 64 rows x 32 keys: a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..4t+3], a[2] =
+// A[g][16+4t..16+4t+3], a[3] = A[g+8][16+4t..16+4t+3], lowest key in the lowest byte), B (V^T)
+// from shared memory K-major (keys contiguous; fp8 wgmma takes no transpose) (m64nNk32).
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
+                                              int scale_d);
+
+template <>
+__device__ __forceinline__ void wgmma_e4m3_rs<64>(float (&d)[32], const uint32_t (&a)[4],
+                                                  uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_e4m3_rs<128>(float (&d)[64], const uint32_t (&a)[4],
+                                                   uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %69, 0;"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+// S = Q8 K8^T for one consumer: its 64 query rows against the 128 keys of a K tile, head_dim / 32
+// steps of 32 bytes within the rows (K-major, the unswizzled offset: see matrix_descriptor).
+template <int kHeadDim>
+__device__ __forceinline__ void gemm_qk(int32_t (&s)[kBlockN / 2], uint32_t q_tile,
+                                        uint32_t k_tile) {
+  using L = Smem<kHeadDim>;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+    const uint64_t a = matrix_descriptor(q_tile + 32 * kk, 16, L::kQkCoreBytes, L::kQkSwizzle);
+    const uint64_t b = matrix_descriptor(k_tile + 32 * kk, 16, L::kQkCoreBytes, L::kQkSwizzle);
+    wgmma_s8_ss(s, a, b, kk > 0);
+  }
+}
+
+// O_tile = P V for one consumer: P [64 x 128 keys] from registers (p[kk]: keys 32 kk..32 kk + 31),
+// V^T [head_dim x 128 keys] K-major: step kk at byte 32 kk of each row, 8-row groups 1024 bytes
+// apart (SBO). The first step overwrites o_tile (scale_d = 0).
+template <int kHeadDim>
+__device__ __forceinline__ void gemm_pv(float (&o_tile)[kHeadDim / 2],
+                                        const uint32_t (&p)[kBlockN / 32][4], uint32_t v_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 32; ++kk) {
+    const uint64_t b = matrix_descriptor(v_tile + 32 * kk, 16, 8 * kVRowBytes);
+    wgmma_e4m3_rs<kHeadDim>(o_tile, p[kk], b, kk > 0);
+  }
+}
+
+// Online softmax over one tile's integer scores s = q8.k8 (this thread's part of rows g and g + 8,
+// see wgmma_ss in hopper_wgmma.cuh), factor[r] = q_scale * k_scale * scale * log2(e) of row r:
+// each row's new base-2 max m, alpha = exp2(m_old - m_new), s = 448 exp2(s factor - m_new) in
+// place (as fp32 bits), l = alpha l + this thread's part of the row sum. An unmasked tile takes
+// the max from the integer scores (the min for a negative factor), so each score costs one
+// conversion, one FMA and one EX2; the last tile (kMask) scales first and sets keys at or past
+// `valid` to -inf. A row whose max is still -inf takes its probabilities against 0.
+template <bool kMask>
+__device__ __forceinline__ void softmax_tile(int32_t (&s)[kBlockN / 2], float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2],
+                                             const float (&factor)[2], int valid, int t) {
+  float tile_max[2] = {-INFINITY, -INFINITY};
+  if (kMask) {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = static_cast<float>(s[4 * i + e]) * factor[e / 2];
+        if (8 * i + 2 * t + (e & 1) >= valid) x = -INFINITY;
+        s[4 * i + e] = __float_as_int(x);
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int32_t extreme = s[2 * r];
+      if (factor[r] >= 0.f) {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i)
+          extreme = max(extreme, max(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i)
+          extreme = min(extreme, min(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+      }
+      tile_max[r] = static_cast<float>(extreme) * factor[r];
+    }
+  }
+  float base[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], group_reduce(tile_max[r], 4, NanMax{}));
+    const float m_base = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = exp2_ftz(m[r] - m_base);
+    m[r] = m_new;
+    base[r] = m_base - kLog2PScale;
+  }
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) {
+    const int r = (i % 4) / 2;
+    const float x = kMask ? __int_as_float(s[i]) : static_cast<float>(s[i]);
+    const float p = exp2_ftz(fmaf(x, kMask ? 1.f : factor[r], -base[r]));
+    s[i] = __float_as_int(p);
+    sum[r] += p;
+  }
+  l[0] = alpha[0] * l[0] + sum[0];
+  l[1] = alpha[1] * l[1] + sum[1];
+}
+
+// Four floats as e4m3 codes in one register, k0 in the lowest byte (rounded to nearest, saturated
+// to 448).
+__device__ __forceinline__ uint32_t e4m3x4(float k0, float k1, float k2, float k3) {
+  uint32_t r;
+  asm("{ .reg .b16 lo, hi;"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;"
+      "mov.b32 %0, {lo, hi}; }"
+      : "=r"(r)
+      : "f"(k0), "f"(k1), "f"(k2), "f"(k3));
+  return r;
+}
+
+// The probabilities (times 448, fp32 bits in s) as e4m3 A fragments of O_tile = P V. In a group
+// of 16 keys a thread holds keys {2t, 2t+1} (S's column block 2G) and {8+2t, 9+2t} (block 2G + 1)
+// of its rows, and its A fragment wants keys 4t..4t+3: block t / 2 of the group, two keys from
+// lane 2 (t % 2) of the quad and two from lane 2 (t % 2) + 1. Per row and 32-key step kk (groups
+// 2kk, 2kk + 1), u_b packs block b's two keys of both groups; the shuffle from lane
+// 2 (t % 2) + t / 2 receives that lane's send1 = u_{its t % 2}, the one from lane
+// 2 (t % 2) + 1 - t / 2 its send2 = u_{1 - its t % 2}: both are u_{t / 2}, the block this thread
+// wants, so every shuffled byte is used. Byte permutes put lane 2 (t % 2)'s keys below lane
+// 2 (t % 2) + 1's: group 2kk in the low halves, group 2kk + 1 in the high halves.
+__device__ __forceinline__ void quantize_probabilities(uint32_t (&p)[kBlockN / 32][4],
+                                                       const int32_t (&s)[kBlockN / 2], int lane) {
+  const int t = lane % 4, quad = lane & ~3;
+  const int from1 = quad | (2 * (t % 2) + t / 2), from2 = quad | (2 * (t % 2) + 1 - t / 2);
+  const uint32_t low_halves = t / 2 ? 0x1054 : 0x5410, high_halves = t / 2 ? 0x3276 : 0x7632;
+  auto prob = [&](int block, int r, int u) { return __int_as_float(s[4 * block + 2 * r + u]); };
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 32; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t u0 = e4m3x4(prob(4 * kk, r, 0), prob(4 * kk, r, 1), prob(4 * kk + 2, r, 0),
+                                 prob(4 * kk + 2, r, 1));
+      const uint32_t u1 = e4m3x4(prob(4 * kk + 1, r, 0), prob(4 * kk + 1, r, 1),
+                                 prob(4 * kk + 3, r, 0), prob(4 * kk + 3, r, 1));
+      const uint32_t x1 = __shfl_sync(0xffffffffu, t % 2 ? u1 : u0, from1);
+      const uint32_t x2 = __shfl_sync(0xffffffffu, t % 2 ? u0 : u1, from2);
+      p[kk][r] = __byte_perm(x1, x2, low_halves);       // row g + 8 r, keys 32 kk + 4t..
+      p[kk][2 + r] = __byte_perm(x1, x2, high_halves);  // row g + 8 r, keys 32 kk + 16 + 4t..
+    }
+  }
+}
+
+// Zeroes keys [valid, 128) of a V tile (head_dim rows of 128 keys, 128-byte swizzle: 16-byte
+// chunk c of row r at chunk c ^ (r % 8)), by the 32 lanes of a warp.
+template <int kHeadDim>
+__device__ __forceinline__ void zero_v_keys(uint32_t v_tile, int valid, int lane) {
+  const int first_chunk = valid / 16, chunks = kVRowBytes / 16 - first_chunk;
+  for (int c = lane; c < kHeadDim * chunks; c += 32) {
+    const int row = c / chunks, chunk = first_chunk + c % chunks;
+    const uint32_t at = v_tile + row * kVRowBytes + ((chunk ^ (row % 8)) * 16);
+    uint32_t w[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(at)
+                 : "memory");
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i: keys 16 chunk + 4 i.., lowest in the lowest byte
+      const int keep = valid - (chunk * 16 + 4 * i);
+      w[i] &= keep >= 4 ? 0xffffffffu : keep <= 0 ? 0u : (1u << (8 * keep)) - 1;
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(w[0]), "r"(w[1]),
+                 "r"(w[2]), "r"(w[3])
+                 : "memory");
+  }
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_int8_kernel(const __grid_constant__ TensorMaps maps, const AttentionInt8Params<T> p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = Smem<kHeadDim>;
+  constexpr int kStages = L::kStages;
+  __shared__ Barriers<kStages> bars;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
+  const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
+
+  // This CTA's query tile, head and batch element (query tiles vary fastest).
+  const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
+  const int64_t cta = blockIdx.x;
+  const int q_first = static_cast<int>(cta % q_tiles * kBlockM);
+  const int h = static_cast<int>(cta / q_tiles % p.heads);
+  const int b = static_cast<int>(cta / q_tiles / p.heads);
+  const int warpgroup = threadIdx.x / kWarpgroup;
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(shared_address(&bars.q), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(shared_address(&bars.k_full[s]), 1);
+      mbarrier_init(shared_address(&bars.v_full[s]), 1);
+      mbarrier_init(shared_address(&bars.k_empty[s]), kConsumers * 4);
+      mbarrier_init(shared_address(&bars.v_empty[s]), kConsumers * 4);
+    }
+    mbarrier_init(shared_address(&bars.v_tail), 32);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async_shared();
+  }
+  __syncthreads();  // the barriers are initialized before anyone uses them
+
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  const int keys = static_cast<int>(p.attended_keys(b));
+  const int kv_tiles = (keys + kBlockN - 1) / kBlockN;
+  const int last_valid = keys - (kv_tiles - 1) * kBlockN;  // valid keys of the last tile
+  // keys [keys, min(kv_len, end of the last tile)) of the last V tile hold data to zero
+  const int zero_end = static_cast<int>(
+      (p.kv_len < int64_t{kv_tiles} * kBlockN ? p.kv_len : int64_t{kv_tiles} * kBlockN) -
+      (kv_tiles - 1) * int64_t{kBlockN});
+  const bool zero_v_tail = kv_tiles > 0 && last_valid < zero_end;
+
+  if (warpgroup == 0) {  // the producer
+    set_max_registers_dec<kProducerRegs>();
+    if (warp != 0 || kv_tiles == 0) return;
+    if (lane == 0) {
+      prefetch_tensor_map(maps.q);
+      prefetch_tensor_map(maps.k);
+      prefetch_tensor_map(maps.v);
+      const uint32_t q_bar = shared_address(&bars.q);
+      mbarrier_arrive_expect_tx(q_bar, kConsumers * L::kQBytes);
+      for (int c = 0; c < kConsumers; ++c)
+        tma_load_4d(smem + L::q(c), maps.q, 0, h, q_first + c * kConsumerRows, b, q_bar);
+      for (int j = 0; j < kv_tiles; ++j) {
+        const int stage = j % kStages, use = j / kStages;
+        // the stage's K and V tiles of tile j - kStages are released apart, as in
+        // hopper_wgmma.cuh (K after both consumers' S GEMMs of it, V after their P V GEMMs)
+        const uint32_t k_bar = shared_address(&bars.k_full[stage]);
+        const uint32_t v_bar = shared_address(&bars.v_full[stage]);
+        if (use > 0) mbarrier_wait(shared_address(&bars.k_empty[stage]), (use - 1) & 1);
+        mbarrier_arrive_expect_tx(k_bar, L::kKBytes);
+        tma_load_4d(smem + L::k(stage), maps.k, 0, h, j * kBlockN, b, k_bar);
+        if (use > 0) mbarrier_wait(shared_address(&bars.v_empty[stage]), (use - 1) & 1);
+        mbarrier_arrive_expect_tx(v_bar, L::kVBytes);
+        tma_load_4d(smem + L::v(stage), maps.v, j * kBlockN, 0, h, b, v_bar);
+      }
+    }
+    __syncwarp();
+    if (zero_v_tail) {  // the last V tile's keys [last_valid, 128): zeros
+      const int last = kv_tiles - 1, stage = last % kStages;
+      mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
+      zero_v_keys<kHeadDim>(smem + L::v(stage), last_valid, lane);
+      fence_proxy_async_shared();  // the zeros are visible to the consumers' wgmma
+      mbarrier_arrive(shared_address(&bars.v_tail));
+    }
+    return;
+  }
+
+  // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss).
+  set_max_registers_inc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int g = lane / 4, t = lane % 4;
+  const int row0 = q_first + consumer * kConsumerRows + warp * 16 + g;
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
+  float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum (x 448)
+
+  if (kv_tiles > 0) {
+    float q_factor[2];  // q_scale * scale * log2(e) of rows g and g + 8 (0 past q_len)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t query = row0 + 8 * r;
+      q_factor[r] =
+          query < p.q_len ? p.q_scale[(b * p.q_len + query) * p.heads + h] * p.scale_log2 : 0.f;
+    }
+    const float* const k_scale = p.k_scale + (int64_t{b} * p.heads + h) * p.key_blocks;
+    int32_t s[kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0;
+    float o_tile[kHeadDim / 2];
+    uint32_t pa[kBlockN / 32][4];  // P of the tile whose P V GEMM is next
+    float alpha[2], factor[2];
+    const uint32_t q_tile = smem + L::q(consumer);
+    const int my_turn = kSchedBarrier + consumer, other_turn = kSchedBarrier + (consumer ^ 1);
+    constexpr int kTurnThreads = kConsumers * kWarpgroup;
+    // Ping-pong as in hopper_wgmma.cuh: consumer c issues its GEMMs of tile j after
+    // bar.sync(my_turn), which completes once the other consumer has issued its GEMMs of tile
+    // j - 1 (or, for consumer 0's tile 0, consumer 1's arrival here) and arrives on other_turn
+    // right after; consumer 1 skips its last arrival (consumer 0 has no next turn).
+    if (consumer == 1) named_barrier_arrive(other_turn, kTurnThreads);
+    mbarrier_wait(shared_address(&bars.q), 0);
+
+    // Tile 0: S only (no P V yet).
+    float k_factor = k_scale[0];
+    mbarrier_wait(shared_address(&bars.k_full[0]), 0);
+    named_barrier_sync(my_turn, kTurnThreads);
+    wgmma_fence();
+    gemm_qk<kHeadDim>(s, q_tile, smem + L::k(0));
+    wgmma_commit();
+    if (!(consumer == 1 && kv_tiles == 1)) named_barrier_arrive(other_turn, kTurnThreads);
+    wgmma_wait<0>();
+    fence_registers(s);
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[0]));  // K tile 0 is read
+    factor[0] = q_factor[0] * k_factor;
+    factor[1] = q_factor[1] * k_factor;
+    if (kv_tiles == 1 && last_valid < kBlockN)
+      softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
+    else
+      softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
+    quantize_probabilities(pa, s, lane);
+
+    for (int j = 1; j < kv_tiles; ++j) {
+      const int stage = j % kStages, prev = (j - 1) % kStages;
+      k_factor = k_scale[j];  // (read while the GEMMs run)
+      mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
+      mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
+      named_barrier_sync(my_turn, kTurnThreads);
+      wgmma_fence();
+      gemm_pv<kHeadDim>(o_tile, pa, smem + L::v(prev));  // O_tile = P V of tile j - 1
+      wgmma_commit();
+      gemm_qk<kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
+      wgmma_commit();
+      if (!(consumer == 1 && j == kv_tiles - 1)) named_barrier_arrive(other_turn, kTurnThreads);
+      wgmma_wait<1>();  // the P V GEMM is done (groups complete in order): O_tile, pa and the
+                        // stage of tile j - 1 are free; the S GEMM may still run
+      fence_registers(o_tile);
+      fence_registers(pa);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) o[i] += o_tile[i];  // against m of tile j - 1
+      wgmma_wait<0>();
+      fence_registers(s);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));  // K tile j is read
+      factor[0] = q_factor[0] * k_factor;
+      factor[1] = q_factor[1] * k_factor;
+      if (j == kv_tiles - 1 && last_valid < kBlockN)
+        softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
+      else
+        softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];  // to m of tile j
+      quantize_probabilities(pa, s, lane);
+    }
+
+    // O += P V of the last tile (its V keys past n_b zeroed first where they hold data).
+    const int last = kv_tiles - 1, stage = last % kStages;
+    mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
+    if (zero_v_tail) mbarrier_wait(shared_address(&bars.v_tail), 0);
+    wgmma_fence();
+    gemm_pv<kHeadDim>(o_tile, pa, smem + L::v(stage));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(o_tile);
+    fence_registers(pa);
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] += o_tile[i];
+  }
+
+  // out = O v_scale / l, lse = m ln 2 + ln(l / 448) (natural log); a row without keys: 0, -inf.
+  const float* const v_scale = p.v_scale + (int64_t{b} * p.heads + h) * kHeadDim;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = group_reduce(l[r], 4);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t query = row0 + 8 * r;
+    if (query >= p.q_len) continue;
+    T* const out_row = p.out.row(b, query, h);
+#pragma unroll
+    for (int nd = 0; nd < kHeadDim / 8; ++nd) {
+      const int d = nd * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(out_row + d) = flash_mma::round_pair<T>(
+          o[4 * nd + 2 * r] * inv * v_scale[d], o[4 * nd + 2 * r + 1] * inv * v_scale[d + 1]);
+    }
+    if (p.lse != nullptr && t == 0)
+      p.lse[(b * p.heads + h) * p.q_len + query] =
+          sum > 0.f ? m[r] * kLn2 + logf(sum) - kLnPScale : -INFINITY;
+  }
+#else
+  __trap();  // built without sm_90a machine code: the launcher never runs this body there
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side: the tensor maps and the launch.
+// ------------------------------------------------------------------------------------------------
+// A 4-D tensor map of 8-bit codes, dims innermost first at the given byte strides of dims 1-3,
+// boxes of `box` elements, the given swizzle; rows past a dim's size are zero-filled. A dim of
+// size 1 takes its inner neighbour's extent as its stride (never applied; the encoder wants
+// multiples of 16). False when the encoder refuses it.
+inline bool encode_codes(CUtensorMap* map, const void* data, const int64_t (&dims)[4],
+                         const int64_t (&strides)[3], const cuuint32_t (&box)[4],
+                         CUtensorMapSwizzle swizzle) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  cuuint64_t sizes[4], bytes[3];
+  for (int d = 0; d < 4; ++d) sizes[d] = static_cast<cuuint64_t>(dims[d]);
+  for (int d = 0; d < 3; ++d)
+    bytes[d] = static_cast<cuuint64_t>(dims[d + 1] > 1 ? strides[d] : (dims[0] + 15) / 16 * 16);
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(data), sizes, bytes, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Whether this body takes the call: a compute capability 9.x device (9.0, the sm_90a machine
+// code's, is the only one), sizes within int32 (TMA's coordinates) and operands the tensor-map
+// encoder takes; then the maps (left unencoded without keys: the kernel reads none).
+template <typename T, int kHeadDim>
+bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
+  if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
+  if (p.q_len + kBlockM > INT32_MAX || p.kv_len + kBlockN > INT32_MAX || p.heads > INT32_MAX ||
+      p.batch > INT32_MAX)
+    return false;
+  if (p.kv_len == 0) return true;
+  const CUtensorMapSwizzle qk_swizzle =
+      kHeadDim == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const cuuint32_t q_box[4] = {kHeadDim, 1, kConsumerRows, 1};
+  const cuuint32_t k_box[4] = {kHeadDim, 1, kBlockN, 1};
+  const cuuint32_t v_box[4] = {kBlockN, kHeadDim, 1, 1};
+  // q8, k8: {head_dim, heads, len, batch}; v8: {kv_len keys, head_dim, heads, batch}
+  return encode_codes(&maps->q, p.q.data, {kHeadDim, p.heads, p.q_len, p.batch},
+                      {p.q.head_stride, p.q.seq_stride, p.q.batch_stride}, q_box, qk_swizzle) &&
+         encode_codes(&maps->k, p.k.data, {kHeadDim, p.heads, p.kv_len, p.batch},
+                      {p.k.head_stride, p.k.seq_stride, p.k.batch_stride}, k_box, qk_swizzle) &&
+         encode_codes(&maps->v, p.v.data, {p.kv_len, kHeadDim, p.heads, p.batch},
+                      {p.v.head_stride, p.v.seq_stride, p.v.batch_stride}, v_box,
+                      CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// Runs the kernel over every (query tile, head, batch element) with the maps from takes():
+// LTX_ERR_INVALID_ARGUMENT when they exceed a grid's INT32_MAX blocks.
+template <typename T, int kHeadDim>
+int run(const AttentionInt8Params<T>& p, const TensorMaps& maps, cudaStream_t stream) {
+  constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
+  const int64_t ctas = ceil_div(p.q_len, kBlockM) * p.heads * p.batch;
+  if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
+  const cudaError_t err =
+      cudaFuncSetAttribute(attention_int8_kernel<T, kHeadDim>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  return launch(attention_int8_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)),
+                dim3(kThreads), kSmem, stream, maps, p);
+}
+
+}  // namespace hopper_int8
+}  // namespace ltx
