@@ -119,6 +119,10 @@ def test_op_takes_what_the_op_takes():
     assert not attention._rows_aligned(
         torch.empty(2, 16, 4 * 64 + 1)[..., 1:].unflatten(-1, (4, 64))
     )
+    # traced without a graph break (dynamo cannot trace storage_offset(): the strides only)
+    compiled = torch.compile(attention._rows_aligned, fullgraph=True, dynamic=True)
+    assert compiled(aligned)
+    assert not compiled(torch.empty(2, 16, 4, 65)[..., :64])
 
 
 def test_auto_follows_the_measured_table(monkeypatch):

@@ -176,7 +176,8 @@ std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at
     for (const auto& [name, t] :
          {std::pair<const char*, const at::Tensor&>{"q8", q8}, {"k8", k8}, {"v8", v8}}) {
       const ltx_rows_t rows = head_rows(t);
-      LTX_CHECK(ltx_num_rows(&rows) == 0 || ltx_rows_aligned(&rows, 1, 16), op, ": ", name,
+      // (an empty operand has nothing to read: v8 of no keys has rows of length 0)
+      LTX_CHECK(t.numel() == 0 || ltx_rows_aligned(&rows, 1, 16), op, ": ", name,
                 "'s rows must start at 16-byte boundaries on CUDA (data pointer, and strides of "
                 "dims 0-2 multiples of 16 elements), got strides ",
                 t.strides(), " at storage offset ", t.storage_offset(), "; pass ", name,

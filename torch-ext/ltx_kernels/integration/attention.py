@@ -185,11 +185,17 @@ def _op_takes(query, key, value) -> bool:
 
 
 def _rows_aligned(t: torch.Tensor) -> bool:
-    """t's rows (dims 0-2) start at 16-byte boundaries (the CUDA kernel's rule, rows.h)."""
+    """t's rows (dims 0-2) start at 16-byte boundaries (the CUDA kernel's rule, rows.h). Under
+    torch.compile the strides only: dynamo cannot trace storage_offset(); the processors' q/k/v
+    are projections or their head slices, at offsets that are multiples of head_dim, and a view
+    that is not aligned gets the op's error naming the operand instead of the fallback."""
     size = t.element_size()
-    return (t.storage_offset() * size) % 16 == 0 and all(
+    strides = all(
         n <= 1 or (stride * size) % 16 == 0 for n, stride in zip(t.shape[:3], t.stride()[:3])
     )
+    if torch.compiler.is_compiling():
+        return strides
+    return strides and (t.storage_offset() * size) % 16 == 0
 
 
 def padded_key_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
