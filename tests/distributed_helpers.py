@@ -1,5 +1,6 @@
 """What the multi-process tests share: a free port, one rank's run of named cases (results written
-as JSON for the test to read), and scripts/generate_video.py under a torchrun-like environment.
+as JSON for the test to read), and scripts/generate_video.py under a torchrun-like environment
+with its --compare rows checked.
 The processes are spawned by the tests (torch.multiprocessing), gloo on the CPU."""
 
 import importlib.util
@@ -65,3 +66,18 @@ def run_generate_video(rank, world, port, argv: list):
     )
     _one_thread_one_device()
     generate_video_script().main(argv)
+
+
+def compared_rows(output, tolerance: float, audio: bool) -> tuple[dict, dict]:
+    """(results, rows by config) of generate_video.py --compare --configs baseline,kernels run on
+    several processes, as rank 0 wrote them next to `output`: the rows kernels on one GPU, then the
+    baseline and the kernels on all, their latents (and, `audio`, LTX-2's waveforms) equal to the
+    parallel baseline within `tolerance` (the kernels' not bit for bit)."""
+    results = json.loads(Path(output).with_suffix(".json").read_text())
+    rows = {row["config"]: row for row in results["results"]}
+    assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]
+    assert rows["kernels-1gpu"]["rel_l2"] <= tolerance  # one GPU vs the parallel baseline
+    assert 0 < rows["kernels"]["rel_l2"] <= tolerance
+    if audio:
+        assert rows["kernels"]["audio_rel_l2"] <= tolerance
+    return results, rows

@@ -18,7 +18,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ltx_kernels
-from distributed_helpers import free_port, generate_video_script, run_cases, run_generate_video
+from distributed_helpers import (
+    compared_rows,
+    free_port,
+    generate_video_script,
+    run_cases,
+    run_generate_video,
+)
 from inject_helpers import rel_l2
 from ltx_kernels.integration import enable_cfg_parallel
 from model_zoo import hunyuan, ltx, wan
@@ -412,13 +418,7 @@ def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
         nprocs=world,
         join=True,
     )
-    results = json.loads(output.with_suffix(".json").read_text())
-    rows = {row["config"]: row for row in results["results"]}
-    assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]
-    assert rows["kernels-1gpu"]["rel_l2"] <= TOLERANCE  # one GPU vs the parallel baseline
-    assert 0 < rows["kernels"]["rel_l2"] <= TOLERANCE
-    if "Lightricks/LTX-2" in flags:  # the audio waveforms too
-        assert rows["kernels"]["audio_rel_l2"] <= TOLERANCE
+    results, rows = compared_rows(output, TOLERANCE, audio="Lightricks/LTX-2" in flags)
     assert layout in rows["kernels"]["notes"] and layout in rows["baseline"]["notes"]
     assert results["settings"]["cfg_parallel"]
 

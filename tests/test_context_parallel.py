@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ltx_kernels
-from distributed_helpers import free_port, run_cases, run_generate_video
+from distributed_helpers import compared_rows, free_port, run_cases, run_generate_video
 from inject_helpers import REL_L2_TOLERANCE, output_of, rel_l2
 from ltx_kernels.integration import FUSIONS
 from model_zoo import ltx
@@ -701,13 +701,7 @@ def test_generate_video_context_parallel(tmp_path, model_args):
         nprocs=WORLD,
         join=True,
     )
-    results = json.loads(output.with_suffix(".json").read_text())
-    rows = {row["config"]: row for row in results["results"]}
-    assert list(rows) == ["kernels-1gpu", "baseline", "kernels"]
-    assert rows["kernels-1gpu"]["rel_l2"] <= TOLERANCE  # one GPU vs the split baseline
-    assert 0 < rows["kernels"]["rel_l2"] <= TOLERANCE
-    if "LTX-2" in str(model_args):  # the audio waveforms too
-        assert rows["kernels"]["audio_rel_l2"] <= TOLERANCE
+    results, rows = compared_rows(output, TOLERANCE, audio="LTX-2" in str(model_args))
     assert "ulysses x 2 GPUs" in rows["kernels"]["notes"]
     assert "ltx_kernels processors for the text mask" in rows["baseline"]["notes"]
     assert results["settings"]["context_parallel"] == "ulysses"
