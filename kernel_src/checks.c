@@ -429,6 +429,20 @@ ltx_check_t ltx_check_quantize(const ltx_rows_t* out, const ltx_quant_t* quant, 
   return ok();
 }
 
+/* arg, an optional index vector (data NULL: absent), is int32 or int64. */
+static ltx_check_t index_vector_dtype(const char* arg, const ltx_vector_t* v) {
+  if (!v->data || v->dtype == LTX_INT32 || v->dtype == LTX_INT64) return ok();
+  return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_INDEX_DTYPE, arg, v->dtype, NULL, v->dtype);
+}
+
+/* arg is finite (NaN is not). */
+static ltx_check_t finite_value(const char* arg, double value) {
+  if (value > -INFINITY && value < INFINITY) return ok();
+  const ltx_check_t c = {
+      .status = LTX_ERR_INVALID_ARGUMENT, .rule = LTX_RULE_FINITE, .arg = arg, .value = value};
+  return c;
+}
+
 /* attention: q, k, v, out of one dtype T; out q's sizes, k q's batch and heads, v k's sizes. */
 ltx_check_t ltx_check_attention(const ltx_attention_args_t* a) {
   const char* const names[3] = {"k", "v", "out"};
@@ -442,9 +456,7 @@ ltx_check_t ltx_check_attention(const ltx_attention_args_t* a) {
   for (i = 0; i < 3; ++i)
     LTX_RETURN_IF_FAILED(
         dtype_of(LTX_ERR_INVALID_ARGUMENT, names[i], operands[i]->dtype, "q", a->q.dtype));
-  if (a->key_lengths.data && a->key_lengths.dtype != LTX_INT32 && a->key_lengths.dtype != LTX_INT64)
-    return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_INDEX_DTYPE, "key_lengths",
-                      a->key_lengths.dtype, NULL, a->key_lengths.dtype);
+  LTX_RETURN_IF_FAILED(index_vector_dtype("key_lengths", &a->key_lengths));
   if (!ltx_valid_rows(&a->q)) return malformed("q");
   for (i = 0; i < 3; ++i)
     if (!ltx_valid_rows(operands[i])) return malformed(names[i]);
@@ -457,14 +469,7 @@ ltx_check_t ltx_check_attention(const ltx_attention_args_t* a) {
       return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "out", "q");
   }
   if (a->head_dim < 0) return malformed("head_dim");
-  if (!(a->scale > -INFINITY && a->scale < INFINITY)) { /* (NaN fails both) */
-    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
-                           .rule = LTX_RULE_FINITE,
-                           .arg = "scale",
-                           .value = a->scale};
-    return c;
-  }
-  return ok();
+  return finite_value("scale", a->scale);
 }
 
 /* attention_int8: q8, k8 int8 and v8 float8_e4m3 codes, out float (or float64); k8 q8's batch and
@@ -485,9 +490,7 @@ ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* a) {
     if (operands[i]->dtype != dtypes[i])
       return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_CODE_DTYPE, names[i],
                         operands[i]->dtype, NULL, dtypes[i]);
-  if (a->key_lengths.data && a->key_lengths.dtype != LTX_INT32 && a->key_lengths.dtype != LTX_INT64)
-    return dtype_fail(LTX_ERR_UNSUPPORTED_DTYPE, LTX_RULE_INDEX_DTYPE, "key_lengths",
-                      a->key_lengths.dtype, NULL, a->key_lengths.dtype);
+  LTX_RETURN_IF_FAILED(index_vector_dtype("key_lengths", &a->key_lengths));
   for (i = 0; i < 4; ++i)
     if (!ltx_valid_rows(operands[i])) return malformed(names[i]);
   if (a->k8.size[0] != a->q8.size[0] || a->k8.size[2] != a->q8.size[2])
@@ -502,12 +505,5 @@ ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* a) {
   if (ltx_num_rows(&a->q8) > 0 && !a->q_scale) return malformed("q_scale");
   if (ltx_num_rows(&a->k8) > 0 && !a->k_scale) return malformed("k_scale");
   if (ltx_num_rows(&a->v8) > 0 && !a->v_scale) return malformed("v_scale");
-  if (!(a->scale > -INFINITY && a->scale < INFINITY)) { /* (NaN fails both) */
-    const ltx_check_t c = {.status = LTX_ERR_INVALID_ARGUMENT,
-                           .rule = LTX_RULE_FINITE,
-                           .arg = "scale",
-                           .value = a->scale};
-    return c;
-  }
-  return ok();
+  return finite_value("scale", a->scale);
 }
