@@ -112,8 +112,10 @@ extern "C" int ltx_attention_int8_cuda(const ltx_attention_int8_args_t* args, lt
   if (!ltx_attention_cuda_takes_head_dim(a.head_dim)) return LTX_ERR_INVALID_ARGUMENT;
   const ltx_rows_t* const operands[4] = {&a.out, &a.q8, &a.k8, &a.v8};
   const int elem_bytes[4] = {2, 1, 1, 1};
-  for (int i = 0; i < 4; ++i)  // (an empty operand's data is never read)
-    if (ltx_num_rows(operands[i]) > 0 && !ltx_rows_aligned(operands[i], elem_bytes[i], 16))
+  const int64_t row_len[4] = {a.head_dim, a.head_dim, a.head_dim, a.kv_pad};
+  for (int i = 0; i < 4; ++i)  // (an empty operand's data is never read: v8 of no keys too)
+    if (ltx_num_rows(operands[i]) * row_len[i] > 0 &&
+        !ltx_rows_aligned(operands[i], elem_bytes[i], 16))
       return LTX_ERR_INVALID_ARGUMENT;
   if (ltx_num_rows(&a.q8) == 0) return LTX_OK;
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
