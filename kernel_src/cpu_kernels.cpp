@@ -6,6 +6,7 @@
 // so C++ overloads pick the same functions, and ltx_kernels.h declares the entry points extern
 // "C".
 #include "attention/attention_cpu.c"
+#include "attention/attention_quant_cpu.c"
 #include "checks.c"
 #include "gated_residual_cpu.c"
 #include "gelu_cpu.c"

@@ -17,7 +17,8 @@ static inline int ltx_model_dtype(ltx_dtype_t dtype) {
 }
 
 static inline int ltx_valid_dtype(ltx_dtype_t dtype) {
-  return ltx_model_dtype(dtype) || dtype == LTX_FLOAT64 || dtype == LTX_FLOAT8_E4M3;
+  return ltx_model_dtype(dtype) || dtype == LTX_FLOAT64 || dtype == LTX_FLOAT8_E4M3 ||
+         dtype == LTX_INT8;
 }
 
 static inline int ltx_dtype_size(ltx_dtype_t dtype) {
@@ -26,7 +27,8 @@ static inline int ltx_dtype_size(ltx_dtype_t dtype) {
     case LTX_INT64: return 8;
     case LTX_FLOAT32:
     case LTX_INT32: return 4;
-    case LTX_FLOAT8_E4M3: return 1;
+    case LTX_FLOAT8_E4M3:
+    case LTX_INT8: return 1;
     default: return 2;
   }
 }
