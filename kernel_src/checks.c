@@ -75,13 +75,20 @@ static ltx_check_t optional_rows_like(const char* arg, const ltx_rows_t* r, cons
 }
 
 /* A quantized output (ltx_kernels.h, Quantized outputs) of `rows` rows: a format, out's dtype its
- * codes', a scale per row, and the whole row per scale. */
-static ltx_check_t quantized_output(const ltx_rows_t* out, const ltx_quant_t* q, int64_t rows) {
-  if (q->format != LTX_QUANT_E4M3_ROW) return malformed("quant.format");
-  if (out->dtype != LTX_FLOAT8_E4M3) return malformed("out");
+ * codes', a scale per row (or per group), and `group` elements per scale (0: the whole row). */
+static ltx_check_t quantized_groups(const ltx_rows_t* out, const ltx_quant_t* q, int64_t rows,
+                                    int64_t group) {
+  if (q->format != LTX_QUANT_E4M3_ROW && q->format != LTX_QUANT_I8_ROW)
+    return malformed("quant.format");
+  if (out->dtype != (q->format == LTX_QUANT_I8_ROW ? LTX_INT8 : LTX_FLOAT8_E4M3))
+    return malformed("out");
   if (!q->scale && rows > 0) return malformed("quant.scale");
-  if (q->group != 0) return malformed("quant.group");
+  if (q->group != group) return malformed("quant.group");
   return ok();
+}
+
+static ltx_check_t quantized_output(const ltx_rows_t* out, const ltx_quant_t* q, int64_t rows) {
+  return quantized_groups(out, q, rows, 0);
 }
 
 static ltx_check_t eps_rule(float eps) {
@@ -313,12 +320,18 @@ static ltx_check_t check_qk_norm_rope(const ltx_qk_norm_rope_args_t* a) {
    * weights T or fp32. */
   t = a->tensors[0].x.dtype;
   LTX_RETURN_IF_FAILED(float_or_float64_dtype(kTensorX[0], t));
+  if (a->quant.format != LTX_QUANT_NONE) { /* tensor 0's out quantized per head */
+    LTX_RETURN_IF_FAILED(float_dtype(kTensorX[0], t));
+    LTX_RETURN_IF_FAILED(quantized_groups(&a->tensors[0].out, &a->quant,
+                                          ltx_num_rows(&a->tensors[0].x), a->head_dim));
+  }
   for (k = 0; k < a->num_tensors; ++k) {
     const ltx_rope_tensor_t* r = &a->tensors[k];
     LTX_RETURN_IF_FAILED(
         dtype_of(LTX_ERR_UNSUPPORTED_DTYPE, kTensorX[k], r->x.dtype, kTensorX[0], t));
-    LTX_RETURN_IF_FAILED(
-        dtype_of(LTX_ERR_INVALID_ARGUMENT, kTensorOut[k], r->out.dtype, kTensorX[k], r->x.dtype));
+    if (k > 0 || a->quant.format == LTX_QUANT_NONE)
+      LTX_RETURN_IF_FAILED(
+          dtype_of(LTX_ERR_INVALID_ARGUMENT, kTensorOut[k], r->out.dtype, kTensorX[k], r->x.dtype));
     if ((r->cos.data == NULL) != (r->sin.data == NULL))
       return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_REQUIRES,
                   r->cos.data ? kTensorCos[k] : kTensorSin[k],
@@ -382,6 +395,7 @@ ltx_check_t ltx_check_qk_norm_rope_backward(const ltx_qk_norm_rope_backward_args
   /* The forward's rules (out: the gradient dx), then each grad: x's dtype and rows; a weight
    * gradient needs the norm and its weight. */
   LTX_RETURN_IF_FAILED(check_qk_norm_rope(&a->forward));
+  if (a->forward.quant.format != LTX_QUANT_NONE) return malformed("forward.quant");
   if (a->chunk_rows < 1) return malformed("chunk_rows");
   for (k = 0; k < a->forward.num_tensors; ++k) {
     const ltx_rope_tensor_t* r = &a->forward.tensors[k];
@@ -506,4 +520,25 @@ ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* a) {
   if (ltx_num_rows(&a->k8) > 0 && !a->k_scale) return malformed("k_scale");
   if (ltx_num_rows(&a->v8) > 0 && !a->v_scale) return malformed("v_scale");
   return finite_value("scale", a->scale);
+}
+
+/* quantize_attention_k/v: x a model dtype with {batch, kv_len, heads} rows, codes of the op's
+ * dtype, scale (and codes, unless there is nothing to write) present. */
+static ltx_check_t attention_quant(const ltx_attention_quant_args_t* a, ltx_dtype_t codes_dtype) {
+  if (!a) return malformed("args");
+  LTX_RETURN_IF_FAILED(float_dtype("x", a->x.dtype));
+  if (!ltx_valid_rows(&a->x)) return malformed("x");
+  if (a->codes_dtype != codes_dtype) return malformed("codes_dtype");
+  if (a->head_dim < 0) return malformed("head_dim");
+  if (ltx_num_rows(&a->x) > 0 && a->head_dim > 0 && (!a->codes || !a->scale))
+    return malformed(!a->codes ? "codes" : "scale");
+  return ok();
+}
+
+ltx_check_t ltx_check_quantize_attention_k(const ltx_attention_quant_args_t* args) {
+  return attention_quant(args, LTX_INT8);
+}
+
+ltx_check_t ltx_check_quantize_attention_v(const ltx_attention_quant_args_t* args) {
+  return attention_quant(args, LTX_FLOAT8_E4M3);
 }

@@ -65,6 +65,8 @@ ltx_check_t ltx_check_gelu_backward(const ltx_rows_t* dx, const ltx_rows_t* dout
                                     ltx_gelu_approximate_t approximate, int gated);
 ltx_check_t ltx_check_attention(const ltx_attention_args_t* args);
 ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* args);
+ltx_check_t ltx_check_quantize_attention_k(const ltx_attention_quant_args_t* args);
+ltx_check_t ltx_check_quantize_attention_v(const ltx_attention_quant_args_t* args);
 
 #ifdef __cplusplus
 }

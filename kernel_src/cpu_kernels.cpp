@@ -7,6 +7,7 @@
 // "C".
 #include "attention/attention_cpu.c"
 #include "attention/attention_int8_cpu.c"
+#include "attention/attention_quant_cpu.c"
 #include "checks.c"
 #include "gated_residual_cpu.c"
 #include "gelu_cpu.c"

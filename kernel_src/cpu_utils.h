@@ -160,17 +160,33 @@ static inline float ltx_amax_step(float m, float v) {
  */
 typedef float (*ltx_row_value_fn)(const void* ctx, int64_t i);
 
+/* The LTX_QUANT_I8_ROW code of v (already multiplied by the row's factor): rint, ties to even (the
+ * default rounding mode), clamped to +-127; NaN gives 0 (as CUDA's cvt.rni does). */
+static inline int8_t ltx_float_to_i8(float v) {
+  const float r = nearbyintf(v);
+  if (r != r) return 0;
+  return (int8_t)(r > LTX_I8_MAX ? LTX_I8_MAX : r < -LTX_I8_MAX ? -LTX_I8_MAX : r);
+}
+
 /* The quantized-output epilogue of the C twins (ltx_kernels.h, Quantized outputs; the device's is
  * device/quant.cuh): row `row` of `hidden` values value(ctx, i), computed twice (the row's amax,
  * then its codes), written as its scale and its codes at `codes`. quant's format is
- * LTX_QUANT_E4M3_ROW, the one format checks.c lets through. */
+ * LTX_QUANT_E4M3_ROW or LTX_QUANT_I8_ROW, the formats checks.c lets through. */
 static inline void ltx_quantize_row(const ltx_quant_t* quant, int64_t row, void* codes,
                                     int64_t hidden, ltx_row_value_fn value, const void* ctx) {
+  const int i8 = quant->format == LTX_QUANT_I8_ROW;
   float amax = 0.f, factor;
   int64_t i;
   for (i = 0; i < hidden; ++i) amax = ltx_amax_step(amax, value(ctx, i));
-  factor = ltx_e4m3_row_factor(amax, &quant->scale[row]);
-  for (i = 0; i < hidden; ++i) ((uint8_t*)codes)[i] = ltx_float_to_e4m3(value(ctx, i) * factor);
+  factor = i8 ? ltx_i8_row_factor(amax, &quant->scale[row])
+              : ltx_e4m3_row_factor(amax, &quant->scale[row]);
+  for (i = 0; i < hidden; ++i) {
+    const float v = value(ctx, i) * factor;
+    if (i8)
+      ((int8_t*)codes)[i] = ltx_float_to_i8(v);
+    else
+      ((uint8_t*)codes)[i] = ltx_float_to_e4m3(v);
+  }
 }
 
 /* Status of the checks a C implementation starts with: its op's argument rules, then the row

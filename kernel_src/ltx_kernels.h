@@ -32,7 +32,8 @@ typedef enum ltx_dtype {
   LTX_FLOAT8_E4M3 = 4, /* float8_e4m3fn: only quantized outputs (below) */
   LTX_INT32 = 5,       /* int32 and int64: only index vectors (attention's key lengths) */
   LTX_INT64 = 6,
-  LTX_INT8 = 7, /* int8: only attention_int8's q and k codes */
+  LTX_INT8 = 7, /* int8: quantized outputs (LTX_QUANT_I8_ROW, attention's k codes), attention_int8's
+                   q and k codes */
 } ltx_dtype_t;
 
 /* Status codes (CUDA launchers may also return a positive cudaError_t). */
@@ -105,13 +106,21 @@ typedef struct ltx_vector {
  *     scale[r] = fl32(a / LTX_E4M3_MAX)                          (ltx_e4m3_row_factor)
  *   out dtype LTX_FLOAT8_E4M3, `scale` `rows` contiguous fp32 indexed by row number: the operands
  *   of a rowwise-scaled GEMM (torch._scaled_mm).
+ * - LTX_QUANT_I8_ROW (symmetric INT8), per row r (rows of head_dim: attention's q, one scale per
+ *   token and head):
+ *     a        = max(max |v| over the row, LTX_QUANT_MIN_AMAX)  (NaN when the row holds one)
+ *     out      = clamp(rint(fl32(v * fl32(LTX_I8_MAX / a))), -127, 127), ties to even (NaN: 0)
+ *     scale[r] = fl32(a / LTX_I8_MAX)                            (ltx_i8_row_factor)
+ *   out dtype LTX_INT8, `scale` as above.
  */
 #define LTX_E4M3_MAX 448.0f
+#define LTX_I8_MAX 127.0f
 #define LTX_QUANT_MIN_AMAX 1e-12f
 
 typedef enum ltx_quant_format {
   LTX_QUANT_NONE = 0,     /* not quantized: out has dtype T */
   LTX_QUANT_E4M3_ROW = 1, /* float8_e4m3fn codes, one fp32 scale per row */
+  LTX_QUANT_I8_ROW = 2,   /* int8 codes, one fp32 scale per row */
 } ltx_quant_format_t;
 
 /* How an op's output is quantized. */
@@ -127,13 +136,23 @@ typedef struct ltx_quant {
 #define LTX_HOST_DEVICE
 #endif
 
-/* The LTX_QUANT_E4M3_ROW rule for a row's amax, for the C twins and the CUDA kernels alike: sets
- * *scale = a / LTX_E4M3_MAX and returns the factor the row's values are multiplied by before their
- * rounding to e4m3, LTX_E4M3_MAX / a. */
-static inline LTX_HOST_DEVICE float ltx_e4m3_row_factor(float amax, float* scale) {
+/* The scale rule of the symmetric formats for a row's amax and the format's largest code, for the
+ * C twins and the CUDA kernels alike: sets *scale = a / code_max and returns the factor the row's
+ * values are multiplied by before their rounding to codes, code_max / a. */
+static inline LTX_HOST_DEVICE float ltx_row_factor(float amax, float code_max, float* scale) {
   const float a = amax > LTX_QUANT_MIN_AMAX || amax != amax ? amax : LTX_QUANT_MIN_AMAX;
-  *scale = a / LTX_E4M3_MAX;
-  return LTX_E4M3_MAX / a;
+  *scale = a / code_max;
+  return code_max / a;
+}
+
+/* The LTX_QUANT_E4M3_ROW rule (code_max LTX_E4M3_MAX). */
+static inline LTX_HOST_DEVICE float ltx_e4m3_row_factor(float amax, float* scale) {
+  return ltx_row_factor(amax, LTX_E4M3_MAX, scale);
+}
+
+/* The LTX_QUANT_I8_ROW rule (code_max LTX_I8_MAX). */
+static inline LTX_HOST_DEVICE float ltx_i8_row_factor(float amax, float* scale) {
+  return ltx_row_factor(amax, LTX_I8_MAX, scale);
 }
 
 /* Normalization of the fused norm ops. */
@@ -267,6 +286,10 @@ int ltx_gated_residual_cpu(ltx_rows_t out, ltx_rows_t x, ltx_rows_t y, ltx_rows_
  *   out = round_T(o)
  * x, out: T (both tensors the same T); cos, sin: T or fp32 (one dtype); weight: T or fp32. The C
  * twin also takes T = LTX_FLOAT64 (computed in double).
+ * With a quant format (quant.group = head_dim), tensors[0].out holds the first tensor's out
+ * quantized per head (Quantized outputs, above, with each head's values as the row): head h of row
+ * r has its scale at quant.scale[r * heads + h] (attention's q: one scale per token and head). T
+ * is then not LTX_FLOAT64.
  */
 typedef struct ltx_rope_tensor {
   ltx_rows_t out, x;
@@ -284,6 +307,7 @@ typedef struct ltx_qk_norm_rope_args {
   int normalize;
   int interleaved;
   float eps;
+  ltx_quant_t quant; /* format LTX_QUANT_NONE: tensors[0].out has dtype T */
 } ltx_qk_norm_rope_args_t;
 
 int ltx_qk_norm_rope_cuda(const ltx_qk_norm_rope_args_t* args, ltx_stream_t stream);
@@ -469,6 +493,71 @@ int ltx_attention_int8_cuda(const ltx_attention_int8_args_t* args, ltx_stream_t 
 /* Over query rows [row_begin, row_end) only, in q8's row order ((b * q_len + i) * heads + h). */
 int ltx_attention_int8_cpu(const ltx_attention_int8_args_t* args, int64_t row_begin,
                            int64_t row_end);
+
+/*
+ * The 8-bit operands of attention (q: ltx_quantize with LTX_QUANT_I8_ROW over rows of head_dim),
+ * from x = k or v [batch, kv_len, heads, head_dim] (rows {batch, kv_len, heads} of head_dim, any
+ * strides, as ltx_attention's); pair p = b * heads + h.
+ * ltx_quantize_attention_k: k smoothed by its mean over the sequence (softmax-invariant), INT8 with
+ * one scale per head and block of LTX_ATTENTION_K_BLOCK keys:
+ *     mean[b, h, :] = fl32(sum_s k[b, s, h, :] / kv_len)  (0 when kv_len is 0; summed in fp32 by
+ *                     CUDA, in double by the C twin)
+ *     c             = fl32(k - mean)
+ *     per block j of keys [128 j, 128 j + 128) of a pair: a = amax of c over the block's keys and
+ *     channels, with the LTX_QUANT_I8_ROW rule (ltx_i8_row_factor):
+ *     codes[b, s, h, :] = clamp(rint(fl32(c * fl32(127 / a))), -127, 127),  scale[p, j] = a / 127
+ *   codes: int8 [batch, kv_len, heads, head_dim] contiguous; scale: fp32 [batch, heads,
+ *   ceil(kv_len / 128)] contiguous.
+ * ltx_quantize_attention_v: v per channel in e4m3, transposed (keys contiguous):
+ *     a[b, h, d] = amax over s of |v[b, s, h, d]|, with the LTX_QUANT_E4M3_ROW rule:
+ *     codes[b, h, d, s] = e4m3(fl32(v * fl32(448 / a))) for s < kv_len, 0 up to kv_pad
+ *     scale[b, h, d]    = a / 448
+ *   codes: float8_e4m3fn [batch, heads, head_dim, kv_pad] contiguous, kv_pad = kv_len rounded up
+ *   to LTX_ATTENTION_V_PAD (ltx_attention_v_pad); scale: fp32 [batch, heads, head_dim].
+ * x: T (float32, float16, bfloat16). Both backends take a workspace of
+ * ltx_attention_quant_workspace floats (CUDA: a reduction pass over x writes partial sums or maxima
+ * there, the quantizing pass reads them; the C twin keeps pair p's mean or factors at p *
+ * head_dim). The CUDA launchers take head_dim up to LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM; the C
+ * twins run over pairs [pair_begin, pair_end) only.
+ */
+#define LTX_ATTENTION_K_BLOCK 128
+#define LTX_ATTENTION_V_PAD 16
+#define LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM 256
+
+typedef struct ltx_attention_quant_args {
+  ltx_rows_t x; /* k or v: {batch, kv_len, heads} rows of head_dim */
+  void* codes;  /* k8 (LTX_INT8) or v8 (LTX_FLOAT8_E4M3), contiguous as above */
+  ltx_dtype_t codes_dtype;
+  float* scale;     /* k_scale or v_scale */
+  float* workspace; /* ltx_attention_quant_workspace(...) floats */
+  int64_t head_dim;
+} ltx_attention_quant_args_t;
+
+static inline int64_t ltx_attention_v_pad(int64_t kv_len) {
+  return (kv_len + LTX_ATTENTION_V_PAD - 1) / LTX_ATTENTION_V_PAD * LTX_ATTENTION_V_PAD;
+}
+
+/* Chunks of keys the CUDA reduction pass splits each pair's sequence into: about 4 blocks per SM
+ * of an H100 in all, at most one per block of 128 keys. */
+static inline int64_t ltx_attention_quant_chunks(int64_t pairs, int64_t kv_len) {
+  const int64_t wanted = pairs > 0 ? (528 + pairs - 1) / pairs : 1;
+  const int64_t blocks = (kv_len + LTX_ATTENTION_K_BLOCK - 1) / LTX_ATTENTION_K_BLOCK;
+  const int64_t chunks = wanted < blocks ? wanted : blocks;
+  return chunks < 1 ? 1 : chunks > 64 ? 64 : chunks;
+}
+
+/* Floats of the CUDA launchers' workspace: [pairs, chunks, head_dim]. */
+static inline int64_t ltx_attention_quant_workspace(int64_t pairs, int64_t kv_len,
+                                                    int64_t head_dim) {
+  return pairs * ltx_attention_quant_chunks(pairs, kv_len) * head_dim;
+}
+
+int ltx_quantize_attention_k_cuda(const ltx_attention_quant_args_t* args, ltx_stream_t stream);
+int ltx_quantize_attention_k_cpu(const ltx_attention_quant_args_t* args, int64_t pair_begin,
+                                 int64_t pair_end);
+int ltx_quantize_attention_v_cuda(const ltx_attention_quant_args_t* args, ltx_stream_t stream);
+int ltx_quantize_attention_v_cpu(const ltx_attention_quant_args_t* args, int64_t pair_begin,
+                                 int64_t pair_end);
 
 #ifdef __cplusplus
 }

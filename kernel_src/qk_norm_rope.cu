@@ -1,7 +1,9 @@
 // RMSNorm and/or rotary embedding of up to two tensors (q and k) in one launch (CUDA), with the
 // rounding points of torch.nn.RMSNorm and diffusers' apply_rotary_emb (see ltx_qk_norm_rope_cuda
-// in ltx_kernels.h).
+// in ltx_kernels.h); with a quant format, tensor 0's output quantized per head in the same pass
+// (format policy Q of device/quant.cuh; NotQuantized: every output has dtype T).
 #include <algorithm>
+#include <type_traits>
 
 #include "device_utils.cuh"
 
@@ -58,6 +60,7 @@ struct QkNormRopeArgs {
   int n_packs;
   float inv_row_len;
   float eps;
+  QuantOut quant;  // Q != NotQuantized: tensor 0's codes and scales ([rows * heads], per head)
 };
 
 // Element-wise moves of a Pack for the scalar path (any alignment), or 16-byte Pack accesses.
@@ -228,6 +231,31 @@ __device__ __forceinline__ void normalize_slots(Pack<T, kVec> (&xs)[kSlots],
   }
 }
 
+// The cached kernel's quantizing epilogue (tensor 0, format policy Q): each head's amax over the
+// row's slots (values already rounded to T) gathered in shared memory (row_amax, zeroed before a
+// barrier), then the row's per-head scales and the codes of every slot. Every thread of the block
+// must call it.
+template <typename Q, int kSlots, typename T, int kVec>
+__device__ __forceinline__ void quantize_heads(const Pack<T, kVec> (&xs)[kSlots],
+                                               const SlotMap<kVec>& slots, const RowTeam& team,
+                                               int heads, uint32_t* row_amax, const QuantOut& out) {
+  __syncthreads();  // row_amax is zeroed
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s)
+    if (slots.valid(s))
+      atomicMax(row_amax + slots.head(slots.item(s)), __float_as_uint(pack_amax(0.f, xs[s])));
+  __syncthreads();
+  if (!team.active) return;
+  for (int h = team.lane; h < heads; h += team.tpr)
+    out.scale[team.row * heads + h] = Q::of(__uint_as_float(row_amax[h])).scale;
+  uint8_t* codes = out.codes.row(team.row);
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s)
+    if (slots.valid(s))
+      Q::store(codes + slots.elem(s), xs[s],
+               Q::of(__uint_as_float(row_amax[slots.head(slots.item(s))])).factor);
+}
+
 // Row-cached norm + rotation of q and k rows. Each row is held by a RowTeam of tpr threads (a
 // power of two up to 32, else whole warps, so 5120-wide rows take 160 threads with every slot
 // used; a block holds rows of one tensor only), kSlots packs of kVec elements per thread, so x is
@@ -242,10 +270,11 @@ __device__ __forceinline__ void normalize_slots(Pack<T, kVec> (&xs)[kSlots],
 // memory as fp32 (otherwise each thread reads its weight packs after the reduction, mostly L1
 // hits). Reduce the sum of squares (row_sum); normalize the cached packs (rounded to T), rotate
 // them in fp32 (rounded to T) and store them batch by batch, loading the cos/sin packs of each
-// later batch when it comes. When every slot of a thread has the same cos/sin columns
-// (shared_table_col: tables shared by all heads, Wan), they are loaded once. kPackAccess = false
-// moves elements one at a time (any alignment; kVec = 2).
-template <typename T, typename Tc, int kVec, bool kPackAccess>
+// later batch when it comes; tensor 0 of a quantized launch is stored by quantize_heads instead
+// (heads of whole packs: head_dim % kVec == 0). When every slot of a thread has the same cos/sin
+// columns (shared_table_col: tables shared by all heads, Wan), they are loaded once. kPackAccess =
+// false moves elements one at a time (any alignment; kVec = 2).
+template <typename T, typename Tc, int kVec, bool kPackAccess, typename Q>
 __global__ void __launch_bounds__(kMaxThreadsPerRow)
     qk_norm_rope_cached_kernel(const __grid_constant__ QkNormRopeArgs<T, Tc> a) {
   constexpr int kSlots = slots_per_thread<kPackAccess>();
@@ -265,6 +294,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   const bool has_weight = a.normalize && t.weight != nullptr;
   const bool staged = has_weight && a.stage_weight;  // same for the whole block
   const bool shared_col = rotate && !pair_layout && a.shared_table_col;
+  const bool quantized = !std::is_same_v<Q, NotQuantized> && tensor == 0;  // same for the block
+  // quantized: each row's head amaxes (fp32 bits, NaN above every number), after the weight
+  uint32_t* head_amax =
+      reinterpret_cast<uint32_t*>(staged_weight + (a.stage_weight ? a.row_len : 0));
 
   SlotMap<kVec> slots{team.tpr,
                       team.lane,
@@ -306,6 +339,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 
   wait_for_prior_grids();
   allow_dependent_grids();
+  if (quantized)
+    for (int i = threadIdx.x; i < a.rows_per_block * a.heads; i += blockDim.x) head_amax[i] = 0u;
   Pack<T, kVec> xs[kSlots];
 #pragma unroll
   for (int s = 0; s < kSlots; ++s)
@@ -322,9 +357,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
       if (slots.valid(s)) add_squares(sumsq, xs[s]);
     rstd = rsqrtf(row_sum<false>(sumsq, team, partials) * a.inv_row_len + a.eps);
   }
-  if (staged) __syncthreads();  // the staged weight is complete
-  if (!team.active) return;
-  T* out_row = t.out.row(team.row);
+  if (staged) __syncthreads();             // the staged weight is complete
+  if (!team.active && !quantized) return;  // (inactive threads join the head amax barriers)
+  T* out_row = quantized ? nullptr : t.out.row_if(team.active, team.row);  // (quantized: codes)
 
   // v = round_T(x * rstd * weight), in place; one loop per weight source.
   if (a.normalize) {
@@ -365,10 +400,16 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
           if (slots.valid(first + b)) rotate_pack(xs[first + b], cs[b], ss[b]);
       }
     }
+    if (quantized) continue;
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
       if (slots.valid(first + b))
         store_elements<kPackAccess>(xs[first + b], out_row + slots.elem(first + b));
+  }
+  if constexpr (!std::is_same_v<Q, NotQuantized>) {
+    if (quantized)
+      quantize_heads<Q>(xs, slots, team, a.heads, head_amax + a.tpr.div(threadIdx.x) * a.heads,
+                        a.quant);
   }
 }
 
@@ -376,7 +417,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 // not divide): one block per row (grid-stride over the q rows, then the k rows), scalar accesses,
 // two passes over the row when normalizing (the second mostly hits L1/L2). Threads take rotary
 // pairs (2i, 2i+1) or (i, i + half) of a head, or single elements without rotation.
-template <typename T, typename Tc>
+template <typename T, typename Tc, typename Q>
 __global__ void __launch_bounds__(kStreamingThreads)
     qk_norm_rope_streaming_kernel(const __grid_constant__ QkNormRopeArgs<T, Tc> a) {
   __shared__ float scratch[32];
@@ -389,7 +430,6 @@ __global__ void __launch_bounds__(kStreamingThreads)
     const int64_t row = tensor == 0 ? r : r - rows0;
     const RopeTensor<T, Tc>& t = a.t[tensor];
     const T* x_row = t.x.row(row);
-    T* out_row = t.out.row(row);
     const bool has_weight = a.normalize && t.weight != nullptr;
     float rstd = 1.f;
     if (a.normalize) rstd = block_rstd(x_row, a.row_len, a.inv_row_len, a.eps, scratch);
@@ -400,16 +440,11 @@ __global__ void __launch_bounds__(kStreamingThreads)
       const float w = has_weight ? load_as_float(t.weight, t.weight_dtype, e) : 1.f;
       return round_to<T>(v * rstd * w);
     };
-    if (t.cos.data == nullptr) {
-      for (int e = threadIdx.x; e < a.row_len; e += blockDim.x)
-        out_row[e] = from_float<T>(value(e));
-      continue;
-    }
-    const Tc* cos_row = t.cos.row(row);
-    const Tc* sin_row = t.sin.row(row);
-    const int n_pairs = a.row_len / 2;
-    for (int pair = threadIdx.x; pair < n_pairs; pair += blockDim.x) {
-      int e0, e1, col0, col1, head;
+    const Tc* cos_row = t.cos.row_or_null(row);
+    const Tc* sin_row = t.sin.row_or_null(row);
+    // Rotary pair `pair` of the row: its elements e0, e1 and their rotated values (fp32).
+    auto rotated_pair = [&](int pair, int& e0, int& e1, float& v0, float& v1) {
+      int col0, col1, head;
       if (a.interleaved) {
         e0 = 2 * pair;
         e1 = e0 + 1;
@@ -425,9 +460,41 @@ __global__ void __launch_bounds__(kStreamingThreads)
       }
       const int64_t cos_base = static_cast<int64_t>(head) * t.cos_head_stride;
       const int64_t sin_base = static_cast<int64_t>(head) * t.sin_head_stride;
-      float v0 = value(e0), v1 = value(e1);
+      v0 = value(e0);
+      v1 = value(e1);
       rotate_pair(v0, v1, to_float(cos_row[cos_base + col0]), to_float(sin_row[sin_base + col0]),
                   to_float(cos_row[cos_base + col1]), to_float(sin_row[sin_base + col1]));
+    };
+    if constexpr (!std::is_same_v<Q, NotQuantized>) {
+      if (tensor == 0) {  // each head quantized (its values rounded to T, computed twice)
+        for (int h = 0; h < a.heads; ++h) {
+          auto head_value = [&](int i) {
+            const int e = h * a.head_dim + i;
+            if (cos_row == nullptr) return value(e);
+            int e0, e1;
+            float v0, v1;
+            const int pair = a.interleaved ? e / 2 : h * a.half_dim + i % a.half_dim;
+            rotated_pair(pair, e0, e1, v0, v1);
+            return round_to<T>(e == e0 ? v0 : v1);
+          };
+          quantize_group_streaming<Q>(a.head_dim, head_value, scratch,
+                                      a.quant.codes.row(row) + h * a.head_dim,
+                                      a.quant.scale + row * a.heads + h);
+        }
+        continue;
+      }
+    }
+    T* out_row = t.out.row(row);
+    if (cos_row == nullptr) {
+      for (int e = threadIdx.x; e < a.row_len; e += blockDim.x)
+        out_row[e] = from_float<T>(value(e));
+      continue;
+    }
+    const int n_pairs = a.row_len / 2;
+    for (int pair = threadIdx.x; pair < n_pairs; pair += blockDim.x) {
+      int e0, e1;
+      float v0, v1;
+      rotated_pair(pair, e0, e1, v0, v1);
       out_row[e0] = from_float<T>(v0);
       out_row[e1] = from_float<T>(v1);
     }
@@ -435,7 +502,7 @@ __global__ void __launch_bounds__(kStreamingThreads)
 }
 
 // Launches the cached kernel: threads per row, rows per block, q/k block counts, weight staging.
-template <typename T, typename Tc, int kVec, bool kPackAccess>
+template <typename T, typename Tc, int kVec, bool kPackAccess, typename Q>
 int launch_cached(QkNormRopeArgs<T, Tc> a, cudaStream_t stream) {
   constexpr int kSlots = slots_per_thread<kPackAccess>();
   const int n_packs = a.row_len / kVec;
@@ -469,9 +536,11 @@ int launch_cached(QkNormRopeArgs<T, Tc> a, cudaStream_t stream) {
     shared_col = shared_col && (a.t[i].cos.data == nullptr ||
                                 (a.t[i].cos_head_stride == 0 && a.t[i].sin_head_stride == 0));
   a.shared_table_col = shared_col;
-  return launch(qk_norm_rope_cached_kernel<T, Tc, kVec, kPackAccess>,
+  const size_t amax_bytes =
+      std::is_same_v<Q, NotQuantized> ? 0 : sizeof(uint32_t) * rows_in_block * a.heads;
+  return launch(qk_norm_rope_cached_kernel<T, Tc, kVec, kPackAccess, Q>,
                 dim3(static_cast<unsigned>(blocks)), dim3(rows_in_block * tpr),
-                a.stage_weight ? weight_bytes : 0, stream, a);
+                (a.stage_weight ? weight_bytes : 0) + amax_bytes, stream, a);
 }
 
 // True when every row start and every head's table start of `r` is aligned to `alignment` bytes.
@@ -482,7 +551,7 @@ inline bool table_rows_aligned(const ltx_rows_t& r, int64_t head_stride, int hea
 }
 
 // Fills the kernel parameters and picks the kernel: vector cached, scalar cached or streaming.
-template <typename T, typename Tc>
+template <typename T, typename Tc, typename Q>
 int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream) {
   QkNormRopeArgs<T, Tc> a{};
   a.num_tensors = args.num_tensors;
@@ -497,16 +566,24 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
   a.eps = args.eps;
 
   constexpr int kVec = 16 / sizeof(T);
-  bool vector_ok = a.row_len % kVec == 0;
-  bool scalar_ok = a.row_len % 2 == 0;
+  constexpr bool kQuantized = !std::is_same_v<Q, NotQuantized>;
+  // (quantized: packs of whole heads, and codes of whole packs)
+  bool vector_ok = a.row_len % kVec == 0 && (!kQuantized || a.head_dim % kVec == 0);
+  bool scalar_ok = a.row_len % 2 == 0 && (!kQuantized || a.head_dim % 2 == 0);
   for (int i = 0; i < args.num_tensors; ++i) {
     const ltx_rope_tensor_t& src = args.tensors[i];
     RopeTensor<T, Tc>& dst = a.t[i];
-    dst.out = RowPtr<T>::of(src.out);
+    const bool codes = kQuantized && i == 0;
+    if (codes)
+      a.quant = QuantOut{RowPtr<uint8_t>::of(src.out), args.quant.scale};
+    else
+      dst.out = RowPtr<T>::of(src.out);
     dst.x = RowPtr<const T>::of(src.x);
     dst.rows = ltx_num_rows(&src.x);
-    vector_ok = vector_ok && ltx_rows_aligned(&src.x, sizeof(T), 16) &&
-                ltx_rows_aligned(&src.out, sizeof(T), 16);
+    vector_ok =
+        vector_ok && ltx_rows_aligned(&src.x, sizeof(T), 16) &&
+        (codes ? ltx_rows_aligned(&src.out, 1, kVec) : ltx_rows_aligned(&src.out, sizeof(T), 16));
+    scalar_ok = scalar_ok && (!codes || ltx_rows_aligned(&src.out, 1, 2));
     if (src.cos.data != nullptr) {
       dst.cos = RowPtr<const Tc>::of(src.cos);
       dst.sin = RowPtr<const Tc>::of(src.sin);
@@ -531,10 +608,10 @@ int qk_norm_rope_typed(const ltx_qk_norm_rope_args_t& args, cudaStream_t stream)
     }
   }
   if (vector_ok && a.row_len / kVec <= slots_per_thread<true>() * kMaxThreadsPerRow)
-    return launch_cached<T, Tc, kVec, true>(a, stream);
+    return launch_cached<T, Tc, kVec, true, Q>(a, stream);
   if (scalar_ok && a.row_len / 2 <= slots_per_thread<false>() * kMaxThreadsPerRow)
-    return launch_cached<T, Tc, 2, false>(a, stream);
-  return launch_streaming(qk_norm_rope_streaming_kernel<T, Tc>,
+    return launch_cached<T, Tc, 2, false, Q>(a, stream);
+  return launch_streaming(qk_norm_rope_streaming_kernel<T, Tc, Q>,
                           a.t[0].rows + (a.num_tensors > 1 ? a.t[1].rows : 0), kStreamingThreads,
                           stream, a);
 }
@@ -560,7 +637,12 @@ extern "C" int ltx_qk_norm_rope_cuda(const ltx_qk_norm_rope_args_t* args, ltx_st
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   return dispatch_float(a.tensors[0].x.dtype, [&](auto x_tag) {
     using T = typename decltype(x_tag)::type;
-    if (fp32_tables) return qk_norm_rope_typed<T, float>(a, cuda_stream);
-    return qk_norm_rope_typed<T, T>(a, cuda_stream);
+    auto typed = [&](auto q_tag) {
+      using Q = typename decltype(q_tag)::type;
+      if (fp32_tables) return qk_norm_rope_typed<T, float, Q>(a, cuda_stream);
+      return qk_norm_rope_typed<T, T, Q>(a, cuda_stream);
+    };
+    if (a.quant.format == LTX_QUANT_NONE) return typed(TypeTag<NotQuantized>{});
+    return dispatch_quant(a.quant.format, typed);
   });
 }

@@ -202,6 +202,9 @@ def test_empty(device, op, shape):
 def _quant_args(op, device, seq=9):
     if op == "quantize":
         return (torch.randn(2, seq, 96, device=device).to(torch.bfloat16), "gelu", "tanh")
+    if op == "qk_rmsnorm_rope_quant":  # (its own tests: test_attention_quant.py)
+        q = torch.randn(2, seq, 3, 32, device=device).to(torch.bfloat16)
+        return (q, q, None, None, None, None)
     return make_case(
         op[: -len("_quant")], (2, seq, 96), torch.bfloat16, device, "model", "B1D"
     ).args()

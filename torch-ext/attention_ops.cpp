@@ -1,7 +1,9 @@
 // Binding of attention (ltx_attention_*): q [B, Sq, H, D], k and v [B, Sk, H, D] read where they
 // are (any strides with the last dim contiguous: slices of a fused qkv projection need no copy),
 // out [B, Sq, H, D] contiguous, lse [B, H, Sq] when asked for (else empty). attention_int8
-// (ltx_attention_int8_*): the same over 8-bit codes and their scales (ltx_kernels.h).
+// (ltx_attention_int8_*): the same over 8-bit codes and their scales (ltx_kernels.h), and the
+// 8-bit operands of k and v (ltx_quantize_attention_k_*, ltx_quantize_attention_v_*), read the
+// same way.
 #include <cmath>
 
 #include "../kernel_src/rows.h"
@@ -134,6 +136,37 @@ void check_scales(const char* op, const char* name, const at::Tensor& t, at::Int
   LTX_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
 }
 
+// k or v of quantize_attention_k/v: 4-D, float32/float16/bfloat16, last dim contiguous, head_dim
+// within the CUDA limit. Returns the launcher's arguments (codes and scale set by the caller) and
+// the workspace it needs.
+ltx_attention_quant_args_t attention_quant_args(const char* op, const char* name,
+                                                const at::Tensor& x, at::Tensor& workspace) {
+  LTX_CHECK(x.dim() == 4, op, ": ", name,
+            " must be 4-D [batch, seq_len, heads, head_dim], got shape ", x.sizes());
+  check_activation(op, name, x);
+  LTX_CHECK(!x.is_cuda() || x.size(3) <= LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM, op, ": head_dim (",
+            name, ".shape[-1]) must be at most ", LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM,
+            " on CUDA, got ", x.size(3));
+  const int64_t pairs = x.size(0) * x.size(2);
+  workspace = at::empty({ltx_attention_quant_workspace(pairs, x.size(1), x.size(3))},
+                        x.options().dtype(at::kFloat));
+  ltx_attention_quant_args_t args{};
+  args.x = head_rows(x);
+  args.workspace = static_cast<float*>(present_data(workspace));
+  args.head_dim = x.size(3);
+  return args;
+}
+
+// Runs a launcher pair over the (batch, head) pairs of x.
+template <typename Cuda, typename Cpu>
+void run_attention_quant(const char* op, const ltx_check_t& check, const at::Tensor& x,
+                         const Cuda& cuda, const Cpu& cpu) {
+  // The C twin's work per pair is about kv_len * head_dim: the CPU grain's row length.
+  const int64_t pair_work = std::max<int64_t>(x.size(1), 1) * std::max<int64_t>(x.size(3), 1);
+  run_launcher(op, check, x, x.size(1) > 0 && x.size(3) > 0 ? x.size(0) * x.size(2) : 0, pair_work,
+               cuda, cpu);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at::Tensor& q_scale,
@@ -213,4 +246,51 @@ std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at
       [&](ltx_stream_t stream) { return ltx_attention_int8_cuda(&args, stream); },
       [&](int64_t b, int64_t e) { return ltx_attention_int8_cpu(&args, b, e); });
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_attention_k(const at::Tensor& k) {
+  const char* op = "ltx_kernels.quantize_attention_k";
+  at::Tensor workspace;
+  ltx_attention_quant_args_t args = attention_quant_args(op, "k", k, workspace);
+  const int64_t batch = k.size(0), kv_len = k.size(1), heads = k.size(2);
+  at::Tensor codes = at::empty(k.sizes(), k.options().dtype(at::kChar));
+  at::Tensor scale =
+      at::empty({batch, heads, (kv_len + LTX_ATTENTION_K_BLOCK - 1) / LTX_ATTENTION_K_BLOCK},
+                k.options().dtype(at::kFloat));
+  if (k.size(3) == 0) {  // blocks of no values: the scale of an amax of 0
+    float empty_scale;
+    ltx_i8_row_factor(0.f, &empty_scale);
+    scale.fill_(empty_scale);
+  }
+  args.codes = present_data(codes);
+  args.codes_dtype = LTX_INT8;
+  args.scale = static_cast<float*>(present_data(scale));
+  run_attention_quant(
+      op, ltx_check_quantize_attention_k(&args), k,
+      [&](ltx_stream_t stream) { return ltx_quantize_attention_k_cuda(&args, stream); },
+      [&](int64_t b, int64_t e) { return ltx_quantize_attention_k_cpu(&args, b, e); });
+  return {codes, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_attention_v(const at::Tensor& v) {
+  const char* op = "ltx_kernels.quantize_attention_v";
+  at::Tensor workspace;
+  ltx_attention_quant_args_t args = attention_quant_args(op, "v", v, workspace);
+  const int64_t batch = v.size(0), kv_len = v.size(1), heads = v.size(2), dim = v.size(3);
+  at::Tensor codes = at::empty({batch, heads, dim, ltx_attention_v_pad(kv_len)},
+                               v.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale = at::empty({batch, heads, dim}, v.options().dtype(at::kFloat));
+  if (kv_len == 0) {  // channels of no values: the scale of an amax of 0
+    float empty_scale;
+    ltx_e4m3_row_factor(0.f, &empty_scale);
+    scale.fill_(empty_scale);
+  }
+  args.codes = present_data(codes);
+  args.codes_dtype = LTX_FLOAT8_E4M3;
+  args.scale = static_cast<float*>(present_data(scale));
+  run_attention_quant(
+      op, ltx_check_quantize_attention_v(&args), v,
+      [&](ltx_stream_t stream) { return ltx_quantize_attention_v_cuda(&args, stream); },
+      [&](int64_t b, int64_t e) { return ltx_quantize_attention_v_cpu(&args, b, e); });
+  return {codes, scale};
 }

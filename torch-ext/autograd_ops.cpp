@@ -810,10 +810,11 @@ TORCH_LIBRARY_IMPL_EXPAND(LTX_OPS_NAMESPACE, Autograd, m) {
   m.impl("lora_linear", &lora_linear_op);
   for (const char* name :
        {"rmsnorm_modulate_quant", "layernorm_modulate_quant", "add_rmsnorm_modulate_quant",
-        "add_layernorm_modulate_quant", "quantize"})
+        "add_layernorm_modulate_quant", "quantize", "qk_rmsnorm_rope_quant"})
     m.impl(name,
            torch::CppFunction::makeFromBoxedFunction<&raise_when_differentiated<&quant_message>>());
-  for (const char* name : {"attention", "attention_int8"})
+  for (const char* name :
+       {"attention", "attention_int8", "quantize_attention_k", "quantize_attention_v"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<
                      &raise_when_differentiated<&attention_message>>());
   for (const char* name : {"gelu_backward", "geglu_backward", "norm_modulate_backward",

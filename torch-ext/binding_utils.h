@@ -70,9 +70,9 @@ inline ltx_dtype_t to_ltx_dtype(at::ScalarType type) {
     case at::kBFloat16: return LTX_BFLOAT16;
     case at::kDouble: return LTX_FLOAT64;
     case at::kFloat8_e4m3fn: return LTX_FLOAT8_E4M3;  // (quantized outputs only)
+    case at::kChar: return LTX_INT8;                  // (quantized outputs, attention codes)
     case at::kInt: return LTX_INT32;                  // (index vectors only)
     case at::kLong: return LTX_INT64;
-    case at::kChar: return LTX_INT8;                        // (attention_int8's codes only)
     default: LTX_CHECK(false, "unsupported dtype ", type);  // callers check first
   }
   return LTX_FLOAT32;  // unreachable
@@ -84,9 +84,9 @@ inline at::ScalarType to_scalar_type(ltx_dtype_t dtype) {
     case LTX_BFLOAT16: return at::kBFloat16;
     case LTX_FLOAT64: return at::kDouble;
     case LTX_FLOAT8_E4M3: return at::kFloat8_e4m3fn;
+    case LTX_INT8: return at::kChar;
     case LTX_INT32: return at::kInt;
     case LTX_INT64: return at::kLong;
-    case LTX_INT8: return at::kChar;
     default: return at::kFloat;
   }
 }
@@ -149,25 +149,27 @@ inline void* present_data(const at::Tensor& t) {
 }
 
 // A quantized output of x's shape (ltx_kernels.h, Quantized outputs) in `format`, the str format of
-// the quantized ops ("e4m3_row"): its codes, its scales (x.shape[:-1] fp32, one per row; rows with
-// no elements get the scale of an amax of 0) and the descriptor the launchers take.
+// the quantized ops ("e4m3_row", "i8_row"): its codes, its scales (x.shape[:-1] fp32, one per row;
+// rows with no elements get the scale of an amax of 0) and the descriptor the launchers take.
 struct QuantOutput {
   at::Tensor codes, scale;
   ltx_quant_t quant;
 };
 
 inline QuantOutput quant_output(const char* op, const at::Tensor& x, c10::string_view format) {
-  LTX_CHECK(format == "e4m3_row", op, ": format must be 'e4m3_row', got '", std::string(format),
-            "'");
+  LTX_CHECK(format == "e4m3_row" || format == "i8_row", op,
+            ": format must be 'e4m3_row' or 'i8_row', got '", std::string(format), "'");
+  const bool i8 = format == "i8_row";
   QuantOutput out;
-  out.codes = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  out.codes = at::empty(x.sizes(), x.options().dtype(i8 ? at::kChar : at::kFloat8_e4m3fn));
   out.scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   if (x.size(-1) == 0) {
     float empty_row_scale;
-    ltx_e4m3_row_factor(0.f, &empty_row_scale);
+    ltx_row_factor(0.f, i8 ? LTX_I8_MAX : LTX_E4M3_MAX, &empty_row_scale);
     out.scale.fill_(empty_row_scale);
   }
-  out.quant = ltx_quant_t{LTX_QUANT_E4M3_ROW, static_cast<float*>(present_data(out.scale)), 0};
+  out.quant = ltx_quant_t{i8 ? LTX_QUANT_I8_ROW : LTX_QUANT_E4M3_ROW,
+                          static_cast<float*>(present_data(out.scale)), 0};
   return out;
 }
 

@@ -1,5 +1,5 @@
-// Bindings of rope and qk_rmsnorm_rope: one launcher (ltx_qk_norm_rope_*), rotation of one tensor
-// or norm and rotation of q and k.
+// Bindings of rope, qk_rmsnorm_rope and qk_rmsnorm_rope_quant: one launcher (ltx_qk_norm_rope_*),
+// rotation of one tensor or norm and rotation of q and k (q's output quantized per head).
 #include "binding_utils.h"
 #include "torch_binding.h"
 
@@ -172,23 +172,23 @@ static RopeRows qk_rows(const char* op, const at::Tensor& q, const at::Tensor& k
   return layout;
 }
 
-std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at::Tensor& k,
-                                                   const std::optional<at::Tensor>& q_weight,
-                                                   const std::optional<at::Tensor>& k_weight,
-                                                   const std::optional<at::Tensor>& cos,
-                                                   const std::optional<at::Tensor>& sin, double eps,
-                                                   bool across_heads, bool interleaved) {
-  const char* op = "ltx_kernels.qk_rmsnorm_rope";
+// qk_rmsnorm_rope and its quantized form: normalizes and rotates q into q_out (its codes, with
+// `quant`'s format) and k into k_out in one launch.
+static void run_qk_rmsnorm_rope(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& q_out, const at::Tensor& k_out,
+                                const std::optional<at::Tensor>& q_weight,
+                                const std::optional<at::Tensor>& k_weight,
+                                const std::optional<at::Tensor>& cos,
+                                const std::optional<at::Tensor>& sin, double eps, bool interleaved,
+                                const RopeRows& layout, ltx_quant_t quant) {
   const bool float64 = is_float64(q);
-  const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, float64);
   const int64_t row_len = layout.heads * layout.head_dim;
   const int64_t rot_dim = rope_tables_width(op, cos, sin, q, layout.head_dim, float64);
-  at::Tensor q_out = at::empty(q.sizes(), q.options());
-  at::Tensor k_out = at::empty(k.sizes(), k.options());
   ltx_qk_norm_rope_args_t args = qk_norm_rope_args(layout, rot_dim, true, interleaved, eps);
   args.tensors[0] = rope_tensor(op, "q", q, q_out, cos, sin, q_weight, layout, rot_dim, float64);
   args.tensors[1] = rope_tensor(op, "k", k, k_out, cos, sin, k_weight, layout, rot_dim, float64);
   args.num_tensors = 2;
+  args.quant = quant;
   // The pool splits the q rows, then the k rows.
   const int64_t q_rows = q.numel() / std::max<int64_t>(row_len, 1);
   const int64_t rows = q_rows + k.numel() / std::max<int64_t>(row_len, 1);
@@ -211,7 +211,37 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at
        {"tensors[0].out", "q_out"},
        {"tensors[1].out", "k_out"},
        {"rot_dim", "cos"}});
+}
+
+std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at::Tensor& k,
+                                                   const std::optional<at::Tensor>& q_weight,
+                                                   const std::optional<at::Tensor>& k_weight,
+                                                   const std::optional<at::Tensor>& cos,
+                                                   const std::optional<at::Tensor>& sin, double eps,
+                                                   bool across_heads, bool interleaved) {
+  const char* op = "ltx_kernels.qk_rmsnorm_rope";
+  const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, is_float64(q));
+  at::Tensor q_out = at::empty(q.sizes(), q.options());
+  at::Tensor k_out = at::empty(k.sizes(), k.options());
+  run_qk_rmsnorm_rope(op, q, k, q_out, k_out, q_weight, k_weight, cos, sin, eps, interleaved,
+                      layout, ltx_quant_t{LTX_QUANT_NONE, nullptr, 0});
   return {q_out, k_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_quant(
+    const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& q_weight,
+    const std::optional<at::Tensor>& k_weight, const std::optional<at::Tensor>& cos,
+    const std::optional<at::Tensor>& sin, double eps, bool across_heads, bool interleaved,
+    c10::string_view format) {
+  const char* op = "ltx_kernels.qk_rmsnorm_rope_quant";
+  check_activation(op, "q", q);  // (no float64 form: the codes are of q's model-dtype value)
+  const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, false);
+  QuantOutput q_out = quant_output(op, q, format);  // one scale per head (row of head_dim)
+  q_out.quant.group = layout.head_dim;
+  at::Tensor k_out = at::empty(k.sizes(), k.options());
+  run_qk_rmsnorm_rope(op, q, k, q_out.codes, k_out, q_weight, k_weight, cos, sin, eps, interleaved,
+                      layout, q_out.quant);
+  return {q_out.codes, q_out.scale, k_out};
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -72,6 +72,12 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
   def("quantize(Tensor x, str activation='none', str approximate='none', *, "
       "str format='e4m3_row') -> (Tensor, Tensor)",
       "quantize", &quantize);
+  // qk_rmsnorm_rope with q's output quantized per head in `format`: (q codes, q scales [..., H]
+  // of a [..., H, Dh] q, k).
+  def("qk_rmsnorm_rope_quant(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor? cos, "
+      "Tensor? sin, float eps=1e-06, bool across_heads=True, bool interleaved=True, *, "
+      "str format='i8_row') -> (Tensor, Tensor, Tensor)",
+      "qk_rmsnorm_rope_quant", &qk_rmsnorm_rope_quant);
   // Softmax attention (non-causal) of q [B, Sq, H, D] over k, v [B, Sk, H, D], each batch element
   // over its first key_lengths[b] keys; returns (out [B, Sq, H, D], lse [B, H, Sq] or empty).
   def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_lengths=None, float? scale=None, *, "
@@ -84,6 +90,14 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
       "Tensor v_scale, Tensor? key_lengths=None, float? scale=None, *, ScalarType? out_dtype=None, "
       "bool return_lse=False) -> (Tensor, Tensor)",
       "attention_int8", &attention_int8);
+  // The 8-bit attention operands of k [B, S, H, D]: k minus its per-(batch, head) mean over the
+  // sequence, int8 [B, S, H, D] with one fp32 scale per head and block of 128 keys [B, H, S/128].
+  def("quantize_attention_k(Tensor k) -> (Tensor, Tensor)", "quantize_attention_k",
+      &quantize_attention_k);
+  // ... of v [B, S, H, D]: e4m3 transposed [B, H, D, S padded to 16] with one fp32 scale per
+  // channel [B, H, D].
+  def("quantize_attention_v(Tensor v) -> (Tensor, Tensor)", "quantize_attention_v",
+      &quantize_attention_v);
   // Backward ops (functional; the autograd of the ops above calls them, _autograd.py).
   // The gradient of x for gelu's output gradient (x's shape and dtype).
   def("gelu_backward(Tensor grad_out, Tensor x, str approximate='none') -> Tensor", "gelu_backward",

@@ -69,6 +69,11 @@ std::tuple<at::Tensor, at::Tensor> qk_rmsnorm_rope(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& cos,
                                                    const std::optional<at::Tensor>& sin, double eps,
                                                    bool across_heads, bool interleaved);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_quant(
+    const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& q_weight,
+    const std::optional<at::Tensor>& k_weight, const std::optional<at::Tensor>& cos,
+    const std::optional<at::Tensor>& sin, double eps, bool across_heads, bool interleaved,
+    c10::string_view format);
 at::Tensor rope_backward(const at::Tensor& grad_out, const at::Tensor& cos, const at::Tensor& sin,
                          bool interleaved);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_backward(
@@ -100,6 +105,8 @@ std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at
                                                   std::optional<double> scale,
                                                   std::optional<at::ScalarType> out_dtype,
                                                   bool return_lse);
+std::tuple<at::Tensor, at::Tensor> quantize_attention_k(const at::Tensor& k);
+std::tuple<at::Tensor, at::Tensor> quantize_attention_v(const at::Tensor& v);
 
 // linear_ops.cpp
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,

@@ -2,9 +2,9 @@
 // one epilogue every producer of quantized rows runs, with a policy per format.
 //
 // A format policy Q gives, for a row's amax, the factor its values are multiplied by and the scale
-// stored (Q::of), and the codes of one value (Q::code) and of a pack (Q::store). E4m3Row is the
-// format today; INT8 per row is one policy more (its rule and its conversion), and per-block
-// scales one more whose epilogue reduces the amax over a group's lanes instead of the row's team.
+// stored (Q::of), and the codes of one value (Q::code) and of a pack (Q::store): E4m3Row and
+// I8Row. Per-block scales would be one more whose epilogue reduces the amax over a group's lanes
+// instead of the row's team.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -36,6 +36,27 @@ __device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi) {
       __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
+// The LTX_QUANT_I8_ROW code of v (already multiplied by the factor): rint, ties to even, clamped
+// to +-127 (cvt.rni gives 0 for NaN and saturates infinities; the C twin's ltx_float_to_i8).
+__device__ __forceinline__ uint32_t to_i8(float v) {
+  const int r = max(-127, min(127, __float2int_rn(v)));
+  return static_cast<uint32_t>(r) & 0xffu;
+}
+
+// N codes (N <= 8) stored at dst, aligned to N bytes: words[i / 4] holds code i in byte i % 4.
+template <int N>
+__device__ __forceinline__ void store_codes(uint8_t* dst, const uint32_t (&words)[(N + 3) / 4]) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "1 to 8 codes");
+  if constexpr (N == 8)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  else if constexpr (N == 4)
+    *reinterpret_cast<uint32_t*>(dst) = words[0];
+  else if constexpr (N == 2)
+    *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(words[0]);
+  else
+    *dst = static_cast<uint8_t>(words[0]);
+}
+
 // LTX_QUANT_E4M3_ROW: e4m3 codes rounded to nearest even and saturating (two elements per
 // conversion), one fp32 scale per row (ltx_e4m3_row_factor).
 struct E4m3Row {
@@ -65,14 +86,29 @@ struct E4m3Row {
       for (int i = 0; i < N; i += 2)
         words[i / 4] |= to_e4m3x2(pack.get(i) * factor, pack.get(i + 1) * factor) << (8 * (i % 4));
     }
-    if constexpr (N == 8)
-      *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-    else if constexpr (N == 4)
-      *reinterpret_cast<uint32_t*>(dst) = words[0];
-    else if constexpr (N == 2)
-      *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(words[0]);
-    else
-      *dst = static_cast<uint8_t>(words[0]);
+    store_codes<N>(dst, words);
+  }
+};
+
+// LTX_QUANT_I8_ROW: int8 codes (to_i8), one fp32 scale per row (ltx_i8_row_factor).
+struct I8Row {
+  struct Row {
+    float factor;  // 127 / a
+    float scale;   // a / 127
+  };
+
+  __device__ __forceinline__ static Row of(float amax) {
+    Row row;
+    row.factor = ltx_i8_row_factor(amax, &row.scale);
+    return row;
+  }
+  __device__ __forceinline__ static uint8_t code(float v) { return static_cast<uint8_t>(to_i8(v)); }
+  template <typename T, int N>
+  __device__ __forceinline__ static void store(uint8_t* dst, const Pack<T, N>& pack, float factor) {
+    uint32_t words[(N + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < N; ++i) words[i / 4] |= to_i8(pack.get(i) * factor) << (8 * (i % 4));
+    store_codes<N>(dst, words);
   }
 };
 
@@ -84,6 +120,7 @@ template <typename Fn>
 int dispatch_quant(ltx_quant_format_t format, Fn&& fn) {
   switch (format) {
     case LTX_QUANT_E4M3_ROW: return fn(TypeTag<E4m3Row>{});
+    case LTX_QUANT_I8_ROW: return fn(TypeTag<I8Row>{});
     case LTX_QUANT_NONE: break;
   }
   return LTX_ERR_INVALID_ARGUMENT;
@@ -119,18 +156,25 @@ __device__ __forceinline__ void quantize_row_cached(const Pack<T, kVec> (&packs)
   });
 }
 
-// The epilogue of a streaming kernel (the whole block on row `row`): value_at(i), element i of the
-// row rounded to T, is computed twice (the row's amax, then its codes). Every thread of the block
-// must call it.
+// The epilogue of a streaming kernel (the whole block on one group of n values, a row or a head):
+// value_at(i), element i rounded to T, is computed twice (the group's amax, then its codes), its
+// scale written to *scale and its codes from `codes` on. Every thread of the block must call it.
 template <typename Q, typename ValueAt>
-__device__ __forceinline__ void quantize_row_streaming(int64_t row, int n, const ValueAt& value_at,
-                                                       float* scratch, const QuantOut& out) {
+__device__ __forceinline__ void quantize_group_streaming(int n, const ValueAt& value_at,
+                                                         float* scratch, uint8_t* codes,
+                                                         float* scale) {
   float amax = 0.f;
   for (int i = threadIdx.x; i < n; i += blockDim.x) amax = NanMax{}(amax, fabsf(value_at(i)));
   const typename Q::Row q = Q::of(block_reduce(amax, scratch, NanMax{}));
-  if (threadIdx.x == 0) out.scale[row] = q.scale;
-  uint8_t* codes = out.codes.row(row);
+  if (threadIdx.x == 0) *scale = q.scale;
   for (int i = threadIdx.x; i < n; i += blockDim.x) codes[i] = Q::code(value_at(i) * q.factor);
+}
+
+// quantize_group_streaming over row `row` of a quantized output.
+template <typename Q, typename ValueAt>
+__device__ __forceinline__ void quantize_row_streaming(int64_t row, int n, const ValueAt& value_at,
+                                                       float* scratch, const QuantOut& out) {
+  quantize_group_streaming<Q>(n, value_at, scratch, out.codes.row(row), out.scale + row);
 }
 
 }  // namespace ltx

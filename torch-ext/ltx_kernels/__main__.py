@@ -39,6 +39,7 @@ def smoke_inputs(device: str) -> dict:
         "add_rmsnorm_modulate_quant": (x, y, mod, mod, mod),
         "add_layernorm_modulate_quant": (x, y, mod, mod, mod),
         "quantize": (x, "gelu", "tanh"),
+        "qk_rmsnorm_rope_quant": (q, q, rand(96), rand(96), cos, sin),
         # (head_dim 64, the CUDA kernel's; batch element 1 attends its first 4 keys)
         "attention": (
             rand(2, 5, 3, 64),
@@ -58,6 +59,8 @@ def smoke_inputs(device: str) -> dict:
             rand(2, 3, 64, dtype=torch.float32).abs(),
             torch.tensor([7, 4], dtype=torch.int32, device=device),
         ),
+        "quantize_attention_k": (rand(2, 130, 3, 64),),
+        "quantize_attention_v": (rand(2, 130, 3, 64),),
     }
 
 

@@ -235,8 +235,8 @@ def qk_rmsnorm_rope_backward(
 
 
 # Quantized-output ops: (q of x's shape in the format's code dtype, its scales), after h for the
-# add_ ones. "e4m3_row": float8_e4m3fn codes, one fp32 scale per row.
-_CODE_DTYPES = {"e4m3_row": torch.float8_e4m3fn}
+# add_ ones. "e4m3_row": float8_e4m3fn codes, "i8_row": int8 codes, one fp32 scale per row.
+_CODE_DTYPES = {"e4m3_row": torch.float8_e4m3fn, "i8_row": torch.int8}
 
 
 def _quant_rows(op, x, format):
@@ -285,6 +285,22 @@ def add_layernorm_modulate_quant(
 ):
     h, _ = add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps, upcast=upcast)
     return (h, *_quant_rows("add_layernorm_modulate_quant", x, format))
+
+
+def qk_rmsnorm_rope_quant(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps=1e-6,
+    across_heads=True,
+    interleaved=True,
+    *,
+    format="i8_row",
+):
+    return (*_quant_rows("qk_rmsnorm_rope_quant", q, format), k.new_empty(k.shape))
 
 
 def quantize(x, activation="none", approximate="none", *, format="e4m3_row"):
@@ -353,3 +369,28 @@ def attention_int8(
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     lse = q8.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=lse_dtype)
     return q8.new_empty(q8.shape, dtype=dtype), lse
+
+
+def _check_attention_quant_input(op, x):
+    torch._check(
+        x.dim() == 4,
+        lambda: f"ltx_kernels.{op}: its input must be 4-D [batch, seq_len, heads, head_dim]",
+    )
+
+
+def quantize_attention_k(k):
+    _check_attention_quant_input("quantize_attention_k", k)
+    batch, kv_len, heads, _ = k.shape
+    blocks = (kv_len + 127) // 128
+    return k.new_empty(k.shape, dtype=torch.int8), k.new_empty(
+        (batch, heads, blocks), dtype=torch.float32
+    )
+
+
+def quantize_attention_v(v):
+    _check_attention_quant_input("quantize_attention_v", v)
+    batch, kv_len, heads, head_dim = v.shape
+    kv_pad = (kv_len + 15) // 16 * 16
+    return v.new_empty((batch, heads, head_dim, kv_pad), dtype=torch.float8_e4m3fn), v.new_empty(
+        (batch, heads, head_dim), dtype=torch.float32
+    )

@@ -37,16 +37,18 @@ QUANT_OPS = (
     "add_rmsnorm_modulate_quant",
     "add_layernorm_modulate_quant",
     "quantize",
+    "qk_rmsnorm_rope_quant",
 )
 
-# Attention (forward only, for now; attention_int8 over 8-bit operands and their scales): every
-# piece an op of OPS has (wrapper, reference, fake, report inputs), but not a fusion of OPS (the
-# model families attend through integration/attention.py), and no backward yet (its autograd
-# raises, naming the op).
-ATTENTION_OPS = ("attention", "attention_int8")
+# Attention, attention_int8 over 8-bit operands and their scales, and the ops quantizing k and v
+# into those operands (forward only, for now): every piece an op of OPS has (wrapper, reference,
+# fake, report inputs), but not a fusion of OPS (the model families attend through
+# integration/attention.py), and no backward yet (their autograd raises, naming the op).
+ATTENTION_OPS = ("attention", "attention_int8", "quantize_attention_k", "quantize_attention_v")
 
-# The formats of QUANT_OPS' outputs. "e4m3_row": float8_e4m3fn with one fp32 scale per row.
-QUANT_FORMATS = ("e4m3_row",)
+# The formats of QUANT_OPS' outputs. "e4m3_row": float8_e4m3fn with one fp32 scale per row;
+# "i8_row": int8 with one fp32 scale per row (attention's q over rows of head_dim).
+QUANT_FORMATS = ("e4m3_row", "i8_row")
 
 # The functional backward ops the autograd of OPS calls (autograd_ops.cpp): registered by the library
 # after the forward ops, each with a fake (_fake.py) so AOTAutograd and Inductor trace them; no

@@ -242,6 +242,29 @@ def add_layernorm_modulate_quant(
     )
 
 
+def qk_rmsnorm_rope_quant(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps: float = 1e-6,
+    across_heads: bool = True,
+    interleaved: bool = True,
+    *,
+    format="i8_row",
+):
+    """qk_rmsnorm_rope with q's output quantized per head in the same pass: (q8, q_scale, k).
+    q [B, S, H, Dh] gives q8 [B, S, H, Dh] and q_scale [B, S, H] (one scale per token and head:
+    the 8-bit attention's q operand with "i8_row"); k is qk_rmsnorm_rope's (for
+    quantize_attention_k, whose mean needs the whole sequence). Each head's values are exactly
+    qk_rmsnorm_rope's q, quantized with reference.quantize_rows's rule."""
+    return _library().qk_rmsnorm_rope_quant(
+        q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved, format=format
+    )
+
+
 def quantize(x, activation: str = "none", approximate: str = "none", *, format="e4m3_row"):
     """x, or gelu(x, approximate) rounded to x.dtype (activation "gelu"), quantized: (q, q_scale).
     x [..., K] float32/float16/bfloat16, contiguous last dim, rows may be strided. Also quantizes
@@ -311,3 +334,24 @@ def attention_int8(
         return_lse=return_lse,
     )
     return (out, lse) if return_lse else out
+
+
+def quantize_attention_k(k):
+    """The INT8 k operand of 8-bit attention: (k8, k_scale). k [B, S, H, D] float32/float16/
+    bfloat16, any strides with a contiguous last dim. k is smoothed by its per-(batch, head) mean
+    over the sequence (fp32; subtracting a vector common to all keys leaves the softmax unchanged),
+    then quantized per head and block of 128 keys with the "i8_row" rule: k8 int8 [B, S, H, D]
+    contiguous, k_scale float32 [B, H, ceil(S / 128)], k - mean ~ k8 * k_scale (reference
+    .quantize_attention_k is the exact rule; CUDA sums the mean in fp32, the CPU in double). Two
+    passes over k (the mean, then the codes). CUDA: head_dim <= 256."""
+    return _library().quantize_attention_k(k)
+
+
+def quantize_attention_v(v):
+    """The FP8 v operand of 8-bit attention: (v8, v_scale). v [B, S, H, D] float32/float16/
+    bfloat16, any strides with a contiguous last dim. Each channel (b, h, d) is scaled by its amax
+    over the sequence ("e4m3_row" rule): v8 float8_e4m3fn [B, H, D, S_pad] transposed (keys
+    contiguous; S_pad = S rounded up to 16, pad keys 0), v_scale float32 [B, H, D], v ~ v8 *
+    v_scale (reference.quantize_attention_v is the exact rule, bit for bit on CPU and CUDA). Two
+    passes over v (the maxima, then the transposed codes). CUDA: head_dim <= 256."""
+    return _library().quantize_attention_v(v)

@@ -326,7 +326,21 @@ def lora_linear(
 # (torch._scaled_mm's rowwise scaling).
 # ------------------------------------------------------------------------------------------------
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+I8_MAX = 127.0  # the largest int8 code of the symmetric INT8 rule
 MIN_AMAX = 1e-12  # the amax of an all-zero row is taken as this (scale > 0)
+
+
+def _codes(v: torch.Tensor, amax: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """v (fp32) quantized with the amax a broadcast to it (a clamped to >= 1e-12): the codes of
+    fl32(v * fl32(code_max / a)) in `format` and the scales fl32(a / code_max)."""
+    amax = torch.clamp(amax, min=MIN_AMAX)
+    code_max = torch.full_like(amax, I8_MAX if format == "i8_row" else E4M3_MAX)
+    scaled = v * (code_max / amax)
+    if format == "i8_row":  # rint (ties to even), clamped; NaN gives 0
+        q = torch.where(scaled.isnan(), 0.0, scaled.round().clamp(-I8_MAX, I8_MAX)).to(torch.int8)
+    else:
+        q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, amax / code_max
 
 
 def quantize_rows(v: torch.Tensor, format: str = "e4m3_row") -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,6 +351,9 @@ def quantize_rows(v: torch.Tensor, format: str = "e4m3_row") -> tuple[torch.Tens
     scale = fl32(a / 448), the factor the GEMM multiplies row r of q by.
     Returns (q [..., K] float8_e4m3fn, scale [...] float32). q * scale approximates v within half
     an e4m3 step (3 mantissa bits: relative error <= 2^-4 for normal values, plus fp32's 2^-23).
+    "i8_row", symmetric INT8 (attention's q with rows of head_dim): the same a,
+    q = clamp(rint(fl32(v * fl32(127 / a))), -127, 127) (ties to even; NaN gives 0),
+    scale = fl32(a / 127); q int8, within half a step a / 254 of v.
     (Divisions are tensor by tensor: torch's CUDA division by a Python scalar multiplies by its
     rounded reciprocal, which is not the correctly rounded quotient the kernels compute.)"""
     if format not in QUANT_FORMATS:
@@ -346,10 +363,8 @@ def quantize_rows(v: torch.Tensor, format: str = "e4m3_row") -> tuple[torch.Tens
         amax = v.new_zeros(v.shape[:-1] + (1,))
     else:
         amax = v.abs().amax(-1, keepdim=True)
-    amax = torch.clamp(amax, min=MIN_AMAX)
-    code_max = torch.full_like(amax, E4M3_MAX)
-    q = (v * (code_max / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, (amax / code_max).squeeze(-1)
+    q, scale = _codes(v, amax, format)
+    return q, scale.squeeze(-1)
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32):
@@ -396,6 +411,27 @@ def add_layernorm_modulate_quant(
     """add_layernorm_modulate with n quantized: returns (h, q, q_scale)."""
     h, n = add_layernorm_modulate(x, y, scale, shift, gate, weight, bias, eps, upcast=upcast)
     return (h, *quantize_rows(n, format))
+
+
+def qk_rmsnorm_rope_quant(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps=1e-6,
+    across_heads=True,
+    interleaved=True,
+    *,
+    format="i8_row",
+):
+    """qk_rmsnorm_rope with q's output quantized per last-dim row (per head of a [B, S, H, Dh] q):
+    returns (q8, q_scale, k)."""
+    q_out, k_out = qk_rmsnorm_rope(
+        q, k, q_weight, k_weight, cos, sin, eps, across_heads, interleaved
+    )
+    return (*quantize_rows(q_out, format), k_out)
 
 
 def quantize(x, activation="none", approximate="none", *, format="e4m3_row"):
@@ -524,3 +560,44 @@ def attention_int8(
         out = out.to(out_dtype).contiguous()
         lse = lse.to(torch.float64 if out_dtype == torch.float64 else torch.float32)
     return (out, lse) if return_lse else out
+
+
+def quantize_attention_k(k, *, compute_dtype=torch.float64):
+    """ltx_kernels.quantize_attention_k's rule: mean = fl32(sum_s k / S) per (batch, head) (summed
+    in compute_dtype: float64 is the C twin's; CUDA sums in fp32), c = fl32(k - mean), and per
+    (batch, head, block of 128 keys) the "i8_row" rule over the block's S_block x D values of c.
+    Returns (k8 int8 [B, S, H, D], k_scale float32 [B, H, ceil(S / 128)])."""
+    batch, kv_len, heads, head_dim = k.shape
+    blocks = -(-kv_len // 128)
+    if kv_len > 0:
+        mean = (k.to(compute_dtype).sum(1) / kv_len).float()  # [B, H, D]
+    else:
+        mean = k.new_zeros((batch, heads, head_dim), dtype=torch.float32)
+    c = k.float() - mean[:, None]
+    padded = torch.nn.functional.pad(c, (0, 0, 0, 0, 0, blocks * 128 - kv_len))
+    grouped = padded.view(batch, blocks, 128, heads, head_dim)
+    if grouped.numel() > 0:  # (amax propagates NaN)
+        amax = grouped.abs().amax(4).amax(2, keepdim=True)  # [B, blocks, 1, H]
+    else:
+        amax = grouped.new_zeros((batch, blocks, 1, heads))
+    q, scale = _codes(grouped, amax[..., None], "i8_row")
+    k8 = q.view(batch, blocks * 128, heads, head_dim)[:, :kv_len].contiguous()
+    return k8, scale[:, :, 0, :, 0].transpose(1, 2).contiguous()
+
+
+def quantize_attention_v(v, *, compute_dtype=None):
+    """ltx_kernels.quantize_attention_v's rule: per (batch, head, channel) the "e4m3_row" rule over
+    the channel's S values, written transposed [B, H, D, S_pad] (S_pad = S rounded up to 16, pad
+    keys 0). Returns (v8 float8_e4m3fn, v_scale float32 [B, H, D]). (compute_dtype: unused, the
+    rule is exact in fp32.)"""
+    batch, kv_len, heads, head_dim = v.shape
+    vt = v.float().permute(0, 2, 3, 1)  # [B, H, D, S]
+    if kv_len > 0:
+        amax = vt.abs().amax(-1, keepdim=True)
+    else:
+        amax = vt.new_zeros((batch, heads, head_dim, 1))
+    q, scale = _codes(vt, amax, "e4m3_row")
+    kv_pad = -(-kv_len // 16) * 16
+    v8 = torch.zeros((batch, heads, head_dim, kv_pad), dtype=torch.float8_e4m3fn, device=v.device)
+    v8[..., :kv_len] = q
+    return v8, scale.squeeze(-1).contiguous()
