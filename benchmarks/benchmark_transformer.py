@@ -6,7 +6,9 @@ per block and whole-model compiled, and the anchor a user would pick instead, to
 dynamic rowwise quantization compiled per block or whole (`torchao-fp8+blocks`,
 `torchao-fp8+compile`; needs torchao), and the kernels with our attention op
 (`+ltx_attention`: inject_optimized_kernels(..., attention="ltx_kernels")) eager, per block and
-whole-model compiled.
+whole-model compiled, and with 8-bit attention (`+int8_attention`: attention="int8", a numerics
+change: its relative L2 against eager beside the bf16 columns') eager, per block, and per block
+with FP8 Linears.
 
 Models (--model; whole transformers at their real configs, configs/*.json, random weights,
 bf16, with one denoising step's inputs at a typical resolution: transformer_cases.py lists them):

@@ -382,11 +382,15 @@ FP8_COLUMNS = (
     "torchao-fp8+blocks",
     "torchao-fp8+compile",
 )
-#: The kernels with our attention op (inject_optimized_kernels(..., attention="ltx_kernels")).
+#: The kernels with our attention op (inject_optimized_kernels(..., attention="ltx_kernels")) and
+#: with 8-bit attention (attention="int8"; with fp8 too: the fastest numerics-changing setup).
 ATTENTION_COLUMNS = (
     "kernels+ltx_attention",
     "blocks+kernels+ltx_attention",
     "compile+kernels+ltx_attention",
+    "kernels+int8_attention",
+    "blocks+kernels+int8_attention",
+    "blocks+kernels+fp8+int8_attention",
 )
 #: Every column benchmark_transformer.py and profile_step.py take (--columns).
 ALL_COLUMNS = COLUMNS + FP8_COLUMNS + ATTENTION_COLUMNS
@@ -401,7 +405,7 @@ def uncompile_blocks(model):
 @contextlib.contextmanager
 def configured(column, model):
     """The model set up as `column` ("+"-separated: kernels, fp8, ltx_attention (our attention op:
-    attention="ltx_kernels"), torchao-fp8, compiled whole or per block, and no_<fusion> to inject
+    attention="ltx_kernels"), int8_attention (attention="int8"), torchao-fp8, compiled whole or per block, and no_<fusion> to inject
     without one of FUSIONS, e.g. kernels+no_lora_linear);
     yields what to call, or None when the model has no repeated blocks to compile. Undone on exit."""
     parts = set(column.split("+"))
@@ -417,7 +421,13 @@ def configured(column, model):
                 fp8=fp8,
                 ops=ops,
                 fp8_linears=FP8_LINEARS if fp8 else None,
-                attention="ltx_kernels" if "ltx_attention" in parts else "auto",
+                attention=(
+                    "ltx_kernels"
+                    if "ltx_attention" in parts
+                    else "int8"
+                    if "int8_attention" in parts
+                    else "auto"
+                ),
                 keep_bf16_weights=fp8,  # (parked on the CPU: the next column gets them back)
             )
             undo.callback(ltx_kernels.remove_optimized_kernels, model)

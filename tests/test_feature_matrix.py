@@ -416,6 +416,7 @@ class Feature:
     requires: Callable | None = None  # (device) -> reason to skip there, or None
     unpinned: bool = False  # every cell AsStock (GPU rows whose outcome is not known yet)
     attention_op: bool | None = None  # whether ltx_kernels.attention runs (None: not checked)
+    runs: tuple = ()  # ltx_kernels ops that must run (e.g. attention_int8)
     note: str = ""  # for docs/feature_matrix.md
 
     def expected(self, family: str, order: str):
@@ -488,6 +489,17 @@ def _attention_backend(name: str):
         subject.model.set_attention_backend(name)
 
     return apply
+
+
+#: 8-bit attention against stock (relative L2 of the outputs): INT8 q/k, e4m3 v (and p on CUDA),
+#: against which the stock run's own rounding is negligible.
+INT8_ATTENTION_VS_STOCK = 5e-2
+
+
+def _hopper_on_gpu(device):
+    if device == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        return "the 8-bit attention kernel is Hopper's (compute capability 9.0)"
+    return None
 
 
 def _needs_flash_attn(device):
@@ -965,6 +977,20 @@ FEATURES = (
         'and LTX-2); also compiled and trained in the rows marked `attention="ltx_kernels"`',
     ),
     Feature(
+        "attention_int8",
+        '`inject_optimized_kernels(attention="int8")`',
+        "attention",
+        orders=("before",),
+        inject_options=dict(attention="int8"),
+        tolerance=INT8_ATTENTION_VS_STOCK,
+        attention_op=False,
+        runs=("attention_int8", "quantize_attention_k", "quantize_attention_v"),
+        requires=_hopper_on_gpu,
+        note="8-bit attention wherever it applies (no mask, no autograd recording; a Hopper GPU, "
+        "on the CPU the C twins), as `auto` elsewhere; against stock at the 8-bit bound; also "
+        'compiled in the row marked `attention="int8"`',
+    ),
+    Feature(
         "attention_flash",
         '`set_attention_backend("flash")` (flash-attn)',
         "attention",
@@ -1059,6 +1085,23 @@ FEATURES = (
         attention_op=True,
         cpu_cells=lambda family, order: family in ("ltx", "flux"),
         note="as `torch.compile(dynamic=True)`, our attention op in the graph",
+    ),
+    Feature(
+        "compile_dynamic_int8_attention",
+        '`torch.compile(dynamic=True)`, `attention="int8"`',
+        "compile",
+        _compile(dynamic=True),
+        run=functools.partial(_compiled_calls, batches=DYNAMIC_BATCHES),
+        orders=("before",),
+        eager_reference=True,
+        batches=DYNAMIC_BATCHES,
+        compiles=True,
+        inject_options=dict(attention="int8"),
+        tolerance=INT8_ATTENTION_VS_STOCK,
+        runs=("attention_int8",),
+        requires=_hopper_on_gpu,
+        cpu_cells=lambda family, order: family in ("ltx", "flux"),
+        note="as `torch.compile(dynamic=True)`, the 8-bit ops in the graph",
     ),
     Feature(
         "compile_max_autotune",
@@ -1310,6 +1353,8 @@ def run_cell(feature: Feature, family: str, order: str, device: str, tmp: pathli
     if feature.attention_op is not None:
         ran = {name.split("::")[-1] for name in ops}  # (compiled: "ltx_kernels::attention")
         assert ("attention" in ran) == feature.attention_op, f"ops that ran: {sorted(ran)}"
+    missing = set(feature.runs) - {name.split("::")[-1] for name in ops}
+    assert not missing, f"{sorted(missing)} did not run; ops that ran: {sorted(ops)}"
     fallback = set(injected.report.skipped) - _baseline_skips(family, setup, dtype)
     tiny = () if setup.gpu else feature.tiny_fallback.get(family, ())
     wanted = getattr(expected, "fallback", ())  # (AsStock: none)

@@ -111,6 +111,7 @@ def inject_optimized_kernels(
     fp8_linears: str | None = None,
     fp8_bf16_blocks: int = 0,
     attention: str = "auto",
+    attention_bf16_blocks: int = 0,
     keep_bf16_weights: bool = False,
     fp8_device: torch.device | str | None = None,
 ) -> InjectionReport:
@@ -130,7 +131,11 @@ def inject_optimized_kernels(
     "ltx_kernels" our attention op wherever it applies (no mask, no autograd recording; CUDA:
     float16/bfloat16, head_dim 64 or 128), "diffusers" each processor's diffusers attention
     backend, as stock; "auto" (default) our op only where injector.LTX_ATTENTION_FASTER says it
-    measured faster (nowhere yet), "diffusers" elsewhere (attention.py).
+    measured faster (nowhere yet), "diffusers" elsewhere; "int8" (opt-in, a numerics change)
+    8-bit attention wherever it applies (no mask, no autograd recording; CUDA: Hopper,
+    float16/bfloat16, head_dim 64 or 128; q, k, v quantized by our ops, attention_int8), "auto"
+    elsewhere (attention.py). attention_bf16_blocks=N (with "int8") keeps the attention of the
+    first and last N blocks of each model out of 8 bits (as "auto").
     The FP8 weights are quantized one Linear at a time and each bf16 original is freed after
     (the state dict then refuses; remove_optimized_kernels restores weights dequantized from FP8,
     with a warning); keep_bf16_weights=True parks the originals on the CPU instead (state dict
@@ -159,9 +164,16 @@ def inject_optimized_kernels(
             raise ValueError(f"inject_optimized_kernels: {option}={value!r} needs fp8=True")
     if fp8_device is not None:
         fp8_device = torch.device(fp8_device)
-    if fp8_bf16_blocks < 0:
+    for option, value in (
+        ("fp8_bf16_blocks", fp8_bf16_blocks),
+        ("attention_bf16_blocks", attention_bf16_blocks),
+    ):
+        if value < 0:
+            raise ValueError(f"inject_optimized_kernels: {option} must be >= 0, got {value}")
+    if attention_bf16_blocks and attention != "int8":
         raise ValueError(
-            f"inject_optimized_kernels: fp8_bf16_blocks must be >= 0, got {fp8_bf16_blocks}"
+            "inject_optimized_kernels: attention_bf16_blocks keeps blocks out of 8-bit attention: "
+            f"it needs attention='int8', got attention={attention!r}"
         )
     report = InjectionReport(
         ops=tuple(name for name in FUSIONS if name in ops), fp8=fp8, attention=attention
@@ -183,6 +195,7 @@ def inject_optimized_kernels(
             if patch is not None:
                 patch(".".join(p for p in (prefix, name) if p), module, injector)
         injector.finish_model(fp8_bf16_blocks)
+        injector.keep_attention_bf16(prefix, model, attention_bf16_blocks)
         if report.total_patched > patched_before:
             report_quantized_weights(model, prefix, report)
     if verbose:

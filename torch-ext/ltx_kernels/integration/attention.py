@@ -31,9 +31,13 @@ backward yet, and no context parallelism but ulysses_attention's), non-uniform k
 to it as they are (uniform ones still slice the keys: the same keys, no lengths tensor); every
 other call as "diffusers". "auto" (the default): as "ltx_kernels" only where
 LTX_ATTENTION_FASTER (injector.py) lists the GPU and head_dim, and the processor keeps diffusers'
-default backend; as "diffusers" elsewhere. Self-attention under Ulysses (below,
-"ulysses_attention" in FUSIONS) runs ulysses_attention, which takes the inner attention as a
-callable: the same choice.
+default backend; as "diffusers" elsewhere. "int8" (opt-in, a numerics change): 8-bit attention
+(`int8_attention`: q, k and v quantized by our ops, then attention_int8) wherever it applies
+(runs_int8_attention: no mask, no autograd recording; CUDA: a Hopper GPU, float16/bfloat16,
+head_dim 64 or 128; the CPU: its C twins), as "auto" elsewhere, and in the blocks
+inject_optimized_kernels' attention_bf16_blocks keeps in bf16 (their processors' choice is
+"auto"). Self-attention under Ulysses (below, "ulysses_attention" in FUSIONS) runs
+ulysses_attention, which takes the inner attention as a callable: the same choice.
 
 Ulysses: diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
 copies (eight copies of a [B, s, H, D] tensor per call). ulysses_attention sends q, k and v in one
@@ -56,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import attention as ltx_attention
+from ..ops import attention_int8, quantize, quantize_attention_k, quantize_attention_v
 from .context_parallel import (
     _GatherSequence,
     capturing,
@@ -90,7 +95,11 @@ def attend(
 
         out = ulysses_attention(query, key, value, parallel_config, local, replicated)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
-    ours = mask is None and cp_config is None and runs_ltx_attention(processor, query, key, value)
+    ours = (
+        None
+        if mask is not None or cp_config is not None
+        else our_attention(processor, query, key, value)
+    )
     lengths = None  # (ours: the key lengths as the op takes them)
     if key_lengths is not None and len(set(key_lengths)) == 1:
         key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
@@ -99,8 +108,8 @@ def attend(
         if not ours:  # a broadcast key mask
             positions = torch.arange(key.shape[1], device=key.device)
             mask = (positions < lengths[:, None])[:, None, None, :]
-    if ours:
-        return ltx_attention(query, key, value, lengths)
+    if ours is not None:
+        return ours(query, key, value, lengths)
     if sdpa:
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2),
@@ -129,10 +138,69 @@ def attend(
     if runs_ulysses_attention(processor.ops, parallel_config, query, key, mask):
         # (this rank's heads, over the whole sequence: strided views of one receive buffer whose
         # offsets and strides are multiples of head_dim, so aligned where q/k/v are)
-        inner = ltx_attention if runs_ltx_attention(processor, query, key, value) else dispatch
+        inner = our_attention(processor, query, key, value) or dispatch
         out = ulysses_attention(query, key, value, parallel_config, inner)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
     return dispatch(query, key, value, parallel_config).to(query.dtype)
+
+
+def our_attention(processor, query, key, value):
+    """The attention op of ours that attends q/k/v [B, S, H, D] (no mask, one device's heads) for
+    `processor`'s attention choice: `int8_attention`, `ltx_attention`, or None (diffusers')."""
+    if runs_int8_attention(processor, query, key, value):
+        return int8_attention
+    if runs_ltx_attention(processor, query, key, value):
+        return ltx_attention
+    return None
+
+
+def int8_attention(query, key, value, key_lengths=None) -> torch.Tensor:
+    """8-bit attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] in q's dtype: q quantized per token
+    and head (quantize, "i8_row"), k smoothed by its mean over the sequence and quantized per head
+    and block of 128 keys (quantize_attention_k), v per channel in e4m3, transposed
+    (quantize_attention_v), then attention_int8 (INT8 q.k, FP8 p.v) with the key lengths. The keys
+    past each length are zeroed first (one masked copy of k and v, only with key lengths): the op
+    never attends them, and so they weigh in no scale or mean either."""
+    if key_lengths is not None:
+        positions = torch.arange(key.shape[1], device=key.device)
+        attended = (positions < key_lengths[:, None])[:, :, None, None]  # [B, Sk, 1, 1]
+        key, value = key.where(attended, 0), value.where(attended, 0)
+    q8, q_scale = quantize(query, format="i8_row")
+    k8, k_scale = quantize_attention_k(key)
+    v8, v_scale = quantize_attention_v(value)
+    return attention_int8(q8, q_scale, k8, k_scale, v8, v_scale, key_lengths, out_dtype=query.dtype)
+
+
+def runs_int8_attention(processor, query, key, value) -> bool:
+    """Whether `processor`'s attention choice, "int8", attends q/k/v with int8_attention: autograd
+    not recording through them (no backward), and the ops take them (`_int8_takes`)."""
+    return (
+        processor.attention == "int8"
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+        and _int8_takes(query, key, value)
+    )
+
+
+def _int8_takes(query, key, value) -> bool:
+    """Whether int8_attention takes q/k/v as they are: one dtype, k/v with q's batch and heads,
+    contiguous last dims; the CPU (the C twins): float16/bfloat16/float32, any head_dim; CUDA:
+    compute capability 9.0 (the kernel is Hopper's), float16/bfloat16, head_dim 64 or 128. (The
+    quantizing ops read any strides and write the aligned operands attention_int8 takes.)"""
+    operands = (query, key, value)
+    if (
+        any(t.dtype != query.dtype or t.stride(-1) != 1 for t in operands)
+        or key.shape[0] != query.shape[0]
+        or key.shape[2] != query.shape[2]
+    ):
+        return False
+    if query.device.type == "cpu":
+        return query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] in LTX_ATTENTION_HEAD_DIMS
+        and _capability(query.device.index) == (9, 0)
+    )
 
 
 def runs_ltx_attention(processor, query, key, value) -> bool:
@@ -141,7 +209,7 @@ def runs_ltx_attention(processor, query, key, value) -> bool:
     them (`_op_takes`) and autograd does not record through them (the op has no backward yet);
     "auto" where, besides, LTX_ATTENTION_FASTER lists the GPU and head_dim and the processor keeps
     diffusers' default attention backend (a backend set with set_attention_backend is kept)."""
-    choice = processor.attention
+    choice = "auto" if processor.attention == "int8" else processor.attention
     if choice == "diffusers" or (choice == "auto" and not LTX_ATTENTION_FASTER):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
@@ -160,6 +228,12 @@ def _measured_faster(device_index: int | None) -> tuple[int, ...]:
     """The head dims at which ltx_kernels.attention measured faster on CUDA device
     `device_index` (LTX_ATTENTION_FASTER of its compute capability)."""
     return LTX_ATTENTION_FASTER.get(torch.cuda.get_device_capability(device_index), ())
+
+
+@torch.compiler.assume_constant_result
+def _capability(device_index: int | None) -> tuple[int, int]:
+    """The compute capability of CUDA device `device_index`."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _op_takes(query, key, value) -> bool:

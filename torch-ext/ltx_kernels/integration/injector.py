@@ -81,8 +81,11 @@ DISABLE_ENV = "LTX_KERNELS_DISABLE"
 #: "diffusers": diffusers' attention backend of each processor, as stock attends; "ltx_kernels": our
 #: attention op wherever it applies (no mask, autograd not recording, CUDA: float16/bfloat16 and
 #: head_dim 64 or 128), diffusers' backend elsewhere; "auto": as "ltx_kernels" only where
-#: LTX_ATTENTION_FASTER lists the GPU and head_dim, as "diffusers" elsewhere.
-ATTENTION_CHOICES = ("auto", "ltx_kernels", "diffusers")
+#: LTX_ATTENTION_FASTER lists the GPU and head_dim, as "diffusers" elsewhere; "int8" (opt-in,
+#: a numerics change): 8-bit attention (q, k, v quantized by our ops, attention_int8) wherever it
+#: applies (no mask, autograd not recording, CUDA: Hopper, float16/bfloat16, head_dim 64 or 128),
+#: as "auto" elsewhere.
+ATTENTION_CHOICES = ("auto", "ltx_kernels", "diffusers", "int8")
 #: The head dims the CUDA attention kernel takes (ltx_attention_cuda_takes_head_dim).
 LTX_ATTENTION_HEAD_DIMS = (64, 128)
 #: Where attention="auto" attends with our op: CUDA compute capability -> the head dims at which
@@ -93,6 +96,9 @@ LTX_ATTENTION_FASTER: dict[tuple[int, int], tuple[int, ...]] = {}
 #: The report's kind for the attention modules whose calls attend with diffusers' backend although
 #: attention="ltx_kernels".
 LTX_ATTENTION = "attention (ltx_kernels.attention)"
+#: The report's kind for the attention modules that do not attend in 8 bits although
+#: attention="int8" (head_dim or GPU the kernel does not take, attention_bf16_blocks).
+INT8_ATTENTION = "attention (8-bit)"
 
 # Attribute names stored on patched modules.
 _ORIGINAL_CLASS = "_ltx_kernels_original_class"
@@ -170,6 +176,13 @@ def _attention_note(choice: str) -> str:
         )
     if choice == "diffusers":
         return "diffusers' attention backend of each processor"
+    if choice == "int8":
+        return (
+            "8-bit attention (q, k, v quantized by ltx_kernels, attention_int8: INT8 q.k, FP8 "
+            "p.v; a numerics change) for calls without a mask and without autograd recording, on "
+            f"a Hopper GPU in float16/bfloat16 at head_dim {head_dims}; as attention='auto' for "
+            f"the others ({_attention_note('auto')})"
+        )
     measured = "; ".join(
         f"sm_{major}{minor} head_dim {', '.join(map(str, dims))}"
         for (major, minor), dims in sorted(LTX_ATTENTION_FASTER.items())
@@ -290,6 +303,24 @@ class Injector:
                     "the projections differ in kind (FP8 or not, adapters), size or bias",
                 )
 
+    def keep_attention_bf16(self, prefix: str, model: torch.nn.Module, count: int) -> None:
+        """attention_bf16_blocks: our attention processors in the first and last `count` blocks
+        of `model` (instances of its repeated block classes, diffusers' `_repeated_blocks`, in
+        module order) attend as "auto" instead of "int8"."""
+        if not count:
+            return
+        classes = set(getattr(model, "_repeated_blocks", None) or ())
+        blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes]
+        for index, (block_name, block) in enumerate(blocks):
+            if count <= index < len(blocks) - count:
+                continue
+            for name, module in block.named_modules():
+                processor = getattr(module, "processor", None)
+                if isinstance(processor, FusedAttnProcessor) and processor.attention == "int8":
+                    processor.attention = "auto"
+                    path = ".".join(p for p in (prefix, block_name, name) if p)
+                    self.skip(INT8_ATTENTION, path, "kept bf16 (attention_bf16_blocks)")
+
     def swap_forward(
         self,
         name: str,
@@ -360,25 +391,36 @@ class Injector:
 
     def set_processor(self, name: str, attn: torch.nn.Module, processor, kind: str) -> None:
         """Installs `processor` on attention module `attn`, keeping the backend settings; with
-        attention="ltx_kernels", reports an attention whose head_dim the CUDA kernel does not take
-        (its weights on a GPU or the meta device; the CPU's C twin takes any)."""
+        attention="ltx_kernels" or "int8", reports an attention whose head_dim the CUDA kernels do
+        not take (its weights on a GPU or the meta device; the CPU's C twins take any), and with
+        "int8" one on a GPU that is not a Hopper."""
         original = attn.processor
         for setting in _PROCESSOR_SETTINGS:
             if hasattr(original, setting):
                 setattr(processor, setting, getattr(original, setting))
         processor.ops = self.ops
         processor.attention = self.attention
-        if self.attention == "ltx_kernels":
+        if self.attention in ("ltx_kernels", "int8"):
+            kind = INT8_ATTENTION if self.attention == "int8" else LTX_ATTENTION
+            fallback = (
+                "attends as attention='auto'"
+                if kind == INT8_ATTENTION
+                else ("diffusers' attention backend attends")
+            )
             head_dim = attn.inner_dim // attn.heads
             on_cpu = all(p.device.type == "cpu" for p in attn.parameters())
+            gpus = {p.device for p in attn.parameters() if p.is_cuda}
             if not on_cpu and head_dim not in LTX_ATTENTION_HEAD_DIMS:
                 self.skip(
-                    LTX_ATTENTION,
+                    kind,
                     name,
                     f"head_dim {head_dim}: the CUDA kernel takes "
-                    f"{' or '.join(map(str, LTX_ATTENTION_HEAD_DIMS))}; diffusers' attention "
-                    "backend attends",
+                    f"{' or '.join(map(str, LTX_ATTENTION_HEAD_DIMS))}; {fallback}",
                 )
+            elif kind == INT8_ATTENTION and any(
+                torch.cuda.get_device_capability(gpu) != (9, 0) for gpu in gpus
+            ):
+                self.skip(kind, name, f"not a Hopper GPU (the 8-bit kernel's); {fallback}")
         setattr(attn, _ORIGINAL_PROCESSOR, original)
         attn.set_processor(processor)
         self.report.patched[kind] += 1

@@ -1,0 +1,220 @@
+"""inject_optimized_kernels(..., attention="int8") (issue 34 item 4): 8-bit attention through the
+attention seam (attention.int8_attention: q, k and v quantized by our ops, then attention_int8)
+wherever it applies, "auto" elsewhere; attention_bf16_blocks keeping the first/last blocks out of
+8 bits; the report; torch.compile (dynamic, fullgraph) of the injected blocks; autograd recording
+(no backward: the fallback). On the CPU the C twins run the same quantization and the attention of
+the dequantized operands in double (the CUDA kernel also rounds the probabilities to e4m3)."""
+
+import pytest
+import torch
+
+import ltx_kernels
+from inject_helpers import OpCounter, clone, output_of, rel_l2
+from ltx_kernels import reference
+from ltx_kernels.integration import attention, injector
+from model_zoo import MODELS, ltx, wan
+
+#: Relative L2 of 8-bit attention against exact attention: v in e4m3 (3 mantissa bits: 2.5e-2
+#: alone on _qkv's inputs), q and k in INT8 (steps of 1/127 of each block's amax, which _qkv's
+#: 8x outlier channel of k makes coarse for the other channels): 3.9e-2 to 4.1e-2 measured on
+#: the CPU (the twins keep p exact) in fp32 and bf16.
+INT8_TOLERANCE = 5e-2
+#: Noise the quantization must leave: an "int8" path that attended in 16 or 32 bits stays below.
+QUANTIZED_AT_LEAST = 1e-4
+#: SD3 (no q/k norm) keeps diffusers' processor: nothing of ours attends.
+NO_PROCESSOR = {"sd3"}
+
+
+class _Processor:
+    ops = frozenset(injector.FUSIONS)
+    attention = "int8"
+    _attention_backend = None
+
+
+def _qkv(q_len, kv_len, dtype, device="cpu", heads=3, head_dim=16):
+    torch.manual_seed(0)
+    q = torch.randn(2, q_len, heads, head_dim, dtype=dtype, device=device)
+    # keys with a per-channel offset (what smoothing removes) and outlier channels
+    k = torch.randn(2, kv_len, heads, head_dim, dtype=dtype, device=device)
+    k = k + torch.linspace(-4, 4, head_dim, device=device).to(dtype)
+    k[..., 3] *= 8
+    v = torch.randn(2, kv_len, heads, head_dim, dtype=dtype, device=device)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [None, (150, 70), (150, 0)])
+def test_int8_attention_is_attention_within_8_bit_noise(dtype, lengths):
+    # 37 queries over 150 keys (two k-scale blocks, the second partial), strided q/k/v views:
+    # within 8-bit noise of exact attention, not exact (quantized), and the keys past each length
+    # never read (garbage there changes nothing; a length of 0 gives zeros).
+    q, k, v = _qkv(37, 150, dtype)
+    key_lengths = None if lengths is None else torch.tensor(lengths)
+    out = attention.int8_attention(
+        q, k.transpose(1, 2).contiguous().transpose(1, 2), v, key_lengths
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    exact = reference.attention(q, k, v, key_lengths, compute_dtype=torch.float64)
+    error = rel_l2(out.double(), exact)
+    assert QUANTIZED_AT_LEAST < error <= INT8_TOLERANCE, error
+    if lengths is not None:
+        k[1, 70:], v[1, 70:] = 1e4, -1e4  # (past the second element's length)
+        garbage = attention.int8_attention(q, k, v, key_lengths)
+        torch.testing.assert_close(garbage[1], out[1], rtol=0, atol=0)
+        if lengths[1] == 0:
+            assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_the_seam_passes_key_lengths_and_falls_back_where_8_bits_do_not_apply(monkeypatch):
+    calls = []
+
+    def recorded(query, key, value, key_lengths=None):
+        calls.append((key.shape[1], None if key_lengths is None else key_lengths.tolist()))
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(attention, "int8_attention", recorded)
+    q, k, v = _qkv(9, 11, torch.float32)
+    attention.attend(_Processor(), q, k, v, key_lengths=(11, 4))  # mixed lengths: as lengths
+    attention.attend(_Processor(), q, k, v, key_lengths=(7, 7))  # the same: the keys sliced
+    assert calls == [(11, [11, 4]), (7, None)]
+    # a mask, autograd recording, float64 (the quantizers take float16/bfloat16/float32) and
+    # q/k/v of different dtypes attend as "auto" (here: diffusers')
+    attention.attend(_Processor(), q, k, v, mask=torch.ones(2, 1, 1, 11, dtype=torch.bool))
+    with torch.enable_grad():
+        attention.attend(_Processor(), q.clone().requires_grad_(), k, v)
+    attention.attend(_Processor(), q.double(), k.double(), v.double())
+    assert not attention._int8_takes(q, k.bfloat16(), v)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_family_attends_in_8_bits(name):
+    # Every family and variant, fp32 on the CPU: "int8" runs our 8-bit ops in every patched
+    # attention and stays within 8-bit noise of "diffusers".
+    torch.manual_seed(0)
+    model, inputs = MODELS[name].build(torch.float32), MODELS[name].inputs(torch.float32)
+    outputs, counts = {}, {}
+    for choice in ("diffusers", "int8"):
+        injected = clone(model)
+        ltx_kernels.inject_optimized_kernels(injected, verbose=False, attention=choice)
+        with torch.no_grad(), OpCounter() as counter:
+            outputs[choice] = output_of(injected(**inputs))
+        counts[choice] = counter.counts
+    assert "attention_int8" not in counts["diffusers"]
+    if name in NO_PROCESSOR:
+        assert torch.equal(outputs["int8"], outputs["diffusers"])
+        return
+    calls = counts["int8"]
+    assert calls["attention_int8"] > 0, calls
+    assert calls["attention_int8"] == calls["quantize_attention_k"] == calls["quantize_attention_v"]
+    assert rel_l2(outputs["int8"], outputs["diffusers"]) <= INT8_TOLERANCE
+
+
+def test_bf16_blocks_keep_the_first_and_last_blocks_out_of_8_bits():
+    torch.manual_seed(0)
+    blocks = 4
+    model, inputs = wan.tiny_model(torch.float32, num_layers=blocks), wan.tiny_inputs(torch.float32)
+    injected = clone(model)
+    report = ltx_kernels.inject_optimized_kernels(
+        injected, verbose=False, attention="int8", attention_bf16_blocks=1
+    )
+    choices = [
+        [m.processor.attention for m in block.modules() if hasattr(m, "processor")]
+        for block in injected.blocks
+    ]
+    assert choices[0] == choices[-1] == ["auto", "auto"]
+    assert all(c == ["int8", "int8"] for c in choices[1:-1])
+    kept = report.skipped[injector.INT8_ATTENTION]
+    assert kept[0] == ("blocks.0.attn1", "kept bf16 (attention_bf16_blocks)")
+    assert len(kept) == 4
+    with torch.no_grad(), OpCounter() as counter:
+        injected(**inputs)
+    assert counter.counts["attention_int8"] == 2 * (blocks - 2)
+    for options, message in (
+        ({"attention_bf16_blocks": 1}, "needs attention='int8', got attention='auto'"),
+        ({"attention": "int8", "attention_bf16_blocks": -1}, "must be >= 0, got -1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ltx_kernels.inject_optimized_kernels(clone(model), verbose=False, **options)
+
+
+def test_report_names_int8_and_what_does_not_take_it():
+    torch.manual_seed(0)
+    model = ltx.tiny_model(torch.float32)
+    report = ltx_kernels.inject_optimized_kernels(clone(model), verbose=False, attention="int8")
+    assert "  attention: int8 (8-bit attention" in str(report)
+    assert injector.INT8_ATTENTION not in report.skipped  # (the CPU's C twins take head_dim 8)
+    # On the meta device (as on a GPU) the tiny heads (8) are not the CUDA kernel's
+    report = ltx_kernels.inject_optimized_kernels(
+        clone(model).to("meta"), verbose=False, attention="int8"
+    )
+    skipped = report.skipped[injector.INT8_ATTENTION]
+    assert len(skipped) == 2 * ltx.TINY["num_layers"]
+    assert skipped[0] == (
+        "transformer_blocks.0.attn1",
+        "head_dim 8: the CUDA kernel takes 64 or 128; attends as attention='auto'",
+    )
+
+
+def test_compiled_blocks_trace_8_bit_attention_without_breaks_or_recompiles():
+    # compile_repeated_blocks(fullgraph=True, dynamic=True) on the injected LTX-Video blocks: one
+    # graph with the quantizing ops and attention_int8 inside (self-attention), no recompile from
+    # 2 frames (32 tokens) to 3 (48); the same values as eager.
+    from test_inject_attention import _ltx_inputs
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ltx.tiny_model(torch.float32)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False, attention="int8")
+    eager = clone(model)
+    model.compile_repeated_blocks(fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        output_of(model(**_ltx_inputs(2)))
+        with (
+            torch._dynamo.config.patch(error_on_recompile=True),
+            profile(activities=[ProfilerActivity.CPU]) as prof,
+        ):
+            out = output_of(model(**_ltx_inputs(3)))
+        expected = output_of(eager(**_ltx_inputs(3)))
+    events = [e.name for e in prof.events() if e.name == "ltx_kernels::attention_int8"]
+    assert len(events) == ltx.TINY["num_layers"]
+    assert torch.equal(out, expected)
+
+
+def test_autograd_recording_falls_back_with_stock_gradients():
+    # No backward: a training forward attends with diffusers' backend (gradients bit for bit those
+    # of attention="diffusers"); the same model without gradients attends in 8 bits.
+    torch.manual_seed(0)
+    model, inputs = MODELS["flux"].build(torch.float32), MODELS["flux"].inputs(torch.float32)
+    gradients = {}
+    for choice in ("diffusers", "int8"):
+        trained = clone(model).train()
+        ltx_kernels.inject_optimized_kernels(trained, verbose=False, attention=choice)
+        with OpCounter() as counter:
+            output_of(trained(**inputs)).square().mean().backward()
+        assert "attention_int8" not in counter.counts
+        gradients[choice] = [p.grad for p in trained.parameters()]
+        with torch.no_grad(), OpCounter() as counter:
+            trained(**inputs)
+        assert ("attention_int8" in counter.counts) == (choice == "int8")
+    for ours, theirs in zip(gradients["int8"], gradients["diffusers"]):
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_attends_bf16_in_8_bits_within_noise_of_sdpa(head_dim):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 8-bit kernel is Hopper's (compute capability 9.0)")
+    q, k, v = _qkv(300, 300, torch.bfloat16, "cuda", heads=4, head_dim=head_dim)
+    assert not attention._int8_takes(*_qkv(8, 8, torch.bfloat16, "cuda", head_dim=96))
+    assert attention._int8_takes(q, k, v)
+    lengths = (300, 173)
+    with OpCounter() as counter:
+        out = attention.attend(_Processor(), q, k, v, key_lengths=lengths)
+    assert counter.counts["attention_int8"] == 1
+    expected = attention.attend(
+        type("P", (_Processor,), {"attention": "diffusers"})(), q, k, v, key_lengths=lengths
+    )
+    assert QUANTIZED_AT_LEAST < rel_l2(out.float(), expected.float()) <= INT8_TOLERANCE
