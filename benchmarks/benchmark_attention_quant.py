@@ -126,7 +126,15 @@ def run_case(name, case, device, replays: int) -> dict:
         )
         row["attention_ms"] = bench_utils.graph_time_us(_attention, sets, replays=replays) / 1000
         del sets
+        sets = bench_utils.input_sets(
+            lambda: (*(_input(case, device, i) for i in range(2)), *_tables(x)), 2 * per_set // 3
+        )
+        for column, fn in (("qk", _qk), ("qk+q8", _qk_q8)):
+            row[column] = bench_utils.graph_time_us(fn, sets, replays=replays) / 1000
+        del sets
         row["share"] = sum(row[c]["ms"] for c in OPS) / row["attention_ms"]
+        fused_q = max(row["qk+q8"] - row["qk"], 0.0)
+        row["share_fused"] = (fused_q + row["k"]["ms"] + row["v"]["ms"]) / row["attention_ms"]
     return row
 
 

@@ -19,6 +19,9 @@ from model_zoo import MODELS, ltx, wan
 #: 8x outlier channel of k makes coarse for the other channels): 3.9e-2 to 4.1e-2 measured on
 #: the CPU (the twins keep p exact) in fp32 and bf16.
 INT8_TOLERANCE = 5e-2
+#: The CUDA kernel also rounds the probabilities (times 448) to e4m3 before p.v: 6.6e-2 (head_dim
+#: 64) and 7.1e-2 (128) measured against SDPA on an H100 on _qkv's inputs.
+INT8_TOLERANCE_CUDA = 8e-2
 #: Noise the quantization must leave: an "int8" path that attended in 16 or 32 bits stays below.
 QUANTIZED_AT_LEAST = 1e-4
 #: SD3 (no q/k norm) keeps diffusers' processor: nothing of ours attends.
@@ -217,4 +220,4 @@ def test_hopper_attends_bf16_in_8_bits_within_noise_of_sdpa(head_dim):
     expected = attention.attend(
         type("P", (_Processor,), {"attention": "diffusers"})(), q, k, v, key_lengths=lengths
     )
-    assert QUANTIZED_AT_LEAST < rel_l2(out.float(), expected.float()) <= INT8_TOLERANCE
+    assert QUANTIZED_AT_LEAST < rel_l2(out.float(), expected.float()) <= INT8_TOLERANCE_CUDA
