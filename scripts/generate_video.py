@@ -33,8 +33,9 @@ is its compile time, reported apart. it/s is the rate of the denoising loop alon
 its first step to the end of its last); decode is the time from the end of the loop to the frames.
 Every configuration starts from the same seed, so their final latents are compared with the
 baseline's (relative L2), and their decoded frames too (PSNR in dB, frames in [0, 1]), and LTX-2's
-audio (relative L2); the rows that keep bf16 numerics (kernels, compile) give the noise floor the
-FP8 rows are read against.
+audio (relative L2); the rows that keep bf16 numerics (kernels, compile, and
+kernels+ltx_attention: our bf16 attention op in place of cuDNN's) give the noise floor the FP8
+and 8-bit attention (kernels+int8_attention: attention="int8") rows are read against.
 
 Caches (--cache first-block|pyramid-attention-broadcast): diffusers' cache on the transformer,
 added after the kernels (inject first, then cache, as docs/injection.md says), configured below
@@ -101,6 +102,9 @@ import bench_utils  # noqa: E402  (configs/*.json, random_model, the torchao anc
 
 CONFIGS = ("baseline", "kernels", "compile", "kernels+compile")
 FP8_CONFIGS = ("kernels+fp8", "kernels+fp8+compile", "torchao-fp8+compile")
+#: The kernels attending with our bf16 attention op (attention="ltx_kernels": another bf16 backend,
+#: the noise floor the 8-bit row is read against) and with 8-bit attention (attention="int8").
+ATTENTION_CONFIGS = ("kernels+ltx_attention", "kernels+int8_attention")
 CACHE_ROWS = ("cache", "kernels+cache")  # with --cache
 #: The --output extensions export_to_video writes (imageio: ffmpeg, or Pillow for .gif).
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".avi", ".gif")
@@ -111,6 +115,8 @@ CONFIG_TITLES = {
     "compile": "Baseline + torch.compile",
     "kernels+compile": "Optimized kernels + torch.compile",
     "kernels+fp8": "Optimized kernels, FP8",
+    "kernels+ltx_attention": "Optimized kernels, ltx_kernels bf16 attention",
+    "kernels+int8_attention": "Optimized kernels, 8-bit attention",
     "kernels+fp8+compile": "Optimized kernels, FP8 + torch.compile",
     "torchao-fp8+compile": "torchao float8 rowwise + torch.compile",
     "cache": "Baseline + cache",
@@ -349,7 +355,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--configs",
         default=",".join(CONFIGS),
         help="configurations for --compare, comma-separated from "
-        f"{', '.join(CONFIGS + FP8_CONFIGS)}",
+        f"{', '.join(CONFIGS + FP8_CONFIGS + ATTENTION_CONFIGS)}",
     )
     parser.add_argument("--batch-size", type=int, default=1, help="videos per prompt")
     parser.add_argument("--num-frames", type=int, default=161, help="8k+1 frames")
@@ -451,7 +457,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.configs != parser.get_default("configs") and not args.compare:
         parser.error("--configs: only with --compare (otherwise the flags pick one configuration)")
-    known = CONFIGS + FP8_CONFIGS + (CACHE_ROWS if args.cache else ())
+    known = CONFIGS + FP8_CONFIGS + ATTENTION_CONFIGS + (CACHE_ROWS if args.cache else ())
     unknown = sorted(set(configs) - set(known))
     if unknown:
         parser.error(
@@ -833,6 +839,9 @@ def apply_config(pipe, config: str, args) -> str:
             pipe.remove_all_hooks()
         ops = None if config.startswith("kernels") else ()
         fp8 = "fp8" in parts
+        attention = {"ltx_attention": "ltx_kernels", "int8_attention": "int8"}.get(
+            parts[-1], args.attention
+        )
         report = ltx_kernels.inject_optimized_kernels(
             pipe,
             ops=ops,
@@ -840,7 +849,7 @@ def apply_config(pipe, config: str, args) -> str:
             fp8=fp8,
             fp8_linears=args.fp8_linears if fp8 else None,
             fp8_bf16_blocks=args.fp8_bf16_blocks,
-            attention=args.attention if ops is None else "diffusers",
+            attention=attention if ops is None else "diffusers",
             keep_bf16_weights=fp8,  # (restore_baseline restores them exactly for the next row)
         )
         if args.cpu_offload:
@@ -850,8 +859,8 @@ def apply_config(pipe, config: str, args) -> str:
             notes.append("diffusers code; ltx_kernels processors for the text mask")
         else:
             notes.append(f"{report.total_patched} modules on ltx_kernels ops")
-            if args.attention != "auto":
-                notes.append(f"attention={args.attention}")
+            if attention != "auto":
+                notes.append(f"attention={attention}")
         if fp8:  # the patchers that have an FP8 path swap Linears for Fp8Linear
             from ltx_kernels.integration.linears import Fp8Linear
 

@@ -255,6 +255,29 @@ def test_tiny_compare_ltx_kernels_attention(gv, tmp_path):
     assert kernels.rel_l2 <= 1e-5
 
 
+def test_tiny_compare_attention_rows(gv, tmp_path, capsys):
+    """The attention rows: our bf16 op (the noise floor: fp32 summation noise on the CPU) and
+    8-bit attention (its quantization noise, well above the floor, within 8-bit bounds)."""
+    rows = gv.main(
+        [
+            *TINY_RUN,
+            "--compare",
+            "--configs",
+            "baseline,kernels+ltx_attention,kernels+int8_attention",
+            "--dtype",
+            "fp32",
+            "--no-video",
+            "--output",
+            str(tmp_path / "v.mp4"),
+        ]
+    )
+    baseline, bf16, int8 = rows
+    assert "attention=ltx_kernels" in bf16.notes and "attention=int8" in int8.notes
+    assert bf16.rel_l2 <= 1e-5
+    assert 1e-4 < int8.rel_l2 <= 5e-2 and 20 < int8.psnr_db < float("inf")
+    assert "| Optimized kernels, 8-bit attention |" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("cache", ["first-block", "pyramid-attention-broadcast"])
 def test_tiny_compare_cache_rows(gv, tmp_path, cache):
     """--cache adds stock diffusers with the cache and the kernels with it: the same caching
