@@ -8,7 +8,12 @@ implementation, a fake implementation for torch.compile/export, and a pure-PyTor
 
 from . import reference
 from ._op_names import ATTENTION_OPS, BACKWARD_OPS, OPS, QUANT_FORMATS, QUANT_OPS
-from .integration import InjectionReport, inject_optimized_kernels, remove_optimized_kernels
+from .integration import (
+    InjectionReport,
+    inject_optimized_kernels,
+    register_attention_backends,
+    remove_optimized_kernels,
+)
 from .ops import *  # noqa: F403  (the op wrappers: ops.__all__, every op of the op tables)
 from .ops import _library as _library  # (for integration's lazy check that the library loaded)
 from .ops import load_error
@@ -27,5 +32,6 @@ __all__ = [
     "load_error",
     "inject_optimized_kernels",
     "remove_optimized_kernels",
+    "register_attention_backends",
     "InjectionReport",
 ]

@@ -8,7 +8,8 @@ recompute.py still take the op wrappers and the library loader from the package 
 - families: one file per model family (ltx, ltx2, flux, wan, sd3, hunyuan) and adaln.py (the
   AdaLN modules they share), each a table PATCHERS of class name -> patch function;
 - shared steps: steps.py (one "ours or diffusers'" decision per fused step), attention.py (the
-  attention seam), context_parallel.py, recompute.py, linears.py (fused and FP8 projections);
+  attention seam; attention_backend.py registers our attention as diffusers attention backends
+  for stock models: register_attention_backends), context_parallel.py, recompute.py, linears.py (fused and FP8 projections);
 - core: injector.py (FUSIONS, the report, the Injector the patchers apply patches through, the
   patched classes), diffusers_compat.py (the diffusers helpers the families share, and the version guard each
   family declares as REPRODUCED), module_checks.py.
@@ -27,6 +28,7 @@ import torch
 
 from .._op_names import OPS
 from . import adaln, flux, hunyuan, ltx, ltx2, sd3, wan
+from .attention_backend import ATTENTION_BACKENDS, register_attention_backends
 from .cfg_parallel import enable_cfg_parallel
 from .context_parallel import injected_plan
 from .linears import FP8_PRESETS, Fp8Linear, bf16_weight_freed
@@ -46,6 +48,7 @@ from .injector import (
 )
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "ATTENTION_CHOICES",
     "DISABLE_ENV",
     "FAMILIES",
@@ -57,6 +60,7 @@ __all__ = [
     "enable_cfg_parallel",
     "inject_optimized_kernels",
     "injected_plan",
+    "register_attention_backends",
     "register_inductor_fallbacks",
     "remove_optimized_kernels",
 ]

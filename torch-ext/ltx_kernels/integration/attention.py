@@ -154,11 +154,12 @@ def our_attention(processor, query, key, value):
     return None
 
 
-def int8_attention(query, key, value, key_lengths=None) -> torch.Tensor:
+def int8_attention(query, key, value, key_lengths=None, scale=None) -> torch.Tensor:
     """8-bit attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] in q's dtype: q quantized per token
     and head (quantize, "i8_row"), k smoothed by its mean over the sequence and quantized per head
     and block of 128 keys (quantize_attention_k), v per channel in e4m3, transposed
-    (quantize_attention_v), then attention_int8 (INT8 q.k, FP8 p.v) with the key lengths. The keys
+    (quantize_attention_v), then attention_int8 (INT8 q.k, FP8 p.v) with the key lengths and
+    `scale` (default D**-0.5). The keys
     past each length are zeroed first (one masked copy of k and v, only with key lengths): the op
     never attends them, and so they weigh in no scale or mean either."""
     if key_lengths is not None:
@@ -168,7 +169,9 @@ def int8_attention(query, key, value, key_lengths=None) -> torch.Tensor:
     q8, q_scale = quantize(query, format="i8_row")
     k8, k_scale = quantize_attention_k(key)
     v8, v_scale = quantize_attention_v(value)
-    return attention_int8(q8, q_scale, k8, k_scale, v8, v_scale, key_lengths, out_dtype=query.dtype)
+    return attention_int8(
+        q8, q_scale, k8, k_scale, v8, v_scale, key_lengths, scale, out_dtype=query.dtype
+    )
 
 
 def runs_int8_attention(processor, query, key, value) -> bool:
