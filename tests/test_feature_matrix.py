@@ -513,6 +513,28 @@ def _hopper_on_gpu(device):
     return None
 
 
+def _compiled_attention(choice: str, what: str, **options) -> Feature:
+    """The `torch.compile(dynamic=True)` row of inject_optimized_kernels(attention=`choice`),
+    `what` running in the graph (but HunyuanVideo-1.5's: COMPILED_MASK_FALLBACK)."""
+    return Feature(
+        f"compile_dynamic_{choice}_attention",
+        f'`torch.compile(dynamic=True)`, `attention="{choice}"`',
+        "compile",
+        _compile(dynamic=True),
+        run=functools.partial(_compiled_calls, batches=DYNAMIC_BATCHES),
+        orders=("before",),
+        eager_reference=True,
+        batches=DYNAMIC_BATCHES,
+        compiles=True,
+        inject_options=dict(attention=choice),
+        attention_falls_back=COMPILED_MASK_FALLBACK,
+        cpu_cells=lambda family, order: family in ("ltx", "flux"),
+        note=f"as `torch.compile(dynamic=True)`, {what} in the graph (HunyuanVideo-1.5: "
+        "diffusers' backend with a key mask, its text mask being read on the host)",
+        **options,
+    )
+
+
 def _needs_flash_attn(device):
     import importlib.util
 
@@ -1082,41 +1104,13 @@ FEATURES = (
         compiles=True,
         cpu_cells=lambda family, order: order == "before" and family in ("ltx", "flux", "wan"),
     ),
-    Feature(
-        "compile_dynamic_ltx_kernels_attention",
-        '`torch.compile(dynamic=True)`, `attention="ltx_kernels"`',
-        "compile",
-        _compile(dynamic=True),
-        run=functools.partial(_compiled_calls, batches=DYNAMIC_BATCHES),
-        orders=("before",),
-        eager_reference=True,
-        batches=DYNAMIC_BATCHES,
-        compiles=True,
-        inject_options=dict(attention="ltx_kernels"),
-        attention_op=True,
-        attention_falls_back=COMPILED_MASK_FALLBACK,
-        cpu_cells=lambda family, order: family in ("ltx", "flux"),
-        note="as `torch.compile(dynamic=True)`, our attention op in the graph (HunyuanVideo-1.5: "
-        "diffusers' backend with a key mask, its text mask being read on the host)",
-    ),
-    Feature(
-        "compile_dynamic_int8_attention",
-        '`torch.compile(dynamic=True)`, `attention="int8"`',
-        "compile",
-        _compile(dynamic=True),
-        run=functools.partial(_compiled_calls, batches=DYNAMIC_BATCHES),
-        orders=("before",),
-        eager_reference=True,
-        batches=DYNAMIC_BATCHES,
-        compiles=True,
-        inject_options=dict(attention="int8"),
+    _compiled_attention("ltx_kernels", "our attention op", attention_op=True),
+    _compiled_attention(
+        "int8",
+        "the 8-bit ops",
         tolerance=INT8_ATTENTION_VS_STOCK,
         runs=("attention_int8",),
         requires=_hopper_on_gpu,
-        attention_falls_back=COMPILED_MASK_FALLBACK,
-        cpu_cells=lambda family, order: family in ("ltx", "flux"),
-        note="as `torch.compile(dynamic=True)`, the 8-bit ops in the graph (HunyuanVideo-1.5: "
-        "diffusers' backend with a key mask, its text mask being read on the host)",
     ),
     Feature(
         "compile_max_autotune",

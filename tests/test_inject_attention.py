@@ -209,23 +209,25 @@ def test_compiled_blocks_trace_the_op_without_breaks_or_recompiles():
     assert rel_l2(out, expected) <= 1e-5
 
 
-def test_autograd_recording_falls_back_with_stock_gradients():
-    # The op has no backward: a training forward attends with diffusers' backend (gradients bit
-    # for bit those of attention="diffusers"); the same model without gradients runs ours.
+@pytest.mark.parametrize("choice, op", [("ltx_kernels", "attention"), ("int8", "attention_int8")])
+def test_autograd_recording_falls_back_with_stock_gradients(choice, op):
+    # Our attention ops have no backward: a training forward attends with diffusers' backend
+    # (gradients bit for bit those of attention="diffusers"); the same model without gradients
+    # runs ours.
     torch.manual_seed(0)
     model, inputs = MODELS["flux"].build(torch.float32), MODELS["flux"].inputs(torch.float32)
     gradients = {}
-    for choice in ("diffusers", "ltx_kernels"):
+    for attention_choice in ("diffusers", choice):
         trained = clone(model).train()
-        ltx_kernels.inject_optimized_kernels(trained, verbose=False, attention=choice)
+        ltx_kernels.inject_optimized_kernels(trained, verbose=False, attention=attention_choice)
         with OpCounter() as counter:
             output_of(trained(**inputs)).square().mean().backward()
-        assert "attention" not in counter.counts
-        gradients[choice] = [p.grad for p in trained.parameters()]
+        assert op not in counter.counts
+        gradients[attention_choice] = [p.grad for p in trained.parameters()]
         with torch.no_grad(), OpCounter() as counter:
             trained(**inputs)
-        assert ("attention" in counter.counts) == (choice == "ltx_kernels")
-    for ours, theirs in zip(gradients["ltx_kernels"], gradients["diffusers"]):
+        assert (op in counter.counts) == (attention_choice == choice)
+    for ours, theirs in zip(gradients[choice], gradients["diffusers"]):
         assert (ours is None and theirs is None) or torch.equal(ours, theirs)
 
 

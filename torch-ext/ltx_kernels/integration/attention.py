@@ -179,7 +179,7 @@ def runs_int8_attention(processor, query, key, value) -> bool:
     not recording through them (no backward), and the ops take them (`_int8_takes`)."""
     return (
         processor.attention == "int8"
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+        and not _recording(query, key, value)
         and _int8_takes(query, key, value)
     )
 
@@ -189,12 +189,7 @@ def _int8_takes(query, key, value) -> bool:
     contiguous last dims; the CPU (the C twins): float16/bfloat16/float32, any head_dim; CUDA:
     compute capability 9.0 (the kernel is Hopper's), float16/bfloat16, head_dim 64 or 128. (The
     quantizing ops read any strides and write the aligned operands attention_int8 takes.)"""
-    operands = (query, key, value)
-    if (
-        any(t.dtype != query.dtype or t.stride(-1) != 1 for t in operands)
-        or key.shape[0] != query.shape[0]
-        or key.shape[2] != query.shape[2]
-    ):
+    if not _operands_match(query, key, value):
         return False
     if query.device.type == "cpu":
         return query.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -215,7 +210,7 @@ def runs_ltx_attention(processor, query, key, value) -> bool:
     choice = "auto" if processor.attention == "int8" else processor.attention
     if choice == "diffusers" or (choice == "auto" and not LTX_ATTENTION_FASTER):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+    if _recording(query, key, value):
         return False
     if not _op_takes(query, key, value):
         return False
@@ -239,17 +234,28 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def _operands_match(query, key, value) -> bool:
+    """What both attention ops take of q/k/v: one dtype, k/v with q's batch and heads, contiguous
+    last dims."""
+    return (
+        all(t.dtype == query.dtype and t.stride(-1) == 1 for t in (query, key, value))
+        and key.shape[0] == query.shape[0]
+        and key.shape[2] == query.shape[2]
+    )
+
+
+def _recording(*tensors) -> bool:
+    """Whether autograd records through any of `tensors` (our attention ops have no backward)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _op_takes(query, key, value) -> bool:
     """Whether ltx_kernels.attention takes q/k/v as they are: one dtype, k/v with q's batch and
     heads, contiguous last dims; the CPU (its C twin): float16/bfloat16/float32/float64, any
     head_dim; CUDA: float16/bfloat16, head_dim 64 or 128 (LTX_ATTENTION_HEAD_DIMS), rows at
     16-byte boundaries (storage offset and strides; the storage itself is allocated aligned)."""
     operands = (query, key, value)
-    if (
-        any(t.dtype != query.dtype or t.stride(-1) != 1 for t in operands)
-        or key.shape[0] != query.shape[0]
-        or key.shape[2] != query.shape[2]
-    ):
+    if not _operands_match(*operands):
         return False
     if query.device.type == "cpu":
         return query.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -315,7 +321,7 @@ def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> 
         and attention_mask is None
         and query.shape[1] == key.shape[1]
         and query.shape[2] % cp_config.ulysses_degree == 0
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)))
+        and not _recording(query, key)
     )
 
 
@@ -333,7 +339,7 @@ def _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated: int) 
         reasons.append(f"{query.shape[2]} heads, not divisible by the Ulysses degree")
     if not 0 <= replicated <= query.shape[1]:
         reasons.append(f"{replicated} replicated rows of {query.shape[1]}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)):
+    if _recording(query, key):
         reasons.append("autograd recording (inference only)")
     if reasons:
         raise NotImplementedError(

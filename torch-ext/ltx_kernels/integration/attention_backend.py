@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _int8_takes, _op_takes, int8_attention, padded_key_lengths
+from .attention import _int8_takes, _op_takes, _recording, int8_attention, padded_key_lengths
 
 #: diffusers' backend name -> the AttentionBackendName member name register_attention_backends adds.
 ATTENTION_BACKENDS = {"ltx_kernels": "LTX_KERNELS", "ltx_kernels_int8": "LTX_KERNELS_INT8"}
@@ -191,7 +191,7 @@ def _ours(query, key, value, attn_mask, dropout_p, is_causal, parallel_config, *
         or key.shape[0] != query.shape[0]
         or key.shape[2:] != query.shape[2:]
         or not (query.device == key.device == value.device)
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+        or _recording(query, key, value)
         or not takes(query, key, value)
     ):
         return None
