@@ -159,9 +159,9 @@ def int8_attention(query, key, value, key_lengths=None, scale=None) -> torch.Ten
     and head (quantize, "i8_row"), k smoothed by its mean over the sequence and quantized per head
     and block of 128 keys (quantize_attention_k), v per channel in e4m3, transposed
     (quantize_attention_v), then attention_int8 (INT8 q.k, FP8 p.v) with the key lengths and
-    `scale` (default D**-0.5). The keys
-    past each length are zeroed first (one masked copy of k and v, only with key lengths): the op
-    never attends them, and so they weigh in no scale or mean either."""
+    `scale` (default D**-0.5). The keys past each length are zeroed first (one masked copy of k
+    and v, only with key lengths): the op never attends them, and so they weigh in no scale or
+    mean either."""
     if key_lengths is not None:
         positions = torch.arange(key.shape[1], device=key.device)
         attended = (positions < key_lengths[:, None])[:, :, None, None]  # [B, Sk, 1, 1]
