@@ -417,9 +417,6 @@ class Feature:
     unpinned: bool = False  # every cell AsStock (GPU rows whose outcome is not known yet)
     attention_op: bool | None = None  # whether ltx_kernels.attention runs (None: not checked)
     runs: tuple = ()  # ltx_kernels ops that must run (e.g. attention_int8)
-    # family -> why neither attention op of ours runs there (attention_op and runs not checked;
-    # asserted instead: no attention op of ours runs)
-    attention_falls_back: dict = dataclasses.field(default_factory=dict)
     note: str = ""  # for docs/feature_matrix.md
 
     def expected(self, family: str, order: str):
@@ -494,14 +491,6 @@ def _attention_backend(name: str):
     return apply
 
 
-#: Where the compiled attention rows attend with diffusers' backend: HunyuanVideo-1.5's processor
-#: reads its text mask on the host into key lengths, which a compiled graph cannot (torch.compile
-#: traces the mask path, attention with a broadcast key mask; the 2026-11-26 H100 run).
-COMPILED_MASK_FALLBACK = {
-    "hunyuan_video15": "its text mask becomes key lengths on the host, which torch.compile cannot "
-    "read: the compiled graph attends with diffusers' backend and a key mask"
-}
-
 #: 8-bit attention against stock (relative L2 of the outputs): INT8 q/k, e4m3 v (and p on CUDA),
 #: against which the stock run's own rounding is negligible.
 INT8_ATTENTION_VS_STOCK = 5e-2
@@ -515,7 +504,7 @@ def _hopper_on_gpu(device):
 
 def _compiled_attention(choice: str, what: str, **options) -> Feature:
     """The `torch.compile(dynamic=True)` row of inject_optimized_kernels(attention=`choice`),
-    `what` running in the graph (but HunyuanVideo-1.5's: COMPILED_MASK_FALLBACK)."""
+    `what` running in the graph."""
     return Feature(
         f"compile_dynamic_{choice}_attention",
         f'`torch.compile(dynamic=True)`, `attention="{choice}"`',
@@ -527,10 +516,9 @@ def _compiled_attention(choice: str, what: str, **options) -> Feature:
         batches=DYNAMIC_BATCHES,
         compiles=True,
         inject_options=dict(attention=choice),
-        attention_falls_back=COMPILED_MASK_FALLBACK,
-        cpu_cells=lambda family, order: family in ("ltx", "flux"),
-        note=f"as `torch.compile(dynamic=True)`, {what} in the graph (HunyuanVideo-1.5: "
-        "diffusers' backend with a key mask, its text mask being read on the host)",
+        cpu_cells=lambda family, order: family in ("ltx", "flux", "hunyuan_video15"),
+        note=f"as `torch.compile(dynamic=True)`, {what} in the graph (HunyuanVideo-1.5: with "
+        "the text's key lengths counted on the device)",
         **options,
     )
 
@@ -1360,13 +1348,10 @@ def run_cell(feature: Feature, family: str, order: str, device: str, tmp: pathli
         assert error <= bound, f"{name}: relative L2 {error:.3g} vs stock (bound {bound:g})"
     assert ops, "no ltx_kernels op ran: the injection is not in effect"
     ran = {name.split("::")[-1] for name in ops}  # (compiled: "ltx_kernels::attention")
-    if family in feature.attention_falls_back:
-        assert not ran & {"attention", "attention_int8"}, f"ops that ran: {sorted(ran)}"
-    else:
-        if feature.attention_op is not None:
-            assert ("attention" in ran) == feature.attention_op, f"ops that ran: {sorted(ran)}"
-        missing = set(feature.runs) - ran
-        assert not missing, f"{sorted(missing)} did not run; ops that ran: {sorted(ran)}"
+    if feature.attention_op is not None:
+        assert ("attention" in ran) == feature.attention_op, f"ops that ran: {sorted(ran)}"
+    missing = set(feature.runs) - ran
+    assert not missing, f"{sorted(missing)} did not run; ops that ran: {sorted(ran)}"
     fallback = set(injected.report.skipped) - _baseline_skips(family, setup, dtype)
     tiny = () if setup.gpu else feature.tiny_fallback.get(family, ())
     wanted = getattr(expected, "fallback", ())  # (AsStock: none)

@@ -252,3 +252,28 @@ def test_cuda_takes_bf16_at_64_and_128_and_matches_sdpa(head_dim):
         key_lengths=lengths,
     )
     assert rel_l2(out, expected) <= BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("choice, op", [("ltx_kernels", "attention"), ("int8", "attention_int8")])
+def test_hunyuan_video15_compiled_attends_with_device_key_lengths(choice, op):
+    # Under torch.compile HunyuanVideo-1.5's text mask cannot become key lengths on the host: our
+    # op takes them as a tensor counted on the device (the same output as eager, which reads them
+    # on the host); a mask whose valid keys do not lead (the model never makes one) raises.
+    from ltx_kernels.integration.hunyuan import HunyuanVideo15KernelsAttnProcessor
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    processor = HunyuanVideo15KernelsAttnProcessor()
+    processor.ops, processor.attention = frozenset(injector.FUSIONS), choice
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(2, 24 + 7, 2, 8) for _ in range(3))
+    text_mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3], dtype=torch.bool)  # 7 text rows
+    compiled = torch.compile(processor._attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        expected = processor._attend(query, key, value, text_mask)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = compiled(query, key, value, text_mask)
+        assert torch.equal(out, expected)
+        assert any(e.name == f"ltx_kernels::{op}" for e in prof.events())
+        with pytest.raises(RuntimeError, match="valid keys first"):
+            compiled(query, key, value, text_mask.flip(-1))

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from . import adaln, quant, recompute, steps
-from .attention import attend, padded_key_lengths
+from .attention import attend, our_attention, padded_key_lengths
 from .context_parallel import context_parallel_config
 from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
@@ -199,9 +199,14 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
         valid rows (the model puts its padded text last), the padded queries and keys are
         dropped and their output rows are zeros; otherwise the per-batch key lengths (attend:
         our attention op takes them, else a broadcast [B, 1, 1, S] key mask; where they cannot
-        be read, that key mask), the padded query rows set to zero. (At 480p, 121 frames,
-        1x16x49290 with 700 padded keys on an H100: dense mask 77.3 ms, key mask 47.8, dropped
-        33.1.)"""
+        be read, that key mask), the padded query rows set to zero. Under torch.compile
+        ("drop_padded_keys" enabled), where the lengths cannot be read on the host, an attention
+        op of ours (attention="ltx_kernels" or
+        "int8", where it applies) takes them as a tensor counted on the device: the model puts
+        every element's valid rows first (its forward reorders the text valid-first), which an
+        asynchronous check asserts (a mask whose valid keys do not lead fails loudly, never
+        attends wrongly). (At 480p, 121 frames, 1x16x49290 with 700 padded keys on an H100:
+        dense mask 77.3 ms, key mask 47.8, dropped 33.1.)"""
         seq_len, image_rows = query.shape[1], query.shape[1] - attention_mask.shape[1]
         cp_config = context_parallel_config(self._parallel_config)
         if cp_config is not None:
@@ -212,7 +217,17 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
             out = attend(self, query[:, :rows], key, value, key_lengths=(rows,) * len(query))
             return F.pad(out, (0, 0, 0, 0, 0, seq_len - rows))
         valid = F.pad(attention_mask, (image_rows, 0), value=True).bool()
-        if text_lengths is not None:
+        compiled = torch.compiler.is_compiling() and "drop_padded_keys" in self.ops
+        ours = our_attention(self, query, key, value) if compiled else None
+        if text_lengths is None and ours is not None:
+            lengths = valid.sum(-1, dtype=torch.int32)
+            leading = torch.arange(seq_len, device=valid.device) < lengths[:, None]
+            torch._assert_async(
+                (leading == valid).all(),
+                "ltx_kernels: HunyuanVideo-1.5's text mask must have its valid keys first",
+            )
+            out = ours(query, key, value, lengths)
+        elif text_lengths is not None:
             lengths = tuple(image_rows + n for n in text_lengths)
             out = attend(self, query, key, value, key_lengths=lengths)
         else:
