@@ -32,19 +32,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_utils  # noqa: E402
+import benchmark_attention  # noqa: E402
 
 import ltx_kernels  # noqa: E402
 from ltx_kernels import reference  # noqa: E402
 
-#: name -> (batch, heads, sequence, head_dim): issue 34's cases
-CASES = {
-    "ltx-video 49f": (2, 32, 2688, 64),
-    "ltx-video 161f": (2, 32, 8064, 64),
-    "flux 1024x1024": (1, 24, 4608, 128),
-    "ltx-2 121f": (2, 32, 6144, 128),
-    "wan2.1-14b 81f 720p": (1, 40, 32760, 128),
-    "hunyuanvideo-1.5 480p 121f": (1, 16, 49290, 128),
-}
+#: name -> (batch, heads, sequence, head_dim): issue 34's cases, benchmark_attention.CASES without
+#: their padding
+CASES = {name: case[:4] for name, case in benchmark_attention.CASES.items()}
 
 
 def _q(q):
