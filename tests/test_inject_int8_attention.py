@@ -17,9 +17,10 @@ from model_zoo import MODELS, ltx, wan
 
 #: Relative L2 of 8-bit attention against exact attention: v in e4m3 (3 mantissa bits: 2.5e-2
 #: alone on _qkv's inputs), q and k in INT8 (steps of 1/127 of each block's amax, which _qkv's
-#: 8x outlier channel of k makes coarse for the other channels): 3.9e-2 to 4.1e-2 measured on
-#: the CPU (the twins keep p exact) in fp32 and bf16.
-INT8_TOLERANCE = 5e-2
+#: 8x outlier channel of k makes coarse for the other channels): 3.6e-2 to 5.2e-2 measured on
+#: the CPU (the twins keep p exact) in fp32 and bf16 over 60 seeds of _qkv. The bound holds for
+#: any draw, not one: the CPU's random stream differs between machines (vectorized paths).
+INT8_TOLERANCE = 6e-2
 #: The CUDA kernel also rounds the probabilities (times 448) to e4m3 before p.v: 6.6e-2 (head_dim
 #: 64) and 7.1e-2 (128) measured against SDPA on an H100 on _qkv's inputs.
 INT8_TOLERANCE_CUDA = 8e-2
@@ -67,6 +68,11 @@ def test_int8_attention_is_attention_within_8_bit_noise(dtype, lengths):
         torch.testing.assert_close(garbage[1], out[1], rtol=0, atol=0)
         if lengths[1] == 0:
             assert torch.equal(out[1], torch.zeros_like(out[1]))
+        elif dtype == torch.float32:
+            # k smoothed by the mean of the attended keys alone (not pulled towards the keys
+            # past the length): attends as the same op on its 70 keys, to fp32 rounding.
+            alone = attention.int8_attention(q[1:], k[1:, :70], v[1:, :70])
+            torch.testing.assert_close(out[1:], alone, rtol=1e-5, atol=1e-6)
 
 
 def test_the_seam_passes_key_lengths_and_falls_back_where_8_bits_do_not_apply(monkeypatch):

@@ -159,13 +159,18 @@ def int8_attention(query, key, value, key_lengths=None, scale=None) -> torch.Ten
     and head (quantize, "i8_row"), k smoothed by its mean over the sequence and quantized per head
     and block of 128 keys (quantize_attention_k), v per channel in e4m3, transposed
     (quantize_attention_v), then attention_int8 (INT8 q.k, FP8 p.v) with the key lengths and
-    `scale` (default D**-0.5). The keys past each length are zeroed first (one masked copy of k
-    and v, only with key lengths): the op never attends them, and so they weigh in no scale or
-    mean either."""
+    `scale` (default D**-0.5). With key lengths, the keys past each length (never attended) are
+    first set to the mean of the attended keys and the values to zero (one masked copy of each),
+    so that they weigh in no scale and leave k's mean that of the attended keys: zeros there would
+    pull the mean towards 0 and smooth the attended keys less (8-bit error 4.9e-2 instead of
+    3.9e-2 with 70 of 150 keys attended, test_inject_int8_attention)."""
     if key_lengths is not None:
         positions = torch.arange(key.shape[1], device=key.device)
         attended = (positions < key_lengths[:, None])[:, :, None, None]  # [B, Sk, 1, 1]
-        key, value = key.where(attended, 0), value.where(attended, 0)
+        attended_sum = key.where(attended, 0).sum(1, keepdim=True, dtype=torch.float32)
+        count = key_lengths.clamp(min=1).to(torch.float32)[:, None, None, None]
+        key = key.where(attended, (attended_sum / count).to(key.dtype))
+        value = value.where(attended, 0)
     q8, q_scale = quantize(query, format="i8_row")
     k8, k_scale = quantize_attention_k(key)
     v8, v_scale = quantize_attention_v(value)
