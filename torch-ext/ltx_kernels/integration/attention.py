@@ -166,10 +166,12 @@ def int8_attention(query, key, value, key_lengths=None, scale=None) -> torch.Ten
     3.9e-2 with 70 of 150 keys attended, test_inject_int8_attention)."""
     if key_lengths is not None:
         positions = torch.arange(key.shape[1], device=key.device)
-        attended = (positions < key_lengths[:, None])[:, :, None, None]  # [B, Sk, 1, 1]
-        attended_sum = key.where(attended, 0).sum(1, keepdim=True, dtype=torch.float32)
-        count = key_lengths.clamp(min=1).to(torch.float32)[:, None, None, None]
-        key = key.where(attended, (attended_sum / count).to(key.dtype))
+        attended = positions < key_lengths[:, None]  # [B, Sk]
+        # the attended keys' sum per head and channel in one read of k: [B, 1, Sk] @ [B, Sk, H * D]
+        attended_sum = torch.bmm(attended[:, None].to(key.dtype), key.flatten(2))
+        mean = attended_sum / key_lengths.clamp(min=1)[:, None, None]
+        attended = attended[:, :, None, None]  # [B, Sk, 1, 1]
+        key = key.where(attended, mean.unflatten(2, key.shape[2:]).to(key.dtype))
         value = value.where(attended, 0)
     q8, q_scale = quantize(query, format="i8_row")
     k8, k_scale = quantize_attention_k(key)
