@@ -392,6 +392,13 @@ ATTENTION_COLUMNS = (
     "blocks+kernels+int8_attention",
     "blocks+kernels+fp8+int8_attention",
 )
+#: A column's part -> the attention choice it injects with (inject_optimized_kernels' attention=;
+#: none of them: "auto").
+ATTENTION_PARTS = {
+    "ltx_attention": "ltx_kernels",
+    "int8_attention": "int8",
+    "diffusers_attention": "diffusers",
+}
 #: Every column benchmark_transformer.py and profile_step.py take (--columns).
 ALL_COLUMNS = COLUMNS + FP8_COLUMNS + ATTENTION_COLUMNS
 
@@ -404,9 +411,9 @@ def uncompile_blocks(model):
 
 @contextlib.contextmanager
 def configured(column, model):
-    """The model set up as `column` ("+"-separated: kernels, fp8, ltx_attention (our attention op:
-    attention="ltx_kernels"), int8_attention (attention="int8"), torchao-fp8, compiled whole or per block, and no_<fusion> to inject
-    without one of FUSIONS, e.g. kernels+no_lora_linear);
+    """The model set up as `column` ("+"-separated: kernels, fp8, an attention choice of
+    ATTENTION_PARTS, torchao-fp8, compiled whole or per block, and no_<fusion> to inject without
+    one of FUSIONS, e.g. kernels+no_lora_linear);
     yields what to call, or None when the model has no repeated blocks to compile. Undone on exit."""
     parts = set(column.split("+"))
     injected = "kernels" in parts
@@ -421,12 +428,8 @@ def configured(column, model):
                 fp8=fp8,
                 ops=ops,
                 fp8_linears=FP8_LINEARS if fp8 else None,
-                attention=(
-                    "ltx_kernels"
-                    if "ltx_attention" in parts
-                    else "int8"
-                    if "int8_attention" in parts
-                    else "auto"
+                attention=next(
+                    (choice for part, choice in ATTENTION_PARTS.items() if part in parts), "auto"
                 ),
                 keep_bf16_weights=fp8,  # (parked on the CPU: the next column gets them back)
             )
