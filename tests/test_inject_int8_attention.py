@@ -120,6 +120,58 @@ def test_every_family_attends_in_8_bits(name):
     assert rel_l2(outputs["int8"], outputs["diffusers"]) <= INT8_TOLERANCE
 
 
+#: The families whose processors have the q/k norm op quantize the query (query_format): Wan's
+#: text-to-video attentions (I2V's attend the query twice: left a tensor).
+QUERY_IN_THE_NORM_PASS = {"wan", "wan_ti2v", "skyreels_v2", "skyreels_v2_df"}
+
+
+@pytest.mark.parametrize("name", sorted(QUERY_IN_THE_NORM_PASS))
+def test_the_query_is_quantized_in_the_norm_pass(name, monkeypatch):
+    # q from qk_rmsnorm_rope_quant (no quantize pass of int8_attention's own) in every attention
+    # of the model, bit for bit what quantizing the bf16 op's q gives (query_format refused).
+    torch.manual_seed(0)
+    model, inputs = MODELS[name].build(torch.float32), MODELS[name].inputs(torch.float32)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False, attention="int8")
+    with torch.no_grad(), OpCounter() as counter:
+        fused = output_of(model(**inputs))
+    calls = counter.counts
+    assert calls["qk_rmsnorm_rope_quant"] == calls["attention_int8"] > 0, calls
+    assert "quantize" not in calls and "qk_rmsnorm_rope" not in calls, calls
+    monkeypatch.setattr(attention, "query_format", lambda *args, **kwargs: None)
+    with torch.no_grad(), OpCounter() as counter:
+        separate = output_of(model(**inputs))
+    assert counter.counts["quantize"] == counter.counts["attention_int8"]
+    assert torch.equal(fused, separate)
+
+
+def test_the_query_stays_a_tensor_where_8_bits_do_not_apply():
+    # query_format asks what attend decides: a mask, context parallelism, autograd recording
+    # through the norm's weight, or a choice other than "int8" give None.
+    q, k, v = _qkv(9, 11, torch.float32)
+    weight = torch.ones(16, requires_grad=True)
+    assert attention.query_format(_Processor(), q, k, v) == attention.QUERY_FORMAT
+    assert attention.query_format(_Processor(), q, k, v, mask=torch.ones(2, 1, 1, 11)) is None
+    assert attention.query_format(_Processor(), q, k, v, params=(None, weight)) is None
+    with torch.no_grad():
+        assert attention.query_format(_Processor(), q, k, v, params=(None, weight)) is not None
+    other = _Processor()
+    other.attention = "ltx_kernels"
+    assert attention.query_format(other, q, k, v) is None
+
+
+def test_a_quantized_query_never_attends_another_way():
+    q, k, v = _qkv(9, 11, torch.float32)
+    rows = attention.QuantRows(*ltx_kernels.quantize(q, format="i8_row"), "i8_row")
+    torch.testing.assert_close(
+        attention.attend(_Processor(), rows, k, v),
+        attention.int8_attention(q, k, v),
+        rtol=0,
+        atol=0,
+    )
+    with pytest.raises(RuntimeError, match="quantized query"):
+        attention.attend(_Processor(), rows, k, v, mask=torch.ones(2, 1, 1, 11, dtype=torch.bool))
+
+
 def test_bf16_blocks_keep_the_first_and_last_blocks_out_of_8_bits():
     torch.manual_seed(0)
     blocks = 4

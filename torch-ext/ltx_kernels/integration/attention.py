@@ -69,6 +69,7 @@ from .context_parallel import (
     waited,
 )
 from .injector import LTX_ATTENTION_FASTER, LTX_ATTENTION_HEAD_DIMS
+from .quant import QuantRows
 
 
 def attend(
@@ -95,11 +96,17 @@ def attend(
 
         out = ulysses_attention(query, key, value, parallel_config, local, replicated)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
-    ours = (
-        None
-        if mask is not None or cp_config is not None
-        else our_attention(processor, query, key, value)
-    )
+    if isinstance(query, QuantRows):  # quantized by the op before (query_format said so)
+        if mask is not None or cp_config is not None:
+            raise RuntimeError(
+                "ltx_kernels attend: a quantized query attends through int8_attention only, "
+                "without a mask or context parallelism (query_format)"
+            )
+        ours = int8_attention
+    elif mask is not None or cp_config is not None:
+        ours = None
+    else:
+        ours = our_attention(processor, query, key, value)
     lengths = None  # (ours: the key lengths as the op takes them)
     if key_lengths is not None and len(set(key_lengths)) == 1:
         key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
@@ -155,8 +162,9 @@ def our_attention(processor, query, key, value):
 
 
 def int8_attention(query, key, value, key_lengths=None, scale=None) -> torch.Tensor:
-    """8-bit attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] in q's dtype: q quantized per token
-    and head (quantize, "i8_row"), k smoothed by its mean over the sequence and quantized per head
+    """8-bit attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] in k's dtype: q quantized per token
+    and head (quantize, QUERY_FORMAT; or already, QuantRows from the op that produced it:
+    query_format), k smoothed by its mean over the sequence and quantized per head
     and block of 128 keys (quantize_attention_k), v per channel in e4m3, transposed
     (quantize_attention_v), then attention_int8 (INT8 q.k, FP8 p.v) with the key lengths and
     `scale` (default D**-0.5). With key lengths, the keys past each length (never attended) are
@@ -173,12 +181,38 @@ def int8_attention(query, key, value, key_lengths=None, scale=None) -> torch.Ten
         attended = attended[:, :, None, None]  # [B, Sk, 1, 1]
         key = key.where(attended, mean.unflatten(2, key.shape[2:]).to(key.dtype))
         value = value.where(attended, 0)
-    q8, q_scale = quantize(query, format="i8_row")
+    if isinstance(query, QuantRows):
+        q8, q_scale = query.data, query.scale
+    else:
+        q8, q_scale = quantize(query, format=QUERY_FORMAT)
     k8, k_scale = quantize_attention_k(key)
     v8, v_scale = quantize_attention_v(value)
     return attention_int8(
-        q8, q_scale, k8, k_scale, v8, v_scale, key_lengths, scale, out_dtype=query.dtype
+        q8, q_scale, k8, k_scale, v8, v_scale, key_lengths, scale, out_dtype=key.dtype
     )
+
+
+#: The format of int8_attention's q operand (QuantRows): INT8, one scale per token and head.
+QUERY_FORMAT = "i8_row"
+
+
+def query_format(
+    processor, query, key, value, *, mask=None, parallel_config=None, params=()
+) -> str | None:
+    """The format in which the op producing the query (qk_rmsnorm_rope_quant: steps.qk_norm_rope)
+    may hand it to `attend(processor, query, key, value, mask=mask,
+    parallel_config=parallel_config)` quantized, as QuantRows: QUERY_FORMAT where that call runs
+    int8_attention (no mask, no context parallelism, runs_int8_attention), so that q is quantized
+    in the op's pass instead of one of int8_attention's own; None: hand it the tensor. q/k/v
+    [B, S, H, D] as attend takes them, asked before that op (which keeps their shapes and dtype);
+    `params`: its parameters (the norms' weights), through which autograd may record too."""
+    quantized = (
+        mask is None
+        and context_parallel_config(parallel_config) is None
+        and not _recording(*(p for p in params if p is not None))
+        and runs_int8_attention(processor, query, key, value)
+    )
+    return QUERY_FORMAT if quantized else None
 
 
 def runs_int8_attention(processor, query, key, value) -> bool:

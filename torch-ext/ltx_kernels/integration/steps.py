@@ -32,6 +32,7 @@ from ..ops import (
     layernorm_modulate_quant,
     linear_gelu,
     qk_rmsnorm_rope,
+    qk_rmsnorm_rope_quant,
     rmsnorm,
     rmsnorm_modulate,
     rmsnorm_modulate_quant,
@@ -321,26 +322,25 @@ def qk_norm_rope(
     *,
     across_heads: bool,
     interleaved: bool = True,
+    query_format: str | None = None,
 ):
     """q, k = norm_q(q), norm_k(k) (torch.nn.RMSNorm; None: no norm), then RoPE with
     cos_sin = (cos, sin) or None. diffusers_rope(t, cos_sin) is the model's own rotation, used when
-    the rope op is disabled or cannot take the tables."""
+    the rope op is disabled or cannot take the tables. With a query_format (attention.query_format:
+    the attention quantizes q in it), q comes back quantized in that format (QuantRows, from
+    qk_rmsnorm_rope_quant's pass) where our op runs the whole step; a tensor otherwise."""
     ops = ops_for_step(ops, q, k, norm_q, norm_k, cos_sin)
     rotate = cos_sin is not None and "rope" in ops and _same_rope_tables(q, cos_sin)
     fused_norm = fuses_qk_norm(ops, norm_q, norm_k, q, k)
     if fused_norm:
         cos, sin = cos_sin if rotate else (None, None)
-        q, k = qk_rmsnorm_rope(
-            q,
-            k,
-            norm_q.weight,
-            norm_k.weight,
-            cos,
-            sin,
-            _rmsnorm_eps(norm_q, q),
-            across_heads,
-            interleaved,
-        )
+        args = (q, k, norm_q.weight, norm_k.weight, cos, sin, _rmsnorm_eps(norm_q, q))
+        if query_format is not None and (cos_sin is None or rotate):
+            *q_rows, k = qk_rmsnorm_rope_quant(
+                *args, across_heads, interleaved, format=query_format
+            )
+            return QuantRows(*q_rows, query_format), k
+        q, k = qk_rmsnorm_rope(*args, across_heads, interleaved)
     else:
         if norm_q is not None:
             q = norm_q(q)

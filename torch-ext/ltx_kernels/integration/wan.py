@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from . import quant, recompute, steps
+from . import attention, quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules
 from .injector import FusedAttnProcessor
@@ -94,9 +94,10 @@ def _heads(attn, t):
     return t.unflatten(2, (attn.heads, -1))
 
 
-def qk_norm_rope(ops, attn, query, key, rotary_emb):
+def qk_norm_rope(ops, attn, query, key, rotary_emb, query_format=None):
     """WanAttnProcessor's q/k path: torch.nn.RMSNorm over the token, split into heads
-    [B, S, H, Dh], RoPE per head (none without rotary_emb). Returns (query, key) split."""
+    [B, S, H, Dh], RoPE per head (none without rotary_emb). Returns (query, key) split, the query
+    quantized in `query_format` where our op runs the step (steps.qk_norm_rope)."""
     norm_q, norm_k = attn.norm_q, attn.norm_k
     ops = steps.ops_for_step(ops, query, key, norm_q, norm_k, rotary_emb)
     ops, tables = _rope_operands(ops, rotary_emb)
@@ -112,6 +113,7 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb):
         tables,
         wan_rope,
         across_heads=True,
+        query_format=query_format,
     )
 
 
@@ -157,8 +159,23 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
             query, key, value = steps.fused_projections(self.ops, attn, hidden_states)
         else:  # (hidden_states may be QuantRows: to_q takes them)
             query, key, value = self.get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        query, key = qk_norm_rope(self.ops, attn, query, key, rotary_emb)
         value = _heads(attn, value)
+        self_attention = encoder_hidden_states is None
+        parallel_config = (
+            self._parallel_config if self_attention or self.parallel_cross_attention else None
+        )
+        query_format = None
+        if encoder_hidden_states_img is None:  # (I2V attends the query twice: left a tensor)
+            query_format = attention.query_format(
+                self,
+                _heads(attn, query),
+                _heads(attn, key),
+                value,
+                mask=attention_mask,
+                parallel_config=parallel_config,
+                params=(getattr(attn.norm_q, "weight", None), getattr(attn.norm_k, "weight", None)),
+            )
+        query, key = qk_norm_rope(self.ops, attn, query, key, rotary_emb, query_format)
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:  # I2V
@@ -167,13 +184,7 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
             cross_parallel = self._parallel_config if self.parallel_cross_attention else None
             hidden_states_img = attend_query(key_img, _heads(attn, value_img), None, cross_parallel)
 
-        self_attention = encoder_hidden_states is None
-        hidden_states = attend_query(
-            key,
-            value,
-            attention_mask,
-            self._parallel_config if self_attention or self.parallel_cross_attention else None,
-        )
+        hidden_states = attend_query(key, value, attention_mask, parallel_config)
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
         hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
