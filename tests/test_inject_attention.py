@@ -93,6 +93,30 @@ def test_key_lengths_reach_the_op_as_lengths(lengths, dtype, monkeypatch):
         assert keys == 11 and passed.tolist() == list(lengths)
 
 
+@pytest.mark.parametrize("choice", ["ltx_kernels", "diffusers"])
+def test_key_lengths_become_one_device_tensor_per_tuple(choice, monkeypatch):
+    # Mixed key lengths become a [B] tensor on the keys' device once per tuple (on CUDA a blocking
+    # copy from pageable memory): the blocks of a step, which pass the same lengths, reuse it (for
+    # our op, or diffusers' key mask built from it); other lengths get their own; the same
+    # outputs as fresh tensors.
+    made, tensor = [], torch.tensor
+
+    def recorded(*args, **kwargs):
+        made.append(args)
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", recorded)
+    monkeypatch.setattr(attention, "_last_lengths_tensor", [])
+    processor = type("P", (_Processor,), {"attention": choice})()
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(2, n, 2, 8, dtype=torch.float64) for n in (9, 11, 11))
+    outs = {}
+    for lengths in [(7, 3), (7, 3), (5, 3), (5, 3), (7, 3)]:
+        out = attention.attend(processor, query, key, value, key_lengths=lengths)
+        assert torch.equal(outs.setdefault(lengths, out), out)
+    assert made == [((7, 3),), ((5, 3),), ((7, 3),)]
+
+
 def test_a_mask_or_autograd_falls_back_to_diffusers(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "ltx_attention", lambda *args: calls.append(args))

@@ -104,7 +104,7 @@ def attend(
     if key_lengths is not None and len(set(key_lengths)) == 1:
         key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
     elif key_lengths is not None:
-        lengths = torch.tensor(key_lengths, device=key.device)
+        lengths = lengths_tensor(key_lengths, key.device)
         if not ours:  # a broadcast key mask
             positions = torch.arange(key.shape[1], device=key.device)
             mask = (positions < lengths[:, None])[:, None, None, :]
@@ -310,6 +310,23 @@ def padded_key_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
 #: [mask, its version, its key lengths] of the last padded_key_lengths call (the mask held: its id
 #: stays its own).
 _last_lengths: list = []
+
+
+def lengths_tensor(key_lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`key_lengths` as a [B] tensor on `device`, as the attention ops take them. Eager, the last
+    call's tensor is reused for the same lengths and device: a step's blocks pass the same lengths
+    and share one host-to-device copy (on CUDA a blocking copy from pageable memory) instead of
+    one per call. Under torch.compile or CUDA-graph capture, a new tensor each call. (Its readers
+    never write it.)"""
+    if torch.compiler.is_compiling() or capturing():
+        return torch.tensor(key_lengths, device=device)
+    if not _last_lengths_tensor or _last_lengths_tensor[0] != (key_lengths, device):
+        _last_lengths_tensor[:] = [(key_lengths, device), torch.tensor(key_lengths, device=device)]
+    return _last_lengths_tensor[1]
+
+
+#: [(key lengths, device), their tensor] of the last lengths_tensor call outside compile/capture.
+_last_lengths_tensor: list = []
 
 
 def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> bool:
