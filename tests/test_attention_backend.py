@@ -202,6 +202,30 @@ def test_key_padding_masks_become_key_lengths(backend, lengths, layout):
     assert rel_l2(out, expected) <= tolerance
 
 
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+def test_key_lengths_become_one_device_tensor_per_mask(backend, monkeypatch):
+    # The blocks of a step pass the same key-padding mask: its mixed lengths become one [B]
+    # tensor on q's device (on CUDA a blocking copy from pageable memory), not one per call; other
+    # lengths get their own; the same outputs.
+    from ltx_kernels.integration import attention
+
+    made, tensor = [], torch.tensor
+
+    def recorded(*args, **kwargs):
+        made.append(args)
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_last_lengths_tensor", [])
+    query, key, value = _qkv()
+    masks = [torch.arange(11) < tensor(lengths)[:, None] for lengths in [(7, 3), (5, 3)]]
+    expected = [_attend(backend, query, key, value, mask)[0] for mask in masks]
+    monkeypatch.setattr(torch, "tensor", recorded)
+    for i in (0, 0, 1, 1, 0):
+        out, counts = _attend(backend, query, key, value, masks[i])
+        assert counts[OP_OF[backend]] == 1 and torch.equal(out, expected[i])
+    assert made == [((7, 3),), ((5, 3),), ((7, 3),)]
+
+
 def test_return_lse_and_scale_reach_the_bf16_op():
     query, key, value = _qkv()
     out, lse = dispatch_attention_fn(

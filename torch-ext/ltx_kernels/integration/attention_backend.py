@@ -33,7 +33,14 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _int8_takes, _op_takes, _recording, int8_attention, padded_key_lengths
+from .attention import (
+    _int8_takes,
+    _op_takes,
+    _recording,
+    int8_attention,
+    lengths_tensor,
+    padded_key_lengths,
+)
 
 #: diffusers' backend name -> the AttentionBackendName member name register_attention_backends adds.
 ATTENTION_BACKENDS = {"ltx_kernels": "LTX_KERNELS", "ltx_kernels_int8": "LTX_KERNELS_INT8"}
@@ -180,8 +187,9 @@ def ltx_kernels_int8_attention(
 def _ours(query, key, value, attn_mask, dropout_p, is_causal, parallel_config, *, takes):
     """(key, value, key lengths) for an op of ours that takes q/k/v where `takes(q, k, v)`, or
     None where the call falls back (the module docstring). A key-padding mask becomes key lengths
-    (a [B] tensor on q's device) or, where every element attends the same keys, k/v sliced to
-    those keys (the same attention in math, no lengths)."""
+    (a [B] tensor on q's device, reused while the lengths are the same: lengths_tensor) or, where
+    every element attends the same keys, k/v sliced to those keys (the same attention in math, no
+    lengths)."""
     if (
         dropout_p
         or is_causal
@@ -202,7 +210,7 @@ def _ours(query, key, value, attn_mask, dropout_p, is_causal, parallel_config, *
         return None
     if len(set(lengths)) == 1:
         return key[:, : lengths[0]], value[:, : lengths[0]], None
-    return key, value, torch.tensor(lengths, device=key.device)
+    return key, value, lengths_tensor(lengths, key.device)
 
 
 def _key_padding_lengths(mask: torch.Tensor, batch: int, keys: int) -> tuple[int, ...] | None:
