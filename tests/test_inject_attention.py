@@ -117,6 +117,36 @@ def test_key_lengths_become_one_device_tensor_per_tuple(choice, monkeypatch):
     assert made == [((7, 3),), ((5, 3),), ((7, 3),)]
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_a_key_mask_is_read_once_through_the_views_made_per_call(inference, monkeypatch):
+    # diffusers' processors (Z-Image, ERNIE-Image, ...) view the model's [B, S] key mask per call
+    # (mask[:, None, None, :]): padded_key_lengths reads it on the host (on CUDA: waits for the
+    # GPU) once while it is unmodified, not once per call, under torch.inference_mode too (whose
+    # views do not know their base); another view of it or another mask is read again, and so is
+    # the mask after a write (but an inference tensor's: it has no version counter).
+    reads, equal = [], torch.equal
+
+    def recorded(*args):
+        reads.append(args)
+        return equal(*args)
+
+    monkeypatch.setattr(torch, "equal", recorded)
+    monkeypatch.setattr(attention, "_last_lengths", [])
+    with torch.inference_mode(inference):
+        mask = torch.arange(11) < torch.tensor([7, 3])[:, None]
+        for _ in range(3):
+            assert attention.padded_key_lengths(mask[:, None, None, :]) == (7, 3)
+        assert len(reads) == 1
+        assert attention.padded_key_lengths(mask[1:, None, None, :]) == (3,)
+        assert attention.padded_key_lengths(mask.clone()[:, None, None, :]) == (7, 3)
+        assert len(reads) == 3
+    if not inference:
+        mask[1, 3] = True
+        assert attention.padded_key_lengths(mask[:, None, None, :]) == (7, 4)
+        assert attention.padded_key_lengths(mask[:, None, None, :]) == (7, 4)
+        assert len(reads) == 4
+
+
 def test_a_mask_or_autograd_falls_back_to_diffusers(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "ltx_attention", lambda *args: calls.append(args))

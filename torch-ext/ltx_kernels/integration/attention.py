@@ -293,22 +293,33 @@ def padded_key_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
     the host (under
     torch.compile or CUDA-graph capture: the caller then attends with the mask). Reading a CUDA
     mask waits for the GPU; the blocks of a step share one mask tensor, read once (the last
-    call's lengths are reused while the mask is the same, unmodified tensor; an inference tensor
-    has no version counter: "unmodified" then rests on nothing in diffusers writing it in place)."""
+    call's lengths are reused while the mask is the same elements of the same, unmodified storage:
+    the same tensor, or the same view of it, as diffusers' processors view the model's mask per
+    call, e.g. mask[:, None, None, :]; an inference tensor has no version counter: "unmodified"
+    then rests on nothing in diffusers writing it in place)."""
     if torch.compiler.is_compiling() or capturing():
         return None
-    if _last_lengths and _last_lengths[0] is valid and _last_lengths[1] == version_of(valid):
+    where = (
+        valid.untyped_storage().data_ptr(),
+        valid.dtype,
+        valid.storage_offset(),
+        valid.shape,
+        valid.stride(),
+        version_of(valid),
+    )
+    if _last_lengths and _last_lengths[1] == where:
         return _last_lengths[2]
     rows = valid.flatten(0, -2)
     lengths = rows.sum(1)
     leading = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
     result = tuple(lengths.tolist()) if torch.equal(leading, rows) else None
-    _last_lengths[:] = [valid, version_of(valid), result]
+    _last_lengths[:] = [valid, where, result]
     return result
 
 
-#: [mask, its version, its key lengths] of the last padded_key_lengths call (the mask held: its id
-#: stays its own).
+#: [mask, (its storage's address, dtype, storage offset, shape, strides, version), its key
+#: lengths] of the last padded_key_lengths call (the mask held: no other storage takes that
+#: address; a view shares its version counter with the tensor it views).
 _last_lengths: list = []
 
 
