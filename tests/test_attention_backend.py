@@ -150,6 +150,16 @@ def test_masks_other_than_key_padding_fall_back_to_native(backend, mask):
 
 
 @pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+@pytest.mark.parametrize("mask_batch", [0, 1])
+def test_an_empty_batch_with_a_key_padding_mask_falls_back_to_native(backend, mask_batch):
+    # No key lengths to read: native's empty output (was a ZeroDivisionError or min() of nothing).
+    query, key, value = (t[:0] for t in _qkv())
+    mask = torch.ones(mask_batch, 1, 1, 11, dtype=torch.bool)
+    out, counts = _attend(backend, query, key, value, mask)
+    assert out.shape == (0, 9, 3, 16) and not counts
+
+
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
 @pytest.mark.parametrize("case", ["causal", "dropout", "gqa", "autograd recording"])
 def test_calls_our_ops_do_not_take_fall_back_to_native(backend, case):
     query, key, value = _qkv()

@@ -21,8 +21,8 @@ Each backend attends with our op where it applies, and with diffusers' NATIVE ba
   takes (attention.py: `_op_takes` for the bf16 op, `_int8_takes` for int8 attention);
   return_lse only for the bf16 op (lse [B, Sq, H], diffusers' layout);
 - falls back: every other mask (additive, dense [B, 1, Sq, Sk], keys not leading, a row with no
-  valid key: SDPA's NaN kept), masks under torch.compile or CUDA-graph capture (not read on the
-  host), and context parallelism.
+  valid key: SDPA's NaN kept), a mask on an empty batch, masks under torch.compile or CUDA-graph
+  capture (not read on the host), and context parallelism.
 Context parallelism: the backends are registered without context-parallel support, so diffusers'
 enable_parallelism / set_attention_backend raise their error naming the backends that have it
 (inject_optimized_kernels' ulysses_attention is the path for our attention under Ulysses); a call
@@ -216,8 +216,9 @@ def _ours(query, key, value, attn_mask, dropout_p, is_causal, parallel_config, *
 def _key_padding_lengths(mask: torch.Tensor, batch: int, keys: int) -> tuple[int, ...] | None:
     """The per-element key lengths of a boolean key-padding mask, [batch, keys] or
     [batch or 1, 1, 1, keys] (True: attended), whose valid keys lead every row; None for any other
-    mask, or one not readable on the host (padded_key_lengths: under torch.compile or capture)."""
-    if mask.dtype != torch.bool or mask.shape[-1] != keys:
+    mask, an empty batch, or a mask not readable on the host (padded_key_lengths: under
+    torch.compile or capture)."""
+    if batch == 0 or mask.dtype != torch.bool or mask.shape[-1] != keys:
         return None
     if mask.shape != (batch, keys) and not (
         mask.ndim == 4 and mask.shape[0] in (1, batch) and mask.shape[1:3] == (1, 1)
