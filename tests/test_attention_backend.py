@@ -150,6 +150,16 @@ def test_masks_other_than_key_padding_fall_back_to_native(backend, mask):
 
 
 @pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+@pytest.mark.parametrize("mask_batch", [0, 1])
+def test_an_empty_batch_with_a_key_padding_mask_falls_back_to_native(backend, mask_batch):
+    # No key lengths to read: native's empty output (was a ZeroDivisionError or min() of nothing).
+    query, key, value = (t[:0] for t in _qkv())
+    mask = torch.ones(mask_batch, 1, 1, 11, dtype=torch.bool)
+    out, counts = _attend(backend, query, key, value, mask)
+    assert out.shape == (0, 9, 3, 16) and not counts
+
+
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
 @pytest.mark.parametrize("case", ["causal", "dropout", "gqa", "autograd recording"])
 def test_calls_our_ops_do_not_take_fall_back_to_native(backend, case):
     query, key, value = _qkv()
@@ -200,6 +210,30 @@ def test_key_padding_masks_become_key_lengths(backend, lengths, layout):
     assert counts[OP_OF[backend]] == 1
     tolerance = FP32_TOLERANCE if backend == "ltx_kernels" else INT8_TOLERANCE
     assert rel_l2(out, expected) <= tolerance
+
+
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+def test_key_lengths_become_one_device_tensor_per_mask(backend, monkeypatch):
+    # The blocks of a step pass the same key-padding mask: its mixed lengths become one [B]
+    # tensor on q's device (on CUDA a blocking copy from pageable memory), not one per call; other
+    # lengths get their own; the same outputs.
+    from ltx_kernels.integration import attention
+
+    made, tensor = [], torch.tensor
+
+    def recorded(*args, **kwargs):
+        made.append(args)
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_last_lengths_tensor", [])
+    query, key, value = _qkv()
+    masks = [torch.arange(11) < tensor(lengths)[:, None] for lengths in [(7, 3), (5, 3)]]
+    expected = [_attend(backend, query, key, value, mask)[0] for mask in masks]
+    monkeypatch.setattr(torch, "tensor", recorded)
+    for i in (0, 0, 1, 1, 0):
+        out, counts = _attend(backend, query, key, value, masks[i])
+        assert counts[OP_OF[backend]] == 1 and torch.equal(out, expected[i])
+    assert made == [((7, 3),), ((5, 3),), ((7, 3),)]
 
 
 def test_return_lse_and_scale_reach_the_bf16_op():

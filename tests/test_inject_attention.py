@@ -93,6 +93,60 @@ def test_key_lengths_reach_the_op_as_lengths(lengths, dtype, monkeypatch):
         assert keys == 11 and passed.tolist() == list(lengths)
 
 
+@pytest.mark.parametrize("choice", ["ltx_kernels", "diffusers"])
+def test_key_lengths_become_one_device_tensor_per_tuple(choice, monkeypatch):
+    # Mixed key lengths become a [B] tensor on the keys' device once per tuple (on CUDA a blocking
+    # copy from pageable memory): the blocks of a step, which pass the same lengths, reuse it (for
+    # our op, or diffusers' key mask built from it); other lengths get their own; the same
+    # outputs as fresh tensors.
+    made, tensor = [], torch.tensor
+
+    def recorded(*args, **kwargs):
+        made.append(args)
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", recorded)
+    monkeypatch.setattr(attention, "_last_lengths_tensor", [])
+    processor = type("P", (_Processor,), {"attention": choice})()
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(2, n, 2, 8, dtype=torch.float64) for n in (9, 11, 11))
+    outs = {}
+    for lengths in [(7, 3), (7, 3), (5, 3), (5, 3), (7, 3)]:
+        out = attention.attend(processor, query, key, value, key_lengths=lengths)
+        assert torch.equal(outs.setdefault(lengths, out), out)
+    assert made == [((7, 3),), ((5, 3),), ((7, 3),)]
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_a_key_mask_is_read_once_through_the_views_made_per_call(inference, monkeypatch):
+    # diffusers' processors (Z-Image, ERNIE-Image, ...) view the model's [B, S] key mask per call
+    # (mask[:, None, None, :]): padded_key_lengths reads it on the host (on CUDA: waits for the
+    # GPU) once while it is unmodified, not once per call, under torch.inference_mode too (whose
+    # views do not know their base); another view of it or another mask is read again, and so is
+    # the mask after a write (but an inference tensor's: it has no version counter).
+    reads, equal = [], torch.equal
+
+    def recorded(*args):
+        reads.append(args)
+        return equal(*args)
+
+    monkeypatch.setattr(torch, "equal", recorded)
+    monkeypatch.setattr(attention, "_last_lengths", [])
+    with torch.inference_mode(inference):
+        mask = torch.arange(11) < torch.tensor([7, 3])[:, None]
+        for _ in range(3):
+            assert attention.padded_key_lengths(mask[:, None, None, :]) == (7, 3)
+        assert len(reads) == 1
+        assert attention.padded_key_lengths(mask[1:, None, None, :]) == (3,)
+        assert attention.padded_key_lengths(mask.clone()[:, None, None, :]) == (7, 3)
+        assert len(reads) == 3
+    if not inference:
+        mask[1, 3] = True
+        assert attention.padded_key_lengths(mask[:, None, None, :]) == (7, 4)
+        assert attention.padded_key_lengths(mask[:, None, None, :]) == (7, 4)
+        assert len(reads) == 4
+
+
 def test_a_mask_or_autograd_falls_back_to_diffusers(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "ltx_attention", lambda *args: calls.append(args))

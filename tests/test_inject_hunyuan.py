@@ -291,6 +291,28 @@ def test_attention_backend_is_kept(v15, monkeypatch):
     assert refiner and all(type(m.processor).__name__ == "AttnProcessor2_0" for m in refiner)
 
 
+def test_hunyuan_video_key_mask_keeps_the_parallel_config(monkeypatch):
+    # HunyuanVideo's processor turns its key mask into key lengths only without context
+    # parallelism (attend's key lengths would attend this rank's rows alone); under a parallel
+    # config (diffusers has no plan for the model: a user's) the mask and the config reach
+    # diffusers' parallel attention, as in stock.
+    from types import SimpleNamespace
+
+    from ltx_kernels.integration import hunyuan
+
+    calls = []
+    monkeypatch.setattr(hunyuan, "attend", lambda *args, **kwargs: calls.append(kwargs))
+    processor = hunyuan.HunyuanVideoKernelsAttnProcessor()
+    processor.ops = frozenset(FUSIONS)
+    query = torch.randn(2, 6, 2, 8)
+    mask = (torch.arange(6) < torch.tensor([6, 4])[:, None])[:, None, None]
+    processor._attend(query, query, query, mask)
+    assert calls.pop() == {"key_lengths": (6, 4)}
+    processor._parallel_config = SimpleNamespace(context_parallel_config=object())
+    processor._attend(query, query, query, mask)
+    assert calls.pop() == {"mask": mask, "parallel_config": processor._parallel_config}
+
+
 # ------------------------------------------------------------------------------------------------
 # Patch embedding: diffusers hands block 0 a transposed [B, S, D] view
 # ------------------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def attend(
     if key_lengths is not None and len(set(key_lengths)) == 1:
         key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
     elif key_lengths is not None:
-        lengths = torch.tensor(key_lengths, device=key.device)
+        lengths = lengths_tensor(key_lengths, key.device)
         if not ours:  # a broadcast key mask
             positions = torch.arange(key.shape[1], device=key.device)
             mask = (positions < lengths[:, None])[:, None, None, :]
@@ -329,23 +329,51 @@ def padded_key_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
     the host (under
     torch.compile or CUDA-graph capture: the caller then attends with the mask). Reading a CUDA
     mask waits for the GPU; the blocks of a step share one mask tensor, read once (the last
-    call's lengths are reused while the mask is the same, unmodified tensor; an inference tensor
-    has no version counter: "unmodified" then rests on nothing in diffusers writing it in place)."""
+    call's lengths are reused while the mask is the same elements of the same, unmodified storage:
+    the same tensor, or the same view of it, as diffusers' processors view the model's mask per
+    call, e.g. mask[:, None, None, :]; an inference tensor has no version counter: "unmodified"
+    then rests on nothing in diffusers writing it in place)."""
     if torch.compiler.is_compiling() or capturing():
         return None
-    if _last_lengths and _last_lengths[0] is valid and _last_lengths[1] == version_of(valid):
+    where = (
+        valid.untyped_storage().data_ptr(),
+        valid.dtype,
+        valid.storage_offset(),
+        valid.shape,
+        valid.stride(),
+        version_of(valid),
+    )
+    if _last_lengths and _last_lengths[1] == where:
         return _last_lengths[2]
     rows = valid.flatten(0, -2)
     lengths = rows.sum(1)
     leading = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
     result = tuple(lengths.tolist()) if torch.equal(leading, rows) else None
-    _last_lengths[:] = [valid, version_of(valid), result]
+    _last_lengths[:] = [valid, where, result]
     return result
 
 
-#: [mask, its version, its key lengths] of the last padded_key_lengths call (the mask held: its id
-#: stays its own).
+#: [mask, (its storage's address, dtype, storage offset, shape, strides, version), its key
+#: lengths] of the last padded_key_lengths call (the mask held: no other storage takes that
+#: address; a view shares its version counter with the tensor it views).
 _last_lengths: list = []
+
+
+def lengths_tensor(key_lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`key_lengths` as a [B] tensor on `device`, as the attention ops take them. Eager, the last
+    call's tensor is reused for the same lengths and device: a step's blocks pass the same lengths
+    and share one host-to-device copy (on CUDA a blocking copy from pageable memory) instead of
+    one per call. Under torch.compile or CUDA-graph capture, a new tensor each call. (Its readers
+    never write it.)"""
+    if torch.compiler.is_compiling() or capturing():
+        return torch.tensor(key_lengths, device=device)
+    if not _last_lengths_tensor or _last_lengths_tensor[0] != (key_lengths, device):
+        _last_lengths_tensor[:] = [(key_lengths, device), torch.tensor(key_lengths, device=device)]
+    return _last_lengths_tensor[1]
+
+
+#: [(key lengths, device), their tensor] of the last lengths_tensor call outside compile/capture.
+_last_lengths_tensor: list = []
 
 
 def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> bool:

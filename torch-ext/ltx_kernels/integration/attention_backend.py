@@ -21,8 +21,8 @@ Each backend attends with our op where it applies, and with diffusers' NATIVE ba
   takes (attention.py: `_op_takes` for the bf16 op, `_int8_takes` for int8 attention);
   return_lse only for the bf16 op (lse [B, Sq, H], diffusers' layout);
 - falls back: every other mask (additive, dense [B, 1, Sq, Sk], keys not leading, a row with no
-  valid key: SDPA's NaN kept), masks under torch.compile or CUDA-graph capture (not read on the
-  host), and context parallelism.
+  valid key: SDPA's NaN kept), a mask on an empty batch, masks under torch.compile or CUDA-graph
+  capture (not read on the host), and context parallelism.
 Context parallelism: the backends are registered without context-parallel support, so diffusers'
 enable_parallelism / set_attention_backend raise their error naming the backends that have it
 (inject_optimized_kernels' ulysses_attention is the path for our attention under Ulysses); a call
@@ -33,7 +33,14 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _int8_takes, _op_takes, _recording, int8_attention, padded_key_lengths
+from .attention import (
+    _int8_takes,
+    _op_takes,
+    _recording,
+    int8_attention,
+    lengths_tensor,
+    padded_key_lengths,
+)
 
 #: diffusers' backend name -> the AttentionBackendName member name register_attention_backends adds.
 ATTENTION_BACKENDS = {"ltx_kernels": "LTX_KERNELS", "ltx_kernels_int8": "LTX_KERNELS_INT8"}
@@ -180,8 +187,9 @@ def ltx_kernels_int8_attention(
 def _ours(query, key, value, attn_mask, dropout_p, is_causal, parallel_config, *, takes):
     """(key, value, key lengths) for an op of ours that takes q/k/v where `takes(q, k, v)`, or
     None where the call falls back (the module docstring). A key-padding mask becomes key lengths
-    (a [B] tensor on q's device) or, where every element attends the same keys, k/v sliced to
-    those keys (the same attention in math, no lengths)."""
+    (a [B] tensor on q's device, reused while the lengths are the same: lengths_tensor) or, where
+    every element attends the same keys, k/v sliced to those keys (the same attention in math, no
+    lengths)."""
     if (
         dropout_p
         or is_causal
@@ -202,14 +210,15 @@ def _ours(query, key, value, attn_mask, dropout_p, is_causal, parallel_config, *
         return None
     if len(set(lengths)) == 1:
         return key[:, : lengths[0]], value[:, : lengths[0]], None
-    return key, value, torch.tensor(lengths, device=key.device)
+    return key, value, lengths_tensor(lengths, key.device)
 
 
 def _key_padding_lengths(mask: torch.Tensor, batch: int, keys: int) -> tuple[int, ...] | None:
     """The per-element key lengths of a boolean key-padding mask, [batch, keys] or
     [batch or 1, 1, 1, keys] (True: attended), whose valid keys lead every row; None for any other
-    mask, or one not readable on the host (padded_key_lengths: under torch.compile or capture)."""
-    if mask.dtype != torch.bool or mask.shape[-1] != keys:
+    mask, an empty batch, or a mask not readable on the host (padded_key_lengths: under
+    torch.compile or capture)."""
+    if batch == 0 or mask.dtype != torch.bool or mask.shape[-1] != keys:
         return None
     if mask.shape != (batch, keys) and not (
         mask.ndim == 4 and mask.shape[0] in (1, batch) and mask.shape[1:3] == (1, 1)

@@ -126,11 +126,14 @@ class HunyuanVideoKernelsAttnProcessor(FusedAttnProcessor):
     def _attend(self, query, key, value, attention_mask):
         """HunyuanVideo's attention: the model's [B, 1, 1, S] key mask (image rows and the
         unpadded text) as key lengths (attend: the padded keys dropped where every batch element
-        has as many, else the lengths to our attention op or the same key mask)."""
+        has as many, else the lengths to our attention op or the same key mask). Under context
+        parallelism (a user's plan: diffusers has none) the mask, to diffusers' parallel
+        attention as in stock."""
         key_mask = (
             attention_mask is not None
             and attention_mask.dtype == torch.bool
             and attention_mask.shape[1:3] == (1, 1)
+            and context_parallel_config(self._parallel_config) is None
         )
         lengths = _key_lengths(self.ops, attention_mask) if key_mask else None
         if lengths is not None:
