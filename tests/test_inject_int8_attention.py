@@ -159,6 +159,16 @@ def test_the_query_stays_a_tensor_where_8_bits_do_not_apply():
     assert attention.query_format(other, q, k, v) is None
 
 
+def test_attend_takes_one_key_length_per_batch_element_or_one_for_all():
+    q, k, v = _qkv(9, 11, torch.float32)
+    one = attention.attend(_Processor(), q, k, v, key_lengths=(5,))
+    torch.testing.assert_close(
+        one, attention.attend(_Processor(), q, k, v, key_lengths=(5, 5)), rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match="one per batch element, or one for all"):
+        attention.attend(_Processor(), q, k, v, key_lengths=(5, 6, 7))
+
+
 def test_a_quantized_query_never_attends_another_way():
     q, k, v = _qkv(9, 11, torch.float32)
     rows = attention.QuantRows(*ltx_kernels.quantize(q, format="i8_row"), "i8_row")

@@ -12,10 +12,11 @@ Contract of `attend(processor, query, key, value, *, parallel_config, mask, key_
   `_parallel_config`, or None where a processor attends locally, e.g. to a gathered text);
 - `mask`: an attention mask as diffusers' dispatch takes it (boolean or additive, broadcast to
   [B, H, Sq, Sk]);
-- `key_lengths`: per batch element, how many leading keys are attended (the keys past it are
-  padding), a tuple of ints (`padded_key_lengths` reads them off a key mask). Where every
-  element has the same length the padded keys are dropped (k/v sliced, no mask: exact in
-  math, and what SDPA runs fastest); otherwise they become a broadcast [B, 1, 1, Sk] key mask.
+- `key_lengths`: per batch element (or one for all), how many leading keys are attended (the
+  keys past it are padding), a tuple of ints (`padded_key_lengths` reads them off a key mask:
+  one per row). Where every element has the same length the padded keys are dropped (k/v
+  sliced, no mask: exact in math, and what SDPA runs fastest); otherwise they become a
+  broadcast [B, 1, 1, Sk] key mask.
   Under context parallelism they count the whole sequence (Ulysses only: below);
 - `replicated`: under context parallelism, how many trailing rows of q/k/v are whole on every
   rank (HunyuanVideo-1.5's text, after this rank's chunk of the video); their output rows come
@@ -87,6 +88,11 @@ def attend(
     """The attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] (the module docstring's contract)."""
     if key_lengths is not None and mask is not None:
         raise ValueError("ltx_kernels attend: pass key_lengths or mask, not both")
+    if key_lengths is not None and len(key_lengths) not in (1, query.shape[0]):
+        raise ValueError(
+            f"ltx_kernels attend: key_lengths has {len(key_lengths)} entries for a batch of "
+            f"{query.shape[0]}: one per batch element, or one for all"
+        )
     cp_config = context_parallel_config(parallel_config)
     if cp_config is not None and (key_lengths is not None or replicated):
         _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated)
