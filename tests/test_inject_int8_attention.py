@@ -144,6 +144,30 @@ def test_the_query_is_quantized_in_the_norm_pass(name, monkeypatch):
     assert torch.equal(fused, separate)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wan_at_the_kernels_head_dims_quantizes_the_query_in_the_norm_pass(
+    device, head_dim, monkeypatch
+):
+    # The same in bf16 at the head dims the CUDA kernel takes (on a Hopper GPU: the CUDA ops).
+    if device == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 8-bit kernel is Hopper's (compute capability 9.0)")
+    torch.manual_seed(0)
+    model = wan.tiny_model(torch.bfloat16, attention_head_dim=head_dim).to(device)
+    inputs = {
+        name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for name, value in wan.tiny_inputs(torch.bfloat16).items()
+    }
+    ltx_kernels.inject_optimized_kernels(model, verbose=False, attention="int8")
+    with torch.no_grad(), OpCounter() as counter:
+        fused = output_of(model(**inputs))
+    calls = counter.counts
+    assert calls["qk_rmsnorm_rope_quant"] == calls["attention_int8"] > 0, calls
+    assert "quantize" not in calls, calls
+    monkeypatch.setattr(attention, "query_format", lambda *args, **kwargs: None)
+    with torch.no_grad():
+        assert torch.equal(fused, output_of(model(**inputs)))
+
+
 def test_the_query_stays_a_tensor_where_8_bits_do_not_apply():
     # query_format asks what attend decides: a mask, context parallelism, autograd recording
     # through the norm's weight, or a choice other than "int8" give None.
