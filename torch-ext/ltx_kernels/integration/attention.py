@@ -102,17 +102,7 @@ def attend(
 
         out = ulysses_attention(query, key, value, parallel_config, local, replicated)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
-    if isinstance(query, QuantRows):  # quantized by the op before (query_format said so)
-        if mask is not None or cp_config is not None:
-            raise RuntimeError(
-                "ltx_kernels attend: a quantized query attends through int8_attention only, "
-                "without a mask or context parallelism (query_format)"
-            )
-        ours = int8_attention
-    elif mask is not None or cp_config is not None:
-        ours = None
-    else:
-        ours = our_attention(processor, query, key, value)
+    ours = _attending_op(processor, query, key, value, mask, cp_config)
     lengths = None  # (ours: the key lengths as the op takes them)
     if key_lengths is not None and len(set(key_lengths)) == 1:
         key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
@@ -155,6 +145,21 @@ def attend(
         out = ulysses_attention(query, key, value, parallel_config, inner)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
     return dispatch(query, key, value, parallel_config).to(query.dtype)
+
+
+def _attending_op(processor, query, key, value, mask, cp_config):
+    """The op of ours that attend runs on a call: none under a mask or context parallelism
+    (diffusers' attention), else our_attention's choice. A query quantized by the op before
+    (QuantRows: query_format said so) attends through int8_attention only."""
+    quantized = isinstance(query, QuantRows)
+    if mask is not None or cp_config is not None:
+        if quantized:
+            raise RuntimeError(
+                "ltx_kernels attend: a quantized query attends through int8_attention only, "
+                "without a mask or context parallelism (query_format)"
+            )
+        return None
+    return int8_attention if quantized else our_attention(processor, query, key, value)
 
 
 def our_attention(processor, query, key, value):
@@ -208,17 +213,15 @@ def query_format(
     """The format in which the op producing the query (qk_rmsnorm_rope_quant: steps.qk_norm_rope)
     may hand it to `attend(processor, query, key, value, mask=mask,
     parallel_config=parallel_config)` quantized, as QuantRows: QUERY_FORMAT where that call runs
-    int8_attention (no mask, no context parallelism, runs_int8_attention), so that q is quantized
+    int8_attention (attend's own choice, _attending_op), so that q is quantized
     in the op's pass instead of one of int8_attention's own; None: hand it the tensor. q/k/v
     [B, S, H, D] as attend takes them, asked before that op (which keeps their shapes and dtype);
     `params`: its parameters (the norms' weights), through which autograd may record too."""
-    quantized = (
-        mask is None
-        and context_parallel_config(parallel_config) is None
-        and not _recording(*(p for p in params if p is not None))
-        and runs_int8_attention(processor, query, key, value)
-    )
-    return QUERY_FORMAT if quantized else None
+    if _recording(*(p for p in params if p is not None)):
+        return None
+    cp_config = context_parallel_config(parallel_config)
+    op = _attending_op(processor, query, key, value, mask, cp_config)
+    return QUERY_FORMAT if op is int8_attention else None
 
 
 def runs_int8_attention(processor, query, key, value) -> bool:
