@@ -119,6 +119,18 @@ def capture_graph(step):
     return graph, outputs
 
 
+def assert_graph_replays_outputs(step):
+    """A CUDA graph of step() (capture_graph; step returns a tuple of tensors) replays its eager
+    outputs bit for bit, into outputs zeroed beforehand (compared as bytes: 8-bit codes too)."""
+    graph, outputs = capture_graph(step)
+    expected = [t.clone() for t in step()]
+    for t in outputs:
+        t.zero_()
+    graph.replay()
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 class OpNames(TorchDispatchMode):
     """Records the name of every op dispatched while active (`names`: "ltx_kernels::gelu", ...)."""
 

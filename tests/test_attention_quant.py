@@ -15,7 +15,7 @@ import torch
 import ltx_kernels
 from ltx_kernels import reference
 
-from helpers import DTYPES, assert_compiles_once, capture_graph
+from helpers import DTYPES, assert_compiles_once, assert_graph_replays_outputs
 from test_rope import MODES, QK_TABLES, make_qk, norm_weight, tables_for
 
 ATTENTION_QUANT_OPS = ("quantize_attention_k", "quantize_attention_v")
@@ -327,13 +327,7 @@ def test_q_format_compiles_once(device):
 @pytest.mark.parametrize("op", ATTENTION_QUANT_OPS)
 def test_cuda_graph_capture(op):
     args = _args("cuda", 1000)
-    graph, outputs = capture_graph(lambda: getattr(ltx_kernels, op)(*args))
-    expected = [t.clone() for t in getattr(ltx_kernels, op)(*args)]
-    for t in outputs:
-        t.zero_()
-    graph.replay()
-    for got, want in zip(outputs, expected):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert_graph_replays_outputs(lambda: getattr(ltx_kernels, op)(*args))
 
 
 @pytest.mark.parametrize("op", ATTENTION_QUANT_OPS)
