@@ -251,8 +251,10 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def case_arguments(argv, program: str, doc: str):
+    """The command line of the attention benchmarks (this one, benchmark_attention_quant.py):
+    (args, the case names), or None where CUDA is asked for and absent (printed)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--scale", type=int, default=1, help="divide every sequence by this")
@@ -261,8 +263,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     names = bench_utils.parse_columns(parser, args.cases, CASES)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmark_attention: needs a CUDA device (--device cpu: the smoke run)")
+        print(f"{program}: needs a CUDA device (--device cpu: the smoke run)")
+        return None
+    return args, names
+
+
+def main(argv=None) -> int:
+    parsed = case_arguments(argv, "benchmark_attention", __doc__)
+    if parsed is None:
         return 2
+    args, names = parsed
     dtype = torch.bfloat16
     header = f"# attention, bf16, [B, S, H, D] | {args.device}"
     if args.device == "cuda":

@@ -22,7 +22,6 @@ Times: GPU time of CUDA-graph replays over enough input sets to defeat L2 (bench
 ceiling. The smoke run on the CPU checks only that each op runs and matches its reference.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -145,17 +144,10 @@ def _line(row) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--scale", type=int, default=1, help="divide every sequence by this")
-    parser.add_argument("--replays", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=None, help="a folder for the JSON")
-    args = parser.parse_args(argv)
-    names = bench_utils.parse_columns(parser, args.cases, CASES)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmark_attention_quant: needs a CUDA device (--device cpu: the smoke run)")
+    parsed = benchmark_attention.case_arguments(argv, "benchmark_attention_quant", __doc__)
+    if parsed is None:
         return 2
+    args, names = parsed
     header = f"# 8-bit attention operands, bf16 [B, S, H, D] | {args.device}"
     if args.device == "cuda":
         env = bench_utils.environment()
