@@ -124,6 +124,12 @@ def environment() -> dict:
     return info
 
 
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The relative L2 distance |out - ref| / |ref|, in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
 def parse_columns(parser, text: str, allowed) -> list:
     """The comma-separated column names of a --columns argument, each one of `allowed` (else the
     parser's usage error)."""

@@ -143,10 +143,6 @@ def bf16_column(column: str) -> str | None:
     return None if bf16 == parts else "+".join(bf16) or "eager"
 
 
-def rel_l2(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def context_parallel_columns(args, tokens, rank, world):
     """{column: (first call s, ms, output) or an error string} for one LTX shape under diffusers'
     context parallelism (module docstring)."""
@@ -317,7 +313,7 @@ def parallel_tables(args, say, columns, reference: str) -> list:
             ref = measured.get(reference)
             row = rows[column] = dict(ms=ms, first_call_s=first_s)
             row["speedup_vs_1gpu_kernels"] = base[1] / ms if isinstance(base, tuple) else None
-            row["rel_l2"] = rel_l2(out, ref[2]) if isinstance(ref, tuple) else None
+            row["rel_l2"] = bench_utils.rel_l2(out, ref[2]) if isinstance(ref, tuple) else None
             say(
                 f"| {column} | {ms:.2f} | {bench_utils.ratio_cell(row['speedup_vs_1gpu_kernels'])} "
                 f"| {first_s:.1f} | {_rel_l2_cell(row['rel_l2'])} |",
@@ -504,7 +500,7 @@ def main():
             eager = rows.get("eager")
             row["speedup_vs_eager"] = eager["ms"] / ms if eager else None
             row["speedup_vs_compile"] = rows["compile"]["ms"] / ms if "compile" in rows else None
-            row["rel_l2"] = rel_l2(row["out"], eager["out"]) if eager else None
+            row["rel_l2"] = bench_utils.rel_l2(row["out"], eager["out"]) if eager else None
             print(table_row(column, row, vs_compile), flush=True)
         results.append(
             dict(

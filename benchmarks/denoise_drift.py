@@ -126,7 +126,7 @@ def drift_rows(name: str, transformer, kwargs: dict, columns, seed: int = 0) -> 
             try:
                 start = time.perf_counter()
                 with torch.inference_mode():
-                    latents = pipe(**call)[0].double()
+                    latents = pipe(**call)[0]
                 if latents.is_cuda:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
@@ -135,7 +135,7 @@ def drift_rows(name: str, transformer, kwargs: dict, columns, seed: int = 0) -> 
                 continue
         if reference is None:
             reference = latents
-        drift = ((latents - reference).norm() / reference.norm()).item()
+        drift = bench_utils.rel_l2(latents, reference)
         if floor is None and column != columns[0]:
             floor = drift
         rows.append(

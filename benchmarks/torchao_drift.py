@@ -35,11 +35,6 @@ import bench_utils
 import transformer_cases
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 @contextlib.contextmanager
 def attention_backend(model, name: str):
     """diffusers' attention backend `name` on every attention of the model while the block runs."""
@@ -99,28 +94,40 @@ def main() -> None:
     rows = []
     stock = step(backend="_native_cudnn")
     rows.append(
-        ("bf16 floor (cuDNN vs efficient)", rel_l2(step(backend="_native_efficient"), stock))
+        (
+            "bf16 floor (cuDNN vs efficient)",
+            bench_utils.rel_l2(step(backend="_native_efficient"), stock),
+        )
     )
     ltx_kernels.inject_optimized_kernels(model, verbose=False)
-    rows.append(("bf16 injected vs stock", rel_l2(step(backend="_native_cudnn"), stock)))
+    rows.append(
+        ("bf16 injected vs stock", bench_utils.rel_l2(step(backend="_native_cudnn"), stock))
+    )
     ltx_kernels.remove_optimized_kernels(model)
     with bench_utils.torchao_fp8_rowwise(model):
         fp8 = step(backend="_native_cudnn")
-        rows.append(("fp8 (torchao) vs bf16", rel_l2(fp8, stock)))
+        rows.append(("fp8 (torchao) vs bf16", bench_utils.rel_l2(fp8, stock)))
         rows.append(
-            ("fp8 floor: cuDNN vs efficient", rel_l2(step(backend="_native_efficient"), fp8))
+            (
+                "fp8 floor: cuDNN vs efficient",
+                bench_utils.rel_l2(step(backend="_native_efficient"), fp8),
+            )
         )
         with attention_backend(model, "_native_cudnn"):
-            rows.append(("fp8 floor: inputs moved <= 1 bf16 ulp", rel_l2(step(moved), fp8)))
+            rows.append(
+                ("fp8 floor: inputs moved <= 1 bf16 ulp", bench_utils.rel_l2(step(moved), fp8))
+            )
         ltx_kernels.inject_optimized_kernels(model, verbose=False)
-        rows.append(("fp8 injected vs fp8 stock", rel_l2(step(backend="_native_cudnn"), fp8)))
+        rows.append(
+            ("fp8 injected vs fp8 stock", bench_utils.rel_l2(step(backend="_native_cudnn"), fp8))
+        )
         ltx_kernels.remove_optimized_kernels(model)
         for op in FUSIONS:
             report = ltx_kernels.inject_optimized_kernels(
                 model, verbose=False, ops=[name for name in FUSIONS if name != op]
             )
             used = report.total_patched > 0
-            drift = rel_l2(step(backend="_native_cudnn"), fp8)
+            drift = bench_utils.rel_l2(step(backend="_native_cudnn"), fp8)
             ltx_kernels.remove_optimized_kernels(model)
             if used:
                 rows.append((f"fp8 injected without {op}", drift))
