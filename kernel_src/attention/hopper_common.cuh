@@ -1,7 +1,8 @@
 // The Hopper (sm_90a) building blocks the attention kernel bodies share (hopper_wgmma.cuh: bf16
 // and fp16; hopper_int8.cuh: 8-bit): PTX wrappers for mbarriers, TMA, named barriers, register
-// limits, wgmma's fences and shared-memory descriptors, exp2 on the MUFU, and the driver's
-// tensor-map encoder (looked up at run time).
+// limits, wgmma's fences and shared-memory descriptors, exp2 on the MUFU, the kernel skeleton
+// (a CTA's tile, its barriers and K/V tiles, the producer's loop), and the driver's tensor-map
+// encoder (looked up at run time).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder is found at run time
@@ -164,6 +165,97 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The kernel skeleton both bodies share: which tile a CTA attends, its barriers, its K/V tiles,
+// the producer's loop and the zeroing of the last V tile's keys past the attended ones.
+// ------------------------------------------------------------------------------------------------
+// A CTA's query tile (its first row), head and batch element: query tiles vary fastest.
+struct CtaTile {
+  int q_first, h, b;
+};
+
+template <int kBlockM>
+__device__ __forceinline__ CtaTile cta_tile(int64_t q_len, int64_t heads) {
+  const int64_t q_tiles = (q_len + kBlockM - 1) / kBlockM;
+  const int64_t cta = blockIdx.x;
+  return {static_cast<int>(cta % q_tiles * kBlockM), static_cast<int>(cta / q_tiles % heads),
+          static_cast<int>(cta / q_tiles / heads)};
+}
+
+// Thread 0 initializes the CTA's barriers (the K/V stages' "empty" barriers take one arrival per
+// consumer warp), then every thread waits for it.
+template <int kStages>
+__device__ __forceinline__ void init_barriers(Barriers<kStages>& bars, int consumers) {
+  if (threadIdx.x == 0) {
+    mbarrier_init(shared_address(&bars.q), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(shared_address(&bars.k_full[s]), 1);
+      mbarrier_init(shared_address(&bars.v_full[s]), 1);
+      mbarrier_init(shared_address(&bars.k_empty[s]), consumers * 4);
+      mbarrier_init(shared_address(&bars.v_empty[s]), consumers * 4);
+    }
+    mbarrier_init(shared_address(&bars.v_tail), 32);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async_shared();
+  }
+  __syncthreads();  // the barriers are initialized before anyone uses them
+}
+
+// The K/V tiles of kBlockN keys a CTA attends, for `keys` attended keys of kv_len.
+struct KeyTiles {
+  int count;       // tiles attended
+  int last_valid;  // attended keys of the last tile
+  int zero_end;    // the last tile's keys [last_valid, zero_end) hold data (below kv_len) to zero
+  __device__ __forceinline__ bool zero_v_tail() const { return count > 0 && last_valid < zero_end; }
+};
+
+template <int kBlockN>
+__device__ __forceinline__ KeyTiles key_tiles(int keys, int64_t kv_len) {
+  const int count = (keys + kBlockN - 1) / kBlockN;
+  const int64_t end = kv_len < int64_t{count} * kBlockN ? kv_len : int64_t{count} * kBlockN;
+  return {count, keys - (count - 1) * kBlockN,
+          static_cast<int>(end - (count - 1) * int64_t{kBlockN})};
+}
+
+// The producer's loop (one thread): the Q tiles (load_q(bar), q_bytes), then K and V tile j into
+// stage j % kStages (load_k / load_v(stage, j, bar), k_bytes / v_bytes each). A stage's K tile
+// j - kStages is free once both consumers' S GEMMs of it are done (early in their iteration
+// j - kStages), its V tile once their P V GEMMs are (one iteration later): separate barriers, so
+// K tile j loads while the P V GEMM of tile j - kStages runs.
+template <int kStages, class LoadQ, class LoadK, class LoadV>
+__device__ __forceinline__ void produce(Barriers<kStages>& bars, int tiles, uint32_t q_bytes,
+                                        uint32_t k_bytes, uint32_t v_bytes, LoadQ load_q,
+                                        LoadK load_k, LoadV load_v) {
+  const uint32_t q_bar = shared_address(&bars.q);
+  mbarrier_arrive_expect_tx(q_bar, q_bytes);
+  load_q(q_bar);
+  for (int j = 0; j < tiles; ++j) {
+    const int stage = j % kStages, use = j / kStages;
+    const uint32_t k_bar = shared_address(&bars.k_full[stage]);
+    const uint32_t v_bar = shared_address(&bars.v_full[stage]);
+    if (use > 0) mbarrier_wait(shared_address(&bars.k_empty[stage]), (use - 1) & 1);
+    mbarrier_arrive_expect_tx(k_bar, k_bytes);
+    load_k(stage, j, k_bar);
+    if (use > 0) mbarrier_wait(shared_address(&bars.v_empty[stage]), (use - 1) & 1);
+    mbarrier_arrive_expect_tx(v_bar, v_bytes);
+    load_v(stage, j, v_bar);
+  }
+}
+
+// The producer warp's zeroing of the last V tile's keys past the attended ones, where they hold
+// data: once the tile has landed, zero(stage) by the 32 lanes, then a fence so that the consumers'
+// wgmma sees the zeros, and one arrival a lane on v_tail (the consumers wait for it).
+template <int kStages, class Zero>
+__device__ __forceinline__ void zero_last_v_tile(Barriers<kStages>& bars, const KeyTiles& tiles,
+                                                 Zero zero) {
+  if (!tiles.zero_v_tail()) return;
+  const int last = tiles.count - 1, stage = last % kStages;
+  mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
+  zero(stage);
+  fence_proxy_async_shared();
+  mbarrier_arrive(shared_address(&bars.v_tail));
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -327,38 +327,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
   // This CTA's query tile, head and batch element (query tiles vary fastest).
-  const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
-  const int64_t cta = blockIdx.x;
-  const int q_first = static_cast<int>(cta % q_tiles * kBlockM);
-  const int h = static_cast<int>(cta / q_tiles % p.heads);
-  const int b = static_cast<int>(cta / q_tiles / p.heads);
+  const CtaTile tile = cta_tile<kBlockM>(p.q_len, p.heads);
+  const int q_first = tile.q_first, h = tile.h, b = tile.b;
   const int warpgroup = threadIdx.x / kWarpgroup;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-
-  if (threadIdx.x == 0) {
-    mbarrier_init(shared_address(&bars.q), 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(shared_address(&bars.k_full[s]), 1);
-      mbarrier_init(shared_address(&bars.v_full[s]), 1);
-      mbarrier_init(shared_address(&bars.k_empty[s]), kConsumers * 4);
-      mbarrier_init(shared_address(&bars.v_empty[s]), kConsumers * 4);
-    }
-    mbarrier_init(shared_address(&bars.v_tail), 32);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async_shared();
-  }
-  __syncthreads();  // the barriers are initialized before anyone uses them
+  init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  const int keys = static_cast<int>(p.attended_keys(b));
-  const int kv_tiles = (keys + kBlockN - 1) / kBlockN;
-  const int last_valid = keys - (kv_tiles - 1) * kBlockN;  // valid keys of the last tile
-  // keys [keys, min(kv_len, end of the last tile)) of the last V tile hold data to zero
-  const int zero_end = static_cast<int>(
-      (p.kv_len < int64_t{kv_tiles} * kBlockN ? p.kv_len : int64_t{kv_tiles} * kBlockN) -
-      (kv_tiles - 1) * int64_t{kBlockN});
-  const bool zero_v_tail = kv_tiles > 0 && last_valid < zero_end;
+  const KeyTiles tiles = key_tiles<kBlockN>(static_cast<int>(p.attended_keys(b)), p.kv_len);
+  const int kv_tiles = tiles.count, last_valid = tiles.last_valid;
 
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<kProducerRegs>();
@@ -367,32 +345,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_tensor_map(maps.q);
       prefetch_tensor_map(maps.k);
       prefetch_tensor_map(maps.v);
-      const uint32_t q_bar = shared_address(&bars.q);
-      mbarrier_arrive_expect_tx(q_bar, kConsumers * L::kQBytes);
-      for (int c = 0; c < kConsumers; ++c)
-        tma_load_4d(smem + L::q(c), maps.q, 0, h, q_first + c * kConsumerRows, b, q_bar);
-      for (int j = 0; j < kv_tiles; ++j) {
-        const int stage = j % kStages, use = j / kStages;
-        // the stage's K and V tiles of tile j - kStages are released apart, as in
-        // hopper_wgmma.cuh (K after both consumers' S GEMMs of it, V after their P V GEMMs)
-        const uint32_t k_bar = shared_address(&bars.k_full[stage]);
-        const uint32_t v_bar = shared_address(&bars.v_full[stage]);
-        if (use > 0) mbarrier_wait(shared_address(&bars.k_empty[stage]), (use - 1) & 1);
-        mbarrier_arrive_expect_tx(k_bar, L::kKBytes);
-        tma_load_4d(smem + L::k(stage), maps.k, 0, h, j * kBlockN, b, k_bar);
-        if (use > 0) mbarrier_wait(shared_address(&bars.v_empty[stage]), (use - 1) & 1);
-        mbarrier_arrive_expect_tx(v_bar, L::kVBytes);
-        tma_load_4d(smem + L::v(stage), maps.v, j * kBlockN, 0, h, b, v_bar);
-      }
+      produce(
+          bars, kv_tiles, kConsumers * L::kQBytes, L::kKBytes, L::kVBytes,
+          [&](uint32_t bar) {
+            for (int c = 0; c < kConsumers; ++c)
+              tma_load_4d(smem + L::q(c), maps.q, 0, h, q_first + c * kConsumerRows, b, bar);
+          },
+          [&](int stage, int j, uint32_t bar) {
+            tma_load_4d(smem + L::k(stage), maps.k, 0, h, j * kBlockN, b, bar);
+          },
+          [&](int stage, int j, uint32_t bar) {
+            tma_load_4d(smem + L::v(stage), maps.v, j * kBlockN, 0, h, b, bar);
+          });
     }
     __syncwarp();
-    if (zero_v_tail) {  // the last V tile's keys [last_valid, 128): zeros
-      const int last = kv_tiles - 1, stage = last % kStages;
-      mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
+    // the last V tile's keys [last_valid, 128): zeros
+    zero_last_v_tile(bars, tiles, [&](int stage) {
       zero_v_keys<kHeadDim>(smem + L::v(stage), last_valid, lane);
-      fence_proxy_async_shared();  // the zeros are visible to the consumers' wgmma
-      mbarrier_arrive(shared_address(&bars.v_tail));
-    }
+    });
     return;
   }
 
@@ -490,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // O += P V of the last tile (its V keys past n_b zeroed first where they hold data).
     const int last = kv_tiles - 1, stage = last % kStages;
     mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
-    if (zero_v_tail) mbarrier_wait(shared_address(&bars.v_tail), 0);
+    if (tiles.zero_v_tail()) mbarrier_wait(shared_address(&bars.v_tail), 0);
     wgmma_fence();
     gemm_pv<kHeadDim>(o_tile, pa, smem + L::v(stage));
     wgmma_commit();

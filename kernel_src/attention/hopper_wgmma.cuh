@@ -333,38 +333,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
   // This CTA's query tile, head and batch element (query tiles vary fastest, as in flash_mma).
-  const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
-  const int64_t cta = blockIdx.x;
-  const int q_first = static_cast<int>(cta % q_tiles * kBlockM);
-  const int h = static_cast<int>(cta / q_tiles % p.heads);
-  const int b = static_cast<int>(cta / q_tiles / p.heads);
+  const CtaTile tile = cta_tile<kBlockM>(p.q_len, p.heads);
+  const int q_first = tile.q_first, h = tile.h, b = tile.b;
   const int warpgroup = threadIdx.x / kWarpgroup;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-
-  if (threadIdx.x == 0) {
-    mbarrier_init(shared_address(&bars.q), 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(shared_address(&bars.k_full[s]), 1);
-      mbarrier_init(shared_address(&bars.v_full[s]), 1);
-      mbarrier_init(shared_address(&bars.k_empty[s]), kConsumers * 4);
-      mbarrier_init(shared_address(&bars.v_empty[s]), kConsumers * 4);
-    }
-    mbarrier_init(shared_address(&bars.v_tail), 32);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async_shared();
-  }
-  __syncthreads();  // the barriers are initialized before anyone uses them
+  init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  const int keys = static_cast<int>(p.attended_keys(b));
-  const int kv_tiles = (keys + kBlockN - 1) / kBlockN;
-  const int last_valid = keys - (kv_tiles - 1) * kBlockN;  // valid keys of the last tile
-  // rows [keys, min(kv_len, end of the last tile)) of the last V tile hold data to zero
-  const int zero_end = static_cast<int>(
-      (p.kv_len < int64_t{kv_tiles} * kBlockN ? p.kv_len : int64_t{kv_tiles} * kBlockN) -
-      (kv_tiles - 1) * int64_t{kBlockN});
-  const bool zero_v_tail = kv_tiles > 0 && last_valid < zero_end;
+  const KeyTiles tiles = key_tiles<kBlockN>(static_cast<int>(p.attended_keys(b)), p.kv_len);
+  const int kv_tiles = tiles.count, last_valid = tiles.last_valid;
 
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<kProducerRegs>();
@@ -373,37 +351,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_tensor_map(maps.q);
       prefetch_tensor_map(maps.k);
       prefetch_tensor_map(maps.v);
-      const uint32_t q_bar = shared_address(&bars.q);
-      mbarrier_arrive_expect_tx(q_bar, kConsumers * L::kQBytes);
-      for (int c = 0; c < kConsumers; ++c)
-        for (int panel = 0; panel < L::kPanels; ++panel)
-          tma_load_4d(smem + L::q(c) + panel * L::kQPanelBytes, maps.q, panel * kPanelElems, h,
-                      q_first + c * kConsumerRows, b, q_bar);
-      for (int j = 0; j < kv_tiles; ++j) {
-        const int stage = j % kStages, use = j / kStages;
-        // a stage's K tile j - kStages is free once both consumers' S GEMMs of it are done (early
-        // in their iteration j - kStages), its V tile once their P V GEMMs are (one iteration
-        // later): separate barriers, so K tile j loads while the P V GEMM of tile j - kStages runs
-        const uint32_t k_bar = shared_address(&bars.k_full[stage]);
-        const uint32_t v_bar = shared_address(&bars.v_full[stage]);
-        if (use > 0) mbarrier_wait(shared_address(&bars.k_empty[stage]), (use - 1) & 1);
-        mbarrier_arrive_expect_tx(k_bar, kTileBytes);
-        for (int panel = 0; panel < L::kPanels; ++panel)
-          tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k, panel * kPanelElems, h,
-                      j * kBlockN, b, k_bar);
-        if (use > 0) mbarrier_wait(shared_address(&bars.v_empty[stage]), (use - 1) & 1);
-        mbarrier_arrive_expect_tx(v_bar, kTileBytes);
-        for (int panel = 0; panel < L::kPanels; ++panel)
-          tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v, panel * kPanelElems, h,
-                      j * kBlockN, b, v_bar);
-      }
+      produce(
+          bars, kv_tiles, kConsumers * L::kQBytes, kTileBytes, kTileBytes,
+          [&](uint32_t bar) {
+            for (int c = 0; c < kConsumers; ++c)
+              for (int panel = 0; panel < L::kPanels; ++panel)
+                tma_load_4d(smem + L::q(c) + panel * L::kQPanelBytes, maps.q, panel * kPanelElems,
+                            h, q_first + c * kConsumerRows, b, bar);
+          },
+          [&](int stage, int j, uint32_t bar) {
+            for (int panel = 0; panel < L::kPanels; ++panel)
+              tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k,
+                          panel * kPanelElems, h, j * kBlockN, b, bar);
+          },
+          [&](int stage, int j, uint32_t bar) {
+            for (int panel = 0; panel < L::kPanels; ++panel)
+              tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v,
+                          panel * kPanelElems, h, j * kBlockN, b, bar);
+          });
     }
     __syncwarp();
-    if (zero_v_tail) {  // the last V tile's rows [last_valid, zero_end): zeros (whole 128-byte
-      // rows of every panel: the swizzle permutes chunks within a row only)
-      const int last = kv_tiles - 1, stage = last % kStages;
-      mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
-      const int chunks_per_row = kRowBytes / 16, rows = zero_end - last_valid;
+    // the last V tile's rows [last_valid, zero_end): zeros (whole 128-byte rows of every panel:
+    // the swizzle permutes chunks within a row only)
+    zero_last_v_tile(bars, tiles, [&](int stage) {
+      const int chunks_per_row = kRowBytes / 16, rows = tiles.zero_end - last_valid;
       for (int c = lane; c < L::kPanels * rows * chunks_per_row; c += 32) {
         const int panel = c / (rows * chunks_per_row), rest = c % (rows * chunks_per_row);
         const uint32_t at = smem + L::v(stage) + panel * L::kKvPanelBytes +
@@ -411,9 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             rest % chunks_per_row * 16;
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at), "r"(0u) : "memory");
       }
-      fence_proxy_async_shared();  // the zeros are visible to the consumers' wgmma
-      mbarrier_arrive(shared_address(&bars.v_tail));
-    }
+    });
     return;
   }
 
@@ -494,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // O += P V of the last tile (its V rows past n_b zeroed first where they hold data).
     const int last = kv_tiles - 1, stage = last % kStages;
     mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
-    if (zero_v_tail) mbarrier_wait(shared_address(&bars.v_tail), 0);
+    if (tiles.zero_v_tail()) mbarrier_wait(shared_address(&bars.v_tail), 0);
     wgmma_fence();
     gemm_pv<T, kHeadDim>(o, pr, smem + L::v(stage));
     wgmma_commit();
