@@ -134,6 +134,20 @@ def run_column(column, model, call, reps, warmup):
         return *timed, step_peak_bytes(lambda: call(target))
 
 
+def fp8_preset_runs(columns, presets) -> list:
+    """(label, column, FP8 preset) of each run: an FP8 column (a `fp8` part) once per preset,
+    labelled "column [preset]" when there are several; every other column once, preset None."""
+    runs = []
+    for column in columns:
+        if "fp8" not in column.split("+"):
+            runs.append((column, column, None))
+            continue
+        for preset in presets or [None]:
+            label = f"{column} [{preset}]" if len(presets or ()) > 1 else column
+            runs.append((label, column, preset))
+    return runs
+
+
 def bf16_column(column: str) -> str | None:
     """The bf16 column an FP8 column's peak memory is compared with: the same set-up without FP8
     (kernels+fp8 -> kernels, torchao-fp8+blocks -> blocks, torchao-fp8 -> eager); None for a
@@ -446,8 +460,10 @@ def main():
     parser.add_argument(
         "--fp8-linears",
         choices=FP8_PRESETS,
+        nargs="+",
         default=None,
-        help="the fp8 columns: which Linears run FP8 (default: the model family's preset)",
+        help="the fp8 columns: which Linears run FP8 (default: the model family's preset); "
+        "several: each fp8 column once per preset, labelled 'column [preset]'",
     )
     parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
     parser.add_argument(
@@ -473,7 +489,7 @@ def main():
         return context_parallel_main(parser, args)
     columns = bench_utils.parse_columns(parser, args.columns, transformer_cases.ALL_COLUMNS)
     transformer_cases.COMPILE_MODE = args.compile_mode
-    transformer_cases.FP8_LINEARS = args.fp8_linears
+    runs = fp8_preset_runs(columns, args.fp8_linears)
     tokens_list = args.tokens or ([2688, 8064] if args.model == "ltx" else [None])
     env = bench_utils.environment()
     print(
@@ -487,13 +503,14 @@ def main():
         print(f"\n## {args.model}, {tokens} tokens", flush=True)
         vs_compile = "compile" in columns
         print(table_header(vs_compile), flush=True)
-        for column in columns:
+        for label, column, preset in runs:
+            transformer_cases.FP8_LINEARS = preset
             measured = run_column(column, model, call, args.reps, args.warmup)
             if measured is None:
                 continue
             first_s, ms, out, peak = measured
             # (outputs kept on the CPU: the next columns' peaks do not hold them)
-            row = rows[column] = dict(ms=ms, first_call_s=first_s, out=out.float().cpu())
+            row = rows[label] = dict(ms=ms, first_call_s=first_s, out=out.float().cpu())
             row["peak_gib"] = peak / 2**30
             bf16 = rows.get(bf16_column(column))
             row["peak_vs_bf16"] = row["peak_gib"] / bf16["peak_gib"] if bf16 else None
@@ -501,7 +518,7 @@ def main():
             row["speedup_vs_eager"] = eager["ms"] / ms if eager else None
             row["speedup_vs_compile"] = rows["compile"]["ms"] / ms if "compile" in rows else None
             row["rel_l2"] = bench_utils.rel_l2(row["out"], eager["out"]) if eager else None
-            print(table_row(column, row, vs_compile), flush=True)
+            print(table_row(label, row, vs_compile), flush=True)
         results.append(
             dict(
                 tokens=tokens,

@@ -222,3 +222,20 @@ def test_ratio_cell(bt):
 
     assert bench_utils.ratio_cell(None) == "-" and bench_utils.ratio_cell(float("nan")) == "-"
     assert bench_utils.ratio_cell(1.234) == "1.23x"
+
+
+def test_fp8_columns_run_once_per_preset_asked(bt):
+    columns = ["kernels", "kernels+fp8", "torchao-fp8+blocks", "blocks+kernels+fp8"]
+    once = [(c, c, None) for c in columns]
+    assert bt.fp8_preset_runs(columns, None) == once
+    assert bt.fp8_preset_runs(columns, ["ffn"]) == [
+        (c, c, "ffn" if c.endswith("+fp8") else None) for c in columns
+    ]
+    assert bt.fp8_preset_runs(columns, ["ffn", "all"]) == [
+        ("kernels", "kernels", None),
+        ("kernels+fp8 [ffn]", "kernels+fp8", "ffn"),
+        ("kernels+fp8 [all]", "kernels+fp8", "all"),
+        ("torchao-fp8+blocks", "torchao-fp8+blocks", None),  # torchao's rowwise: every Linear
+        ("blocks+kernels+fp8 [ffn]", "blocks+kernels+fp8", "ffn"),
+        ("blocks+kernels+fp8 [all]", "blocks+kernels+fp8", "all"),
+    ]
