@@ -294,9 +294,10 @@ def _distributed(parser, args, flag):
     return rank, world, say
 
 
-#: The default --tokens under context parallelism: LTX-Video 161 frames; HunyuanVideo-1.5 480p in
-#: a grid 4 GPUs divide (480x832); the others: the case's own shape.
-PARALLEL_TOKENS = {"ltx": 8064, "hunyuanvideo-1.5": 48360}
+#: The default --tokens under context parallelism, issue 36's shapes: LTX-Video 2B 161 frames, the
+#: 13B at 2x12672, Wan 81 frames 720p, HunyuanVideo-1.5 480p in a grid 4 GPUs divide (480x832);
+#: the others: the case's own shape.
+PARALLEL_TOKENS = {"ltx": 8064, "ltx-13b": 12672, "wan-14b": 75600, "hunyuanvideo-1.5": 48360}
 #: The batch of a case's call: one guidance branch (Wan, HunyuanVideo-1.5) or both.
 ONE_BRANCH = ("Wan", "HunyuanVideo-1.5")
 
