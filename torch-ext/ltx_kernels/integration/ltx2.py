@@ -218,6 +218,7 @@ def attention(
             *(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)),
             mask=attention_mask,
             parallel_config=parallel_config,
+            whole_queries=processor.cp_role == "whole_queries",
         ).flatten(2)
         if perturbation_mask is not None:
             hidden_states = torch.lerp(value, hidden_states, perturbation_mask)
@@ -263,15 +264,16 @@ def _input_format(attn, names=("to_q",)) -> str | None:
 #: text cross-attention gathers the text and attends locally;
 #: audio-to-video attends this GPU's video queries to the whole audio, and the audio's self- and
 #: text attention are whole: all three local; video-to-audio (audio queries, the whole audio on
-#: every GPU, against split video keys) runs diffusers' parallel attention, which gives every GPU
-#: the full result for its copy of the queries.
+#: every GPU, against split video keys) attends with whole queries (attention.attend: under
+#: Ulysses, k/v to this GPU's heads, its heads of the queries, the output gathered over the heads;
+#: otherwise diffusers' parallel attention): every GPU gets the full result.
 CP_ROLES = {
     "attn1": "parallel",
     "attn2": "gather_text",
     "audio_attn1": "local",
     "audio_attn2": "local",
     "audio_to_video_attn": "local",
-    "video_to_audio_attn": "parallel",
+    "video_to_audio_attn": "whole_queries",
 }
 
 
