@@ -30,6 +30,7 @@ from distributed_helpers import compared_rows, free_port, run_cases, run_generat
 from inject_helpers import REL_L2_TOLERANCE, output_of, rel_l2
 from ltx_kernels.integration import FUSIONS
 from model_zoo import ltx
+from model_zoo import ltx2 as ltx2_zoo
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo"
@@ -39,10 +40,10 @@ WORLD = 2
 TOLERANCE = 1e-5  # fp32: the split changes the summation order only
 
 
-def _ulysses():
+def _ulysses(degree=WORLD):
     from diffusers import ContextParallelConfig
 
-    return ContextParallelConfig(ulysses_degree=WORLD)
+    return ContextParallelConfig(ulysses_degree=degree)
 
 
 def _ring():
@@ -83,11 +84,13 @@ class _CpuLseAttention:
 
 
 class _CountUlyssesCalls:
-    """Counts the calls of attention.ulysses_attention (calls), context_parallel.gather_sequence
+    """Counts the calls of attention.ulysses_attention (calls), of
+    attention.ulysses_whole_queries_attention (whole_queries), context_parallel.gather_sequence
     (gathers) and of our attention op through the seam (ltx_attention) while active."""
 
     NAMES = {
         "calls": ("attention", "ulysses_attention"),
+        "whole_queries": ("attention", "ulysses_whole_queries_attention"),
         "gathers": ("context_parallel", "gather_sequence"),
         "ltx_attention": ("attention", "ltx_attention"),
     }
@@ -272,16 +275,15 @@ RING_CASES = {
 
 
 def _ltx2_case(device, config, release="2.0", variant=None, mask=True, train=False,
-               dtype=torch.float32, backend=None, order="before"):  # fmt: skip
-    """A tiny LTX-2 model (video and audio) injected before or after enable_parallelism, against
-    stock diffusers in one process (stock fails under context parallelism: its plan does not split
-    the RoPE tables of the released "split" layout). Both outputs' relative L2 error (the
-    worse)."""
-    from model_zoo import ltx2
-
-    reference = ltx2.tiny_model(dtype, release).to(device)
+               dtype=torch.float32, backend=None, order="before", ops=None, text=ltx2_zoo.TEXT,
+               **model_config):  # fmt: skip
+    """A tiny LTX-2 model (video and audio; `model_config`: its config's overrides) injected
+    before or after enable_parallelism, against stock diffusers in one process (stock fails under
+    context parallelism: its plan does not split the RoPE tables of the released "split" layout).
+    Both outputs' relative L2 error (the worse), and the calls of each Ulysses path."""
+    reference = ltx2_zoo.tiny_model(dtype, release, **model_config).to(device)
     model = copy.deepcopy(reference)
-    inputs = ltx2.inputs(dtype, release, variant, device=device)
+    inputs = ltx2_zoo.inputs(dtype, release, variant, text=text, device=device, **model_config)
     if not mask:
         inputs.update(encoder_attention_mask=None, audio_encoder_attention_mask=None)
     if backend is not None:
@@ -289,7 +291,8 @@ def _ltx2_case(device, config, release="2.0", variant=None, mask=True, train=Fal
     result = {"tolerance": TOLERANCE if dtype == torch.float32 else REL_L2_TOLERANCE[dtype]}
     if order == "after":
         model.enable_parallelism(config=config)
-    result["skipped"] = sorted(ltx_kernels.inject_optimized_kernels(model, verbose=False).skipped)
+    report = ltx_kernels.inject_optimized_kernels(model, verbose=False, ops=ops)
+    result["skipped"] = sorted(report.skipped)
     if order == "before":
         model.enable_parallelism(config=config)
     with torch.set_grad_enabled(train), _CountUlyssesCalls() as ulysses:
@@ -298,6 +301,7 @@ def _ltx2_case(device, config, release="2.0", variant=None, mask=True, train=Fal
         expected = reference(**inputs)
     result["out"] = max(rel_l2(out, ref) for out, ref in zip(outputs, expected))
     result["ulysses_calls"] = ulysses.calls
+    result["whole_queries_calls"] = ulysses.whole_queries
     return result
 
 
@@ -477,6 +481,9 @@ ULYSSES_ATTENTION.update(dict.fromkeys(LTX2_CASES, 2))  # LTX-2: each block's vi
 ULYSSES_ATTENTION.update(dict.fromkeys(WAN_CASES, 2))  # Wan: each block's self-attention
 ULYSSES_ATTENTION.update(dict.fromkeys(HUNYUAN15_CASES, 2))  # HunyuanVideo-1.5: each block's
 ULYSSES_ATTENTION["ltx2_ring"] = 0
+#: Cases whose video-to-audio attention (the audio's queries whole on every rank) runs
+#: ulysses_whole_queries_attention: LTX-2 under Ulysses, one call a block (two blocks).
+WHOLE_QUERIES = {**dict.fromkeys(LTX2_CASES, 2), "ltx2_ring": 0}
 
 
 def _ltx2_full_width(device, config, backend=None):
@@ -484,13 +491,14 @@ def _ltx2_full_width(device, config, backend=None):
     audio frames and a padded 32-token prompt: injected under context parallelism against stock
     diffusers on one GPU."""
     from diffusers import LTX2VideoTransformer3DModel
-    from model_zoo import ltx2
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = LTX2VideoTransformer3DModel(**ltx2.config("2.0", full=True, num_layers=2))
+        model = LTX2VideoTransformer3DModel(**ltx2_zoo.config("2.0", full=True, num_layers=2))
     model = model.to(torch.bfloat16).eval()
-    inputs = ltx2.inputs(torch.bfloat16, "2.0", None, 2, 4, 8, 12, 20, 32, full=True, device=device)
+    inputs = ltx2_zoo.inputs(
+        torch.bfloat16, "2.0", None, 2, 4, 8, 12, 20, 32, full=True, device=device
+    )
     if backend is not None:
         model.set_attention_backend(backend)
     with torch.no_grad():
@@ -631,6 +639,12 @@ def test_which_self_attention_runs_ulysses_attention(results, case):
         assert by_case[case]["ulysses_calls"] == ULYSSES_ATTENTION[case]
 
 
+@pytest.mark.parametrize("case", sorted(WHOLE_QUERIES))
+def test_which_attention_runs_ulysses_whole_queries_attention(results, case):
+    for by_case in results:
+        assert by_case[case]["whole_queries_calls"] == WHOLE_QUERIES[case]
+
+
 #: Calls of our attention op through the seam: attention="ltx_kernels" (each block's
 #: self-attention, inside ulysses_attention), and the default ("auto": no measured entry yet).
 LTX_ATTENTION_CALLS = {"ulysses_ltx_kernels_attention": 2, "ulysses_inject_before": 0}
@@ -719,3 +733,42 @@ def test_copy_through_wide_elements(dtype, last):
     out = torch.full((3, 3, 5, 2, last), float("nan"), dtype=dtype)[:, :, :, 1]
     assert _copy(out, source) is out
     assert torch.equal(out, source)
+
+
+FOUR_HEADS_LTX2 = dict(
+    num_attention_heads=4, attention_head_dim=4, audio_num_attention_heads=4,
+    audio_attention_head_dim=2,
+)  # fmt: skip
+#: LTX-2 under Ulysses over 2 and 4 ranks (each rank 2 or 1 of 4 video and 4 audio heads; 8 text
+#: tokens, split by the plan), image-to-video with the padded text mask as the benchmark runs it:
+#: with ulysses_attention and ulysses_whole_queries_attention, and with diffusers' Ulysses
+#: attention (the op disabled: the video-to-audio attention sends the audio's queries too).
+LTX2_RANKS_CASES = {
+    "ours": lambda degree: _ltx2_ranks_case(degree),
+    "diffusers_ulysses": lambda degree: _ltx2_ranks_case(
+        degree, ops=set(FUSIONS) - {"ulysses_attention"}
+    ),
+}
+
+
+def _ltx2_ranks_case(degree, ops=None):
+    return _ltx2_case("cpu", _ulysses(degree), "2.0", "i2v", ops=ops, text=8, **FOUR_HEADS_LTX2)
+
+
+def _ltx2_ranks_worker(rank, world, port, results_dir):
+    run_cases(rank, world, port, "cpu:gloo", results_dir, LTX2_RANKS_CASES, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ltx2_ulysses_over_ranks(tmp_path, world):
+    """Each rank's LTX-2 outputs equal one process's; with the op, each block's video
+    self-attention runs ulysses_attention and its video-to-audio attention
+    ulysses_whole_queries_attention (one call each a block); without, neither."""
+    mp.spawn(_ltx2_ranks_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        by_case = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case, result in by_case.items():
+            assert "error" not in result, f"rank {rank}, {case}: {result.get('error')}"
+            assert result["out"] <= result["tolerance"], (rank, case, result["out"])
+            calls = 2 if case == "ours" else 0  # two blocks
+            assert result["ulysses_calls"] == result["whole_queries_calls"] == calls

@@ -21,6 +21,8 @@ Contract of `attend(processor, query, key, value, *, parallel_config, mask, key_
 - `replicated`: under context parallelism, how many trailing rows of q/k/v are whole on every
   rank (HunyuanVideo-1.5's text, after this rank's chunk of the video); their output rows come
   back whole (Ulysses only: below);
+- `whole_queries`: under context parallelism, the queries are whole on every rank and the keys
+  split (LTX-2's video-to-audio attention): every rank gets the whole output;
 - `sdpa=True`: F.scaled_dot_product_attention as stock SD3's processor calls it (diffusers'
   JointAttnProcessor2_0 ignores the attention backend), for stock numerics bit for bit.
 
@@ -43,8 +45,11 @@ ulysses_attention, which takes the inner attention as a callable: the same choic
 Ulysses: diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
 copies (eight copies of a [B, s, H, D] tensor per call). ulysses_attention sends q, k and v in one
 all-to-all, attention reads them where they land (strided views), and the output returns in one
-more: five such copies, through 8-byte elements, and two all-to-alls. Every other case (ring
-attention, uneven splits, a mask, autograd recording) keeps diffusers' parallel attention.
+more: five such copies, through 8-byte elements, and two all-to-alls. Queries whole on every rank
+(`whole_queries`) run ulysses_whole_queries_attention under the same rules: k and v in one
+all-to-all, each rank's heads of the queries sliced locally, the output all-gathered over the
+heads. Every other case (ring attention, uneven splits, a mask, autograd recording) keeps
+diffusers' parallel attention.
 Key lengths and replicated rows under context parallelism run ulysses_attention only: after its
 all-to-all each rank holds the whole sequence of its heads in the original order (rank r's chunk
 at r * s, the replicated rows last, sliced to this rank's heads locally), so the key lengths of
@@ -84,6 +89,7 @@ def attend(
     key_lengths: tuple[int, ...] | None = None,
     sdpa: bool = False,
     replicated: int = 0,
+    whole_queries: bool = False,
 ) -> torch.Tensor:
     """The attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] (the module docstring's contract)."""
     if key_lengths is not None and mask is not None:
@@ -138,11 +144,12 @@ def attend(
             parallel_config=parallel_config,
         )
 
-    if runs_ulysses_attention(processor.ops, parallel_config, query, key, mask):
+    if runs_ulysses_attention(processor.ops, parallel_config, query, key, mask, whole_queries):
         # (this rank's heads, over the whole sequence: strided views of one receive buffer whose
         # offsets and strides are multiples of head_dim, so aligned where q/k/v are)
         inner = our_attention(processor, query, key, value) or dispatch
-        out = ulysses_attention(query, key, value, parallel_config, inner)
+        ulysses = ulysses_whole_queries_attention if whole_queries else ulysses_attention
+        out = ulysses(query, key, value, parallel_config, inner)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
     return dispatch(query, key, value, parallel_config).to(query.dtype)
 
@@ -385,10 +392,13 @@ def lengths_tensor(key_lengths: tuple[int, ...], device: torch.device) -> torch.
 _last_lengths_tensor: list = []
 
 
-def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> bool:
-    """Whether a self-attention call runs `ulysses_attention`: Ulysses only (no ring, even splits),
-    no mask, q and k of one length, heads divisible by the degree, and no autograd recording
-    (diffusers' Ulysses carries the backward)."""
+def runs_ulysses_attention(
+    ops, parallel_config, query, key, attention_mask, whole_queries=False
+) -> bool:
+    """Whether an attention call runs `ulysses_attention` (`whole_queries`:
+    `ulysses_whole_queries_attention`): Ulysses only (no ring, even splits), no mask, q and k of
+    one length (a self-attention; any lengths with whole queries), heads divisible by the degree,
+    and no autograd recording (diffusers' Ulysses carries the backward)."""
     cp_config = context_parallel_config(parallel_config)
     return (
         "ulysses_attention" in ops
@@ -397,7 +407,7 @@ def runs_ulysses_attention(ops, parallel_config, query, key, attention_mask) -> 
         and cp_config.ring_degree == 1
         and not cp_config.ulysses_anything
         and attention_mask is None
-        and query.shape[1] == key.shape[1]
+        and (whole_queries or query.shape[1] == key.shape[1])
         and query.shape[2] % cp_config.ulysses_degree == 0
         and not _recording(query, key)
     )
@@ -457,6 +467,28 @@ def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _to_head_ranks(tensors, group, ranks: int) -> torch.Tensor:
+    """All-to-all of this rank's chunk of the sequence, every head, to the whole sequence of this
+    rank's heads: tensors [B, s, H, D] (any strides with D contiguous) travel in one send buffer
+    [N (to rank), s, B, n, h * D] (h = H / N, n tensors); what arrives, [N (from rank), s, B, n,
+    h * D], is returned as [B, S, n, h * D] (token = rank * s + t: the original order), a strided
+    view of the receive buffer."""
+    batch, tokens, heads, head_dim = tensors[0].shape
+    width = heads // ranks * head_dim
+    send = tensors[0].new_empty(ranks, tokens, batch, len(tensors), width)
+    for i, x in enumerate(tensors):  # [B, s, H, D] -> [N, s, B, h * D]
+        _copy(send[:, :, :, i], x.flatten(2).unflatten(2, (ranks, width)).permute(2, 1, 0, 3))
+    return _all_to_all(send, group).flatten(0, 1).transpose(0, 1)
+
+
+def _gather_heads(out: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+    """Writes every rank's heads of rows whole on every rank, rows [B, R, h * D] (this rank's
+    heads), into out [B, R, N, h * D] (all-gathered: one collective); returns out."""
+    ranks, batch = out.shape[2], out.shape[0]
+    gathered = _GatherSequence.apply(rows.contiguous(), 0, group)  # [N * B, R, h * D]
+    return _copy(out, gathered.unflatten(0, (ranks, batch)).permute(1, 2, 0, 3))
+
+
 def ulysses_attention(query, key, value, parallel_config, attend, replicated=0) -> torch.Tensor:
     """Ulysses self-attention: query/key/value [B, s, H, D] (this rank's s tokens of the sequence,
     every head; any strides with D contiguous) -> [B, s, H * D]. `attend(q, k, v)` attends this
@@ -465,11 +497,10 @@ def ulysses_attention(query, key, value, parallel_config, attend, replicated=0) 
     sent, each rank appends its heads of them to the sequence it received ([B, S + R, h, D]), and
     their output rows, all-gathered over the heads, follow this rank's: [B, s + R, H * D].
 
-    Rank r attends heads [r h, (r + 1) h), h = H / N. q, k and v travel in one send buffer
-    [N (to rank), s, B, 3, h * D]; what arrives, [N (from rank), s, B, 3, h * D], is the whole
-    sequence (token = rank * s + t) in a layout in which q, k and v are strided views
-    [B, S, h, D], attended where they are. The output returns as [N, s, B, h * D] and is copied
-    into [B, s, N, h * D] = [B, s, H * D]. The same attention as on one GPU, head by head."""
+    Rank r attends heads [r h, (r + 1) h), h = H / N. q, k and v travel in one all-to-all
+    (_to_head_ranks) and are attended where they land, as strided views [B, S, h, D]. The output
+    returns as [N, s, B, h * D] and is copied into [B, s, N, h * D] = [B, s, H * D]. The same
+    attention as on one GPU, head by head."""
     cp_config = context_parallel_config(parallel_config)
     group = cp_config._ulysses_mesh.get_group()
     ranks = cp_config.ulysses_degree
@@ -477,11 +508,7 @@ def ulysses_attention(query, key, value, parallel_config, attend, replicated=0) 
     tokens = rows - replicated  # this rank's chunk
     width = heads // ranks * head_dim  # of one rank's heads
 
-    send = query.new_empty(ranks, tokens, batch, 3, width)
-    for i, x in enumerate((query, key, value)):  # [B, s, H, D] -> [N, s, B, h * D]
-        x = x[:, :tokens].flatten(2).unflatten(2, (ranks, width))
-        _copy(send[:, :, :, i], x.permute(2, 1, 0, 3))
-    qkv = _all_to_all(send, group).flatten(0, 1).transpose(0, 1)  # [B, S, 3, h * D]
+    qkv = _to_head_ranks([x[:, :tokens] for x in (query, key, value)], group, ranks)
     if replicated:  # this rank's heads of the whole rows, after the sequence
         head = cp_config._ulysses_mesh.get_local_rank() * width
         whole = [x[:, tokens:].flatten(2)[..., head : head + width] for x in (query, key, value)]
@@ -498,7 +525,29 @@ def ulysses_attention(query, key, value, parallel_config, attend, replicated=0) 
     out = _all_to_all(out, group)  # [N, s, B, h * D], back on the tokens' rank
     result = out.new_empty(batch, rows, ranks, width)
     _copy(result[:, :tokens], out.permute(2, 1, 0, 3))
-    if replicated:  # every rank's heads of the whole rows: [N, B, R, h * D]
-        gathered = _GatherSequence.apply(whole.contiguous(), 0, group)  # [N * B, R, h * D]
-        _copy(result[:, tokens:], gathered.unflatten(0, (ranks, batch)).permute(1, 2, 0, 3))
+    if replicated:  # every rank's heads of the whole rows
+        _gather_heads(result[:, tokens:], whole, group)
     return result.flatten(2)
+
+
+def ulysses_whole_queries_attention(query, key, value, parallel_config, attend) -> torch.Tensor:
+    """Ulysses attention of queries whole on every rank against keys split over the ranks (LTX-2's
+    video-to-audio attention: the audio's queries, the video's keys): query [B, Sq, H, D] (the
+    same on every rank), key/value [B, s, H, D] (this rank's chunk) -> [B, Sq, H * D], the whole
+    result on every rank. `attend(q, k, v)` attends this rank's heads: q [B, Sq, h, D] against
+    k/v [B, S, h, D].
+
+    k and v travel in one all-to-all (_to_head_ranks); the queries are not sent: each rank slices
+    its heads of them; the output rows are all-gathered over the heads. (diffusers' Ulysses sends
+    the queries too, so every rank attends N copies of them for its heads: the whole attention's
+    work on every rank, and four collectives instead of two.)"""
+    cp_config = context_parallel_config(parallel_config)
+    group = cp_config._ulysses_mesh.get_group()
+    ranks = cp_config.ulysses_degree
+    batch, rows, heads, head_dim = query.shape
+    local = heads // ranks  # heads of this rank
+    kv = _to_head_ranks([key, value], group, ranks).unflatten(3, (local, head_dim))
+    first = cp_config._ulysses_mesh.get_local_rank() * local
+    out = attend(query[:, :, first : first + local], kv[:, :, 0], kv[:, :, 1])  # [B, Sq, h, D]
+    result = out.new_empty(batch, rows, ranks, local * head_dim)
+    return _gather_heads(result, out.flatten(2), group).flatten(2)

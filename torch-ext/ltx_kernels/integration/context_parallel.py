@@ -15,7 +15,9 @@ the whole text. In inference the blocks of a step share one gather (gather_cross
 Collectives are waited at once: functional collectives return a Python tensor subclass through
 which every later op would dispatch (a third of the eager step's host time on 2 H200s).
 
-Self-attention under Ulysses goes through the attention seam (attention.py: ulysses_attention).
+Self-attention under Ulysses goes through the attention seam (attention.py: ulysses_attention),
+and so does LTX-2's video-to-audio attention (queries whole on every rank:
+ulysses_whole_queries_attention).
 
 LTX-2 keeps its audio whole on every GPU; its processors attend by role (ltx2.CP_ROLES) and take
 their chunk of the RoPE tables (local_rope_tables).

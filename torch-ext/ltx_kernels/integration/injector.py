@@ -47,8 +47,10 @@ from .module_checks import has_forward_hook, plain_tensor
 #: (eager training: a norm's or a single LoRA projection's output that lora_linear or
 #: qk_rmsnorm_rope saves for backward is recomputed there instead, recompute.py; without it, saved
 #: as autograd saves it), and "ulysses_attention" (self-attention under diffusers' Ulysses context
-#: parallelism: q/k/v in one all-to-all, attended where they land, the output in one more,
-#: attention.py; without it, diffusers' Ulysses attention), and "drop_padded_keys" (attention over
+#: parallelism: q/k/v in one all-to-all, attended where they land, the output in one more;
+#: LTX-2's video-to-audio attention, its audio queries whole on every rank: k/v in one all-to-all,
+#: each rank's heads of the queries, the output gathered over the heads; attention.py; without
+#: it, diffusers' Ulysses attention), and "drop_padded_keys" (attention over
 #: padded text, HunyuanVideo's: the padded keys dropped where every batch element has as many,
 #: attention.py; without it, a broadcast key mask, what stock's mask computes bit for bit).
 FUSIONS = (

@@ -51,6 +51,7 @@ from . import quant, recompute, steps
 from .attention import attend
 from .injector import FusedAttnProcessor
 from .linears import attention_projections, ff_projections, fp8_presets
+from .module_checks import has_hooks
 from .context_parallel import (
     context_parallel_config,
     gather_cross_attention_inputs,
@@ -218,6 +219,7 @@ def attention(
             *(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)),
             mask=attention_mask,
             parallel_config=parallel_config,
+            whole_queries=processor.cp_role == "whole_queries",
         ).flatten(2)
         if perturbation_mask is not None:
             hidden_states = torch.lerp(value, hidden_states, perturbation_mask)
@@ -263,15 +265,16 @@ def _input_format(attn, names=("to_q",)) -> str | None:
 #: text cross-attention gathers the text and attends locally;
 #: audio-to-video attends this GPU's video queries to the whole audio, and the audio's self- and
 #: text attention are whole: all three local; video-to-audio (audio queries, the whole audio on
-#: every GPU, against split video keys) runs diffusers' parallel attention, which gives every GPU
-#: the full result for its copy of the queries.
+#: every GPU, against split video keys) attends with whole queries (attention.attend: under
+#: Ulysses, k/v to this GPU's heads, its heads of the queries, the output gathered over the heads;
+#: otherwise diffusers' parallel attention): every GPU gets the full result.
 CP_ROLES = {
     "attn1": "parallel",
     "attn2": "gather_text",
     "audio_attn1": "local",
     "audio_attn2": "local",
     "audio_to_video_attn": "local",
-    "video_to_audio_attn": "parallel",
+    "video_to_audio_attn": "whole_queries",
 }
 
 
@@ -372,6 +375,20 @@ class LTX2KernelsPerturbedAttnProcessor(FusedAttnProcessor):
 # ------------------------------------------------------------------------------------------------
 # Block
 # ------------------------------------------------------------------------------------------------
+def _attention(attn, *args, **kwargs):
+    """attn(*args, **kwargs) as the block calls it (LTX2Attention.forward), our processor called
+    directly with the same arguments where nothing hooks attn: the module's forward only filters
+    the keyword arguments, through inspect.signature of the processor on every call (six a block).
+    (Through the module where the processor is not ours, or does not take STG's arguments.)"""
+    processor = attn.processor
+    takes = LTX2KernelsPerturbedAttnProcessor
+    if "perturbation_mask" not in kwargs:
+        takes = (LTX2KernelsAttnProcessor, LTX2KernelsPerturbedAttnProcessor)
+    if isinstance(processor, takes) and not has_hooks(attn):
+        return processor(attn, *args, **kwargs)
+    return attn(*args, **kwargs)
+
+
 def _add_norms(ops, norm, x, pending, modulations):
     """x plus the pending residual (y, gate) (None: nothing to add; gate None: x + y), then
     norm(x) modulated by each (scale, shift, quant) of `modulations`, the first in the residual's
@@ -454,7 +471,8 @@ def block_forward(
         shift_msa,
         quant=_input_format(self.attn1, steps.QKV),
     )
-    attn_hidden_states = self.attn1(
+    attn_hidden_states = _attention(
+        self.attn1,
         hidden_states=norm_hidden_states,
         encoder_hidden_states=None,
         query_rotary_emb=video_rotary_emb,
@@ -469,7 +487,8 @@ def block_forward(
         a_shift_msa,
         quant=_input_format(self.audio_attn1, steps.QKV),
     )
-    attn_audio_hidden_states = self.audio_attn1(
+    attn_audio_hidden_states = _attention(
+        self.audio_attn1,
         hidden_states=norm_audio_hidden_states,
         encoder_hidden_states=None,
         query_rotary_emb=audio_rotary_emb,
@@ -507,13 +526,15 @@ def block_forward(
             audio_encoder_hidden_states,
             batch_size,
         )
-    attn_hidden_states = self.attn2(
+    attn_hidden_states = _attention(
+        self.attn2,
         norm_hidden_states,
         encoder_hidden_states=encoder_hidden_states,
         query_rotary_emb=None,
         attention_mask=encoder_attention_mask,
     )
-    attn_audio_hidden_states = self.audio_attn2(
+    attn_audio_hidden_states = _attention(
+        self.audio_attn2,
         norm_audio_hidden_states,
         encoder_hidden_states=audio_encoder_hidden_states,
         query_rotary_emb=None,
@@ -563,7 +584,8 @@ def block_forward(
         )
         pending = audio_pending = None
         if use_a2v_cross_attention:
-            a2v_attn_hidden_states = self.audio_to_video_attn(
+            a2v_attn_hidden_states = _attention(
+                self.audio_to_video_attn,
                 video_norms[0],
                 encoder_hidden_states=audio_norms[0],
                 query_rotary_emb=ca_video_rotary_emb,
@@ -572,7 +594,8 @@ def block_forward(
             )
             pending = (a2v_attn_hidden_states, a2v_gate)
         if use_v2a_cross_attention:
-            v2a_attn_hidden_states = self.video_to_audio_attn(
+            v2a_attn_hidden_states = _attention(
+                self.video_to_audio_attn,
                 audio_norms[-1],
                 encoder_hidden_states=video_norms[-1],
                 query_rotary_emb=ca_audio_rotary_emb,
