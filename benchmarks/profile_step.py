@@ -72,13 +72,15 @@ def host_times(step, reps=5):
 
 
 def host_profile(step, top):
-    """The host functions taking the most time (cProfile, own time) while one step is issued."""
-    torch.cuda.synchronize()
+    """The host functions taking the most time (cProfile, own time) while one step is issued (on
+    the GPU, or on the CPU: cp_host_time.py)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     profiler = cProfile.Profile()
     profiler.enable()
     step()
     profiler.disable()
-    torch.cuda.synchronize()
+    sync()
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
     print(f"  host, own time per function over one step (total {stats.total_tt * 1000:.1f} ms):")

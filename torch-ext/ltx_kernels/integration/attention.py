@@ -69,10 +69,10 @@ from ..ops import attention as ltx_attention
 from ..ops import attention_int8, quantize, quantize_attention_k, quantize_attention_v
 from .context_parallel import (
     _GatherSequence,
+    all_to_all,
     capturing,
     context_parallel_config,
     version_of,
-    waited,
 )
 from .injector import LTX_ATTENTION_FASTER, LTX_ATTENTION_HEAD_DIMS
 from .quant import QuantRows
@@ -436,35 +436,19 @@ def _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated: int) 
         )
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all along dim 0 of a contiguous tensor (waits on the stream at its first use)."""
-    import torch.distributed._functional_collectives as funcol
-
-    return waited(funcol.all_to_all_single(x, None, None, group))
-
-
 def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """out.copy_(x) through 8-byte elements where the last dim of both allows it. torch's copy of
-    permuted views moves one element per access (about a third of the copy bandwidth in bf16);
-    the same bytes as 8-byte elements move in a quarter of the accesses. (Compiled: Inductor
-    writes its own copy kernel.)"""
-    width = 8 // x.element_size()
-    if torch.compiler.is_compiling():
-        return out.copy_(x)
-
-    def widens(t):
-        return (
-            t.stride(-1) == 1
-            and t.shape[-1] % width == 0
-            and t.storage_offset() % width == 0
-            and all(stride % width == 0 for stride in t.stride()[:-1])
-        )
-
-    if x.dtype == out.dtype and width > 1 and widens(out) and widens(x):
-        out.view(torch.int64).copy_(x.view(torch.int64))
-    else:
-        out.copy_(x)
-    return out
+    """out.copy_(x) through 8-byte elements where the layouts of both allow it (what
+    Tensor.view(torch.int64) takes: a unit-stride last dim, it and the other strides and the
+    storage offset in whole 8-byte elements). torch's copy of permuted views moves one element per
+    access (about a third of the copy bandwidth in bf16); the same bytes as 8-byte elements move in
+    a quarter of the accesses. (Compiled: Inductor writes its own copy kernel.)"""
+    if x.dtype == out.dtype and x.element_size() < 8 and not torch.compiler.is_compiling():
+        try:
+            out.view(torch.int64).copy_(x.view(torch.int64))
+            return out
+        except RuntimeError:  # a layout whose elements do not pair up: element by element
+            pass
+    return out.copy_(x)
 
 
 def _to_head_ranks(tensors, group, ranks: int) -> torch.Tensor:
@@ -476,9 +460,10 @@ def _to_head_ranks(tensors, group, ranks: int) -> torch.Tensor:
     batch, tokens, heads, head_dim = tensors[0].shape
     width = heads // ranks * head_dim
     send = tensors[0].new_empty(ranks, tokens, batch, len(tensors), width)
-    for i, x in enumerate(tensors):  # [B, s, H, D] -> [N, s, B, h * D]
-        _copy(send[:, :, :, i], x.flatten(2).unflatten(2, (ranks, width)).permute(2, 1, 0, 3))
-    return _all_to_all(send, group).flatten(0, 1).transpose(0, 1)
+    into = send.permute(2, 1, 0, 3, 4).unbind(3)  # each tensor's [B, s, N, h * D] in the buffer
+    for x, out in zip(tensors, into):  # [B, s, H, D] -> [B, s, N, h * D]
+        _copy(out, x.reshape(batch, tokens, ranks, width))
+    return all_to_all(send, group).flatten(0, 1).transpose(0, 1)
 
 
 def _gather_heads(out: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
@@ -508,23 +493,25 @@ def ulysses_attention(query, key, value, parallel_config, attend, replicated=0) 
     tokens = rows - replicated  # this rank's chunk
     width = heads // ranks * head_dim  # of one rank's heads
 
-    qkv = _to_head_ranks([x[:, :tokens] for x in (query, key, value)], group, ranks)
+    sent = [x[:, :tokens] if replicated else x for x in (query, key, value)]
+    qkv = _to_head_ranks(sent, group, ranks)  # [B, S, 3, h * D]
     if replicated:  # this rank's heads of the whole rows, after the sequence
         head = cp_config._ulysses_mesh.get_local_rank() * width
         whole = [x[:, tokens:].flatten(2)[..., head : head + width] for x in (query, key, value)]
         whole = torch.stack(whole, 2)  # [B, R, 3, h * D]
         qkv = torch.cat([qkv, whole], 1)  # [B, S + R, 3, h * D]
     qkv = qkv.unflatten(3, (heads // ranks, head_dim))
-    out = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).flatten(2)  # [B, S (+ R), h * D]
+    out = attend(*qkv.unbind(2)).flatten(2)  # [B, S (+ R), h * D]
     sequence = ranks * tokens
-    out, whole = out[:, :sequence], out[:, sequence:]
+    if replicated:
+        out, whole = out[:, :sequence], out[:, sequence:]
     out = _copy(
         out.new_empty(ranks, tokens, batch, width),
         out.unflatten(1, (ranks, tokens)).permute(1, 2, 0, 3),
     )
-    out = _all_to_all(out, group)  # [N, s, B, h * D], back on the tokens' rank
+    out = all_to_all(out, group)  # [N, s, B, h * D], back on the tokens' rank
     result = out.new_empty(batch, rows, ranks, width)
-    _copy(result[:, :tokens], out.permute(2, 1, 0, 3))
+    _copy(result[:, :tokens] if replicated else result, out.permute(2, 1, 0, 3))
     if replicated:  # every rank's heads of the whole rows
         _gather_heads(result[:, tokens:], whole, group)
     return result.flatten(2)

@@ -12,8 +12,9 @@ The fused processors avoid both: a cross-attention under context parallelism all
 tokens and their mask (a few hundred tokens: cheaper than the four all-to-alls of a Ulysses call
 whose queries and outputs are video-sized) and attends locally, this rank's video queries against
 the whole text. In inference the blocks of a step share one gather (gather_cross_attention_inputs).
-Collectives are waited at once: functional collectives return a Python tensor subclass through
-which every later op would dispatch (a third of the eager step's host time on 2 H200s).
+Collectives are waited at once, eager through c10d's in-place ops (all_to_all, all_gather,
+reduce_scatter): functional collectives return a Python tensor subclass through which every later
+op would dispatch (a third of the eager step's host time on 2 H200s), and cost more host time each.
 
 Self-attention under Ulysses goes through the attention seam (attention.py: ulysses_attention),
 and so does LTX-2's video-to-audio attention (queries whole on every rank:
@@ -46,14 +47,38 @@ def _collective(name: str):
     return getattr(funcol, name, None) or getattr(funcol, old_names[name])
 
 
-def waited(tensor):
-    """A functional collective's result as a plain tensor, its wait enqueued now. (Eager,
-    functional collectives return an AsyncCollectiveTensor, a Python subclass that defers the wait
-    to its first use: each op on it, views included, runs through Python dispatch, ~0.1 ms of
-    host time; under Dynamo the result is plain already.)"""
-    import torch.distributed._functional_collectives as funcol
+# The collectives along dim 0 of a contiguous tensor, waited at once (on the current stream).
+# Eager through c10d's in-place ops into a new tensor: a functional collective takes ~2.5x their
+# host time (its op's Python autograd wrapper, an AsyncCollectiveTensor around the result, through
+# which every later op would dispatch in Python until its wait). Under Dynamo through the functional
+# collectives, which it traces as the op and its wait (an in-place op traces to those and a copy).
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal chunks of dim 0 to each rank, in rank order."""
+    if torch.compiler.is_compiling():
+        import torch.distributed._functional_collectives as funcol
 
-    return tensor.trigger_wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
+        return funcol.all_to_all_single(x, None, None, group)
+    out = torch.empty_like(x)
+    torch.distributed.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x, concatenated along dim 0 in rank order."""
+    if torch.compiler.is_compiling():
+        return _collective("all_gather_single")(x, 0, group)
+    out = x.new_empty(group.size() * x.shape[0], *x.shape[1:])
+    torch.distributed.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of dim 0 of the sum of every rank's x."""
+    if torch.compiler.is_compiling():
+        return _collective("reduce_scatter_single")(x, "sum", 0, group)
+    out = x.new_empty(x.shape[0] // group.size(), *x.shape[1:])
+    torch.distributed.reduce_scatter_tensor(out, x, group=group)
+    return out
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -64,14 +89,12 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        gathered = _collective("all_gather_single")(x.movedim(dim, 0).contiguous(), 0, group)
-        return waited(gathered).movedim(0, dim)
+        return all_gather(x.movedim(dim, 0).contiguous(), group).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.movedim(ctx.dim, 0).contiguous()
-        chunk = _collective("reduce_scatter_single")(grad, "sum", 0, ctx.group)
-        return waited(chunk).movedim(0, ctx.dim), None, None
+        return reduce_scatter(grad, ctx.group).movedim(0, ctx.dim), None, None
 
 
 def gather_sequence(x: torch.Tensor, dim: int, cp_config) -> torch.Tensor:
