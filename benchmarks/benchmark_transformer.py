@@ -25,7 +25,7 @@ torchrun --nproc_per_node N): diffusers' context parallelism over the N GPUs, in
 text mask, which fails or is wrong in diffusers 0.42: reported, and without it; HunyuanVideo-1.5:
 none, diffusers 0.42 has no plan for it), N-GPU with the kernels (injected before
 enable_parallelism; HunyuanVideo-1.5 with its plan, integration.injected_plan: Ulysses only), and
-(LTX-Video 2B) that with compile_repeated_blocks; under Ulysses the same with diffusers' Ulysses
+(LTX-Video 2B, LTX-2) that with compile_repeated_blocks; under Ulysses the same with diffusers' Ulysses
 attention in place of ulysses_attention (the A/B; not HunyuanVideo-1.5, whose text rows need
 ulysses_attention).
 --cfg-parallel (the same models, N even; with --context-parallel inside each group when N > 2):
@@ -212,7 +212,7 @@ def context_parallel_columns(args, tokens, rank, world):
             )
             with torch.no_grad(), quiet:  # every rank steps (the collectives), rank 0 prints
                 profile_step.kernel_breakdown(step, 3, 12, f"{label}, rank {rank}")
-        if args.model == "ltx":  # the 13B model's compile time is not worth a device run
+        if args.model in ("ltx", "ltx2"):  # (the 13B: its compile time is not worth a device run)
             torch._dynamo.reset()
             model.compile_repeated_blocks(fullgraph=True)
             attempt(label.replace("kernels", "blocks+kernels"), lambda: call(model))
