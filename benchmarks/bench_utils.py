@@ -11,6 +11,7 @@ way in the same process.
 import contextlib
 import json
 import math
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -122,6 +123,21 @@ def environment() -> dict:
     except ImportError:
         pass
     return info
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a gloo group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_thread_one_device():
+    """A CPU (gloo) rank's set-up: one intra-op thread, and one accelerator device counted where
+    there is none (diffusers' context parallelism takes rank % device_count())."""
+    torch.set_num_threads(1)
+    if torch.accelerator.device_count() == 0:
+        torch.accelerator.device_count = lambda: 1
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

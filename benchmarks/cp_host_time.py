@@ -26,7 +26,6 @@ time (profile_step.host_profile).
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_utils  # noqa: E402
 import step_inputs  # noqa: E402
 
 COLUMNS = ("stock", "kernels", "kernels-diffusers-ulysses")
@@ -151,12 +151,10 @@ def measure(column, world, rank, args) -> dict:
 
 
 def worker(rank, world, port, args, queue):
-    torch.set_num_threads(1)
+    bench_utils.one_thread_one_device()
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
-            torch.accelerator.device_count = lambda: 1
     for column in args.columns:
         if world == 1 and column == "kernels-diffusers-ulysses":
             continue
@@ -165,12 +163,6 @@ def worker(rank, world, port, args, queue):
             queue.put((world, column, result))
     if world > 1:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():
@@ -183,13 +175,11 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cprofile", type=int, default=0, help="rank 0's top N host functions")
     args = parser.parse_args()
-    import bench_utils
-
     args.columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
     queue = mp.get_context("spawn").SimpleQueue()
     rows = []
     for world in args.worlds:
-        mp.spawn(worker, args=(world, free_port(), args, queue), nprocs=world)
+        mp.spawn(worker, args=(world, bench_utils.free_port(), args, queue), nprocs=world)
         while not queue.empty():
             rows.append(queue.get())
     print(f"\n# LTX-Video, {args.blocks} blocks at tiny widths, torch {torch.__version__}, CPU")

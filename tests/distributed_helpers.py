@@ -6,24 +6,14 @@ The processes are spawned by the tests (torch.multiprocessing), gloo on the CPU.
 import importlib.util
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _one_thread_one_device():
-    torch.set_num_threads(1)
-    if torch.accelerator.device_count() == 0:  # diffusers: rank % device_count()
-        torch.accelerator.device_count = lambda: 1
+# (benchmarks/bench_utils.py: the gloo set-up shared with cp_host_time.py; free_port is the tests')
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_utils import free_port, one_thread_one_device  # noqa: E402, F401
 
 
 def run_cases(rank, world, port, backend, results_dir, cases: dict, *case_args):
@@ -31,7 +21,7 @@ def run_cases(rank, world, port, backend, results_dir, cases: dict, *case_args):
     {"error": ...}} to results_dir/rank<rank>.json (every case, whatever fails)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world)
-    _one_thread_one_device()
+    one_thread_one_device()
     results = {}
     try:
         for name, case in cases.items():
@@ -64,7 +54,7 @@ def run_generate_video(rank, world, port, argv: list):
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
     )
-    _one_thread_one_device()
+    one_thread_one_device()
     generate_video_script().main(argv)
 
 
