@@ -55,9 +55,7 @@ def _collective(name: str):
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Equal chunks of dim 0 to each rank, in rank order."""
     if torch.compiler.is_compiling():
-        import torch.distributed._functional_collectives as funcol
-
-        return funcol.all_to_all_single(x, None, None, group)
+        return _collective("all_to_all_single")(x, None, None, group)
     out = torch.empty_like(x)
     torch.distributed.all_to_all_single(out, x, group=group)
     return out
