@@ -509,7 +509,12 @@ def _ltx2_full_width(device, config, backend=None):
             outputs = model(**inputs)
     error = max(rel_l2(out, ref) for out, ref in zip(outputs, expected))
     tolerance = REL_L2_TOLERANCE[torch.bfloat16]
-    return {"out": error, "tolerance": tolerance, "ulysses_calls": ulysses.calls}
+    return {
+        "out": error,
+        "tolerance": tolerance,
+        "ulysses_calls": ulysses.calls,
+        "whole_queries_calls": ulysses.whole_queries,
+    }
 
 
 def _hunyuan15_full_width(device, config):
