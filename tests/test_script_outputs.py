@@ -1,7 +1,8 @@
 """What the scripts write for a user: generate_video.py's --output (no extension: .mp4; an unknown
 extension or a path that cannot be written: an error before the run) and its comparison chart (the
 title inside the image), benchmark_transformer.py's table (no "nanx" cells: the "vs compile"
-column only with the compile column, "-" where a ratio has no reference)."""
+column only with the compile column, "-" where a ratio has no reference), and cp_copy_engine.py's
+error outside torchrun."""
 
 import importlib.util
 import sys
@@ -239,3 +240,17 @@ def test_fp8_columns_run_once_per_preset_asked(bt):
         ("blocks+kernels+fp8 [ffn]", "blocks+kernels+fp8", "ffn"),
         ("blocks+kernels+fp8 [all]", "blocks+kernels+fp8", "all"),
     ]
+
+
+# ---- cp_copy_engine.py ---------------------------------------------------------------------------
+
+
+def test_cp_copy_engine_outside_torchrun_says_how_to_launch(tmp_path, monkeypatch, capsys):
+    """A GPU-only torchrun script: run as a plain script it stops with how to launch it."""
+    script = load(ROOT / "benchmarks" / "cp_copy_engine.py")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "argv", ["cp_copy_engine.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    assert exit_info.value.code == 2
+    assert "torchrun --nproc_per_node N" in capsys.readouterr().err
