@@ -214,8 +214,9 @@ def context_parallel_columns(args, tokens, rank, world):
                 profile_step.kernel_breakdown(step, 3, 12, f"{label}, rank {rank}")
         if args.model in ("ltx", "ltx2"):  # (the 13B: its compile time is not worth a device run)
             torch._dynamo.reset()
-            model.compile_repeated_blocks(fullgraph=True)
-            attempt(label.replace("kernels", "blocks+kernels"), lambda: call(model))
+            model.compile_repeated_blocks(fullgraph=True, mode=args.compile_mode)
+            mode = f" ({args.compile_mode})" if args.compile_mode else ""
+            attempt(label.replace("kernels", "blocks+kernels") + mode, lambda: call(model))
 
     phases = [one_gpu_then_stock, with_kernels]
     if degree == "ulysses_degree" and family != "HunyuanVideo-1.5":  # ulysses_attention's A/B
@@ -456,7 +457,8 @@ def main():
     parser.add_argument(
         "--compile-mode",
         default=None,
-        help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)",
+        help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); --context-parallel: of "
+        "the compiled-blocks column",
     )
     parser.add_argument(
         "--fp8-linears",
