@@ -1,9 +1,10 @@
-"""Host time of one LTX-Video transformer step under context parallelism, on the CPU (gloo): the
-Python and dispatcher time to issue a step, the eager step's floor on GPUs where a rank's GPU work
-is shorter (LTX-Video 2B at 2x8064 on 4 GPUs: ~45 ms of GPU work a step; NOTES.md). The
-transformer has the 2B's structure (28 blocks, --blocks) at tiny widths (8 heads of 4 channels,
-32 video tokens, 8 text tokens with a padded prompt), so its compute is negligible and a step's
-time is host overhead.
+"""Host time of one LTX-Video or LTX-2 transformer step under context parallelism, on the CPU
+(gloo): the Python and dispatcher time to issue a step, the eager step's floor on GPUs where a
+rank's GPU work is shorter (LTX-Video 2B at 2x8064 on 4 GPUs: ~45 ms of GPU work a step; NOTES.md).
+The transformer has the real structure (--model ltx: the 2B's 28 blocks; ltx2: LTX-2's 48 blocks,
+image-to-video as benchmark_transformer.py runs it; --blocks) at tiny widths (8 heads of 4
+channels, 32 video tokens, 8 text tokens with a padded prompt; LTX-2: also 8 audio heads of 4, 5
+audio latents), so its compute is negligible and a step's time is host overhead.
 
 For each world size in --worlds, that many gloo processes (1: no parallelism) run the columns
 (--columns), each on a fresh model:
@@ -22,6 +23,7 @@ collective counts as one) and the collectives; --cprofile adds rank 0's host fun
 time (profile_step.host_profile).
 
   python benchmarks/cp_host_time.py --worlds 1 2 4 --cprofile 2
+  python benchmarks/cp_host_time.py --model ltx2 --worlds 1 4
 """
 
 import argparse
@@ -49,6 +51,22 @@ TINY_2B = dict(
     cross_attention_dim=32,
     caption_channels=16,
 )
+#: LTX-2 2.0's structure (configs/ltx-2.json) at tiny widths.
+TINY_LTX2 = dict(
+    in_channels=8,
+    out_channels=8,
+    num_attention_heads=8,
+    attention_head_dim=4,
+    cross_attention_dim=32,
+    audio_in_channels=8,
+    audio_out_channels=8,
+    audio_num_attention_heads=8,
+    audio_attention_head_dim=4,
+    audio_cross_attention_dim=32,
+    caption_channels=16,
+)
+#: --model -> its real config's name (configs/), tiny widths and default block count.
+MODELS = {"ltx": ("ltx-video-0.9.1", TINY_2B, 28), "ltx2": ("ltx-2", TINY_LTX2, 48)}
 #: The ops torch.profiler records that count: dispatched from Python (a parent of another kind).
 OP_PREFIXES = ("aten::", "ltx_kernels::", "c10d::", "_c10d_functional::")
 NOT_COLLECTIVES = ("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
@@ -65,14 +83,18 @@ NO_LAUNCH = {
 }
 
 
-def build(column: str, world: int, blocks: int):
+def build(column: str, world: int, blocks: int, model_name: str = "ltx"):
     """(model, its step's keyword arguments) for a column."""
+    import diffusers
     import ltx_kernels
-    from diffusers import ContextParallelConfig, LTXVideoTransformer3DModel
+    from diffusers import ContextParallelConfig
     from ltx_kernels.integration import FUSIONS, injected_plan
 
+    name, tiny, _ = MODELS[model_name]
+    transformer = bench_utils.model_config(name)["transformer"]
+    model_config = {**transformer["config"], **tiny, "num_layers": blocks}
     torch.manual_seed(0)
-    model = LTXVideoTransformer3DModel(**TINY_2B, num_layers=blocks).eval()
+    model = getattr(diffusers, transformer["class"])(**model_config).eval()
     if column != "stock":
         ops = set(FUSIONS) - {"ulysses_attention"} if column.endswith("diffusers-ulysses") else None
         ltx_kernels.inject_optimized_kernels(model, verbose=False, ops=ops)
@@ -80,19 +102,21 @@ def build(column: str, world: int, blocks: int):
         config = ContextParallelConfig(ulysses_degree=world)
         model.enable_parallelism(config=config, cp_plan=injected_plan(model))
     generator = torch.Generator().manual_seed(0)
-    inputs = step_inputs.ltx_video(
-        TINY_2B,
-        lambda *shape: torch.randn(*shape, generator=generator),
-        batch=2,
-        frames=2,
-        height=4,
-        width=4,
-        text=8,
-        mask=step_inputs.text_mask(2, 8, 6, "cpu"),
-        device="cpu",
-    )
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    grid = dict(batch=2, frames=2, height=4, width=4, text=8, device="cpu")
+    if model_name == "ltx2":
+        timestep = torch.full((2,), 500.0)
+        inputs = step_inputs.ltx2(
+            model_config, randn, **grid, audio_frames=5, valid_text=6, timestep=timestep,
+            image_to_video=True,
+        )  # fmt: skip
+    else:
+        inputs = step_inputs.ltx_video(
+            tiny, randn, **grid, mask=step_inputs.text_mask(2, 8, 6, "cpu")
+        )
     if column == "stock" and world > 1:
         inputs["encoder_attention_mask"] = None
+        inputs.pop("audio_encoder_attention_mask", None)
     return model, inputs
 
 
@@ -124,7 +148,7 @@ def op_counts(step) -> dict:
 
 
 def measure(column, world, rank, args) -> dict:
-    model, inputs = build(column, world, args.blocks)
+    model, inputs = build(column, world, args.blocks, args.model)
 
     def step():
         return model(**inputs)
@@ -158,7 +182,12 @@ def worker(rank, world, port, args, queue):
     for column in args.columns:
         if world == 1 and column == "kernels-diffusers-ulysses":
             continue
-        result = measure(column, world, rank, args)
+        try:
+            result = measure(column, world, rank, args)
+        except RuntimeError as error:  # stock LTX-2 under Ulysses: diffusers 0.42 fails
+            result = f"fails: {str(error).splitlines()[0][:120]}"
+            if world > 1:  # (the other ranks may wait in a collective the failed one never joins)
+                dist.barrier()
         if rank == 0:
             queue.put((world, column, result))
     if world > 1:
@@ -169,23 +198,28 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    parser.add_argument("--model", choices=tuple(MODELS), default="ltx")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--columns", default=",".join(COLUMNS))
-    parser.add_argument("--blocks", type=int, default=28)
+    parser.add_argument("--blocks", type=int, default=None, help="default: the model's")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cprofile", type=int, default=0, help="rank 0's top N host functions")
     args = parser.parse_args()
     args.columns = bench_utils.parse_columns(parser, args.columns, COLUMNS)
+    args.blocks = args.blocks or MODELS[args.model][2]
     queue = mp.get_context("spawn").SimpleQueue()
     rows = []
     for world in args.worlds:
         mp.spawn(worker, args=(world, bench_utils.free_port(), args, queue), nprocs=world)
         while not queue.empty():
             rows.append(queue.get())
-    print(f"\n# LTX-Video, {args.blocks} blocks at tiny widths, torch {torch.__version__}, CPU")
+    print(f"\n# {args.model}, {args.blocks} blocks at tiny widths, torch {torch.__version__}, CPU")
     print("| processes | column | host ms / step (min) | per block: ops | launches | collectives |")
     print("|---|---|---|---|---|---|")
     for world, column, r in rows:
+        if isinstance(r, str):
+            print(f"| {world} | {column} | {r} | | | |")
+            continue
         cells = [f"{r['host_ms']:.1f} ({r['host_min_ms']:.1f})"]
         cells += [f"{r[key] / args.blocks:.1f}" for key in ("ops", "launches", "collectives")]
         print(f"| {world} | {column} | {' | '.join(cells)} |")
