@@ -51,27 +51,46 @@ def ops_for_step(ops, *operands):
     tensor operand's last dimension is strided (the ops read rows with unit stride; e.g.
     HunyuanVideo's patch embedding hands its first block a transposed view): the step then runs
     the diffusers code."""
-    tensors = _tensors(operands)
-    if any(t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1 for t in tensors):
+    requires_grad = _walk_operands(operands, torch.is_grad_enabled())
+    if requires_grad is None:
         return frozenset()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if requires_grad:
         compiling = torch.compiler.is_compiling()
         return ops & (FUSED_BACKWARD_COMPILED if compiling else FUSED_BACKWARD)
     return ops
 
 
-def _tensors(operands) -> list:
-    """The tensors among `operands`, the members of tuples among them, and the weight and bias of
-    the modules among them."""
-    tensors = []
+def _walk_operands(operands, recording: bool) -> bool | None:
+    """One pass over the tensors among `operands` (the members of tuples and lists among them, the
+    weight and bias of the modules among them): None as soon as one has a strided last dimension,
+    else whether autograd is `recording` and one of them requires grad. (Called by every step on
+    every call: plain loops, and a module's parameters read from its _parameters where they are.)"""
+    requires_grad = False
     for operand in operands:
-        if isinstance(operand, (tuple, list)):
-            tensors += _tensors(operand)
+        if isinstance(operand, torch.Tensor):
+            if operand.dim() > 0 and operand.stride(-1) != 1 and operand.size(-1) > 1:
+                return None
+            requires_grad = requires_grad or (recording and operand.requires_grad)
+        elif isinstance(operand, (tuple, list)):
+            inner = _walk_operands(operand, recording)
+            if inner is None:
+                return None
+            requires_grad = requires_grad or inner
         elif isinstance(operand, torch.nn.Module):
-            tensors += _tensors((getattr(operand, "weight", None), getattr(operand, "bias", None)))
-        elif isinstance(operand, torch.Tensor):
-            tensors.append(operand)
-    return tensors
+            inner = _walk_operands(
+                (_module_tensor(operand, "weight"), _module_tensor(operand, "bias")), recording
+            )
+            if inner is None:
+                return None
+            requires_grad = requires_grad or inner
+    return requires_grad
+
+
+def _module_tensor(module: torch.nn.Module, name: str):
+    """getattr(module, name, None), from the module's parameters first (nn.Module.__getattr__'s
+    own first place, without its call)."""
+    parameters = module._parameters
+    return parameters[name] if name in parameters else getattr(module, name, None)
 
 
 def _plain(*modules) -> bool:
