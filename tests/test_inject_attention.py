@@ -337,3 +337,34 @@ def test_hunyuan_video15_compiled_attends_with_device_key_lengths(choice, op):
         assert any(e.name == f"ltx_kernels::{op}" for e in prof.events())
         with pytest.raises(RuntimeError, match="valid keys first"):
             compiled(query, key, value, text_mask.flip(-1))
+
+
+@pytest.mark.parametrize(
+    "choice, hopper, op",
+    [("auto", True, "attention"), ("auto", False, None), ("diffusers", True, None)],
+)
+def test_hunyuan_video15_compiled_auto_takes_the_key_lengths_on_hopper(
+    choice, hopper, op, monkeypatch
+):
+    # Under torch.compile the alternative to our op with the key lengths is a key mask to
+    # diffusers' backend (cuDNN: 1.4x the op at HunyuanVideo-1.5 480p on an H100): "auto" takes
+    # our op on a Hopper GPU (the check patched here, the C twin attending), diffusers' backend
+    # with the mask elsewhere; "diffusers" always keeps the mask. The same output as eager.
+    from ltx_kernels.integration.hunyuan import HunyuanVideo15KernelsAttnProcessor
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(attention, "_hopper", lambda query: hopper)
+    torch._dynamo.reset()
+    processor = HunyuanVideo15KernelsAttnProcessor()
+    processor.ops, processor.attention = frozenset(injector.FUSIONS), choice
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(2, 24 + 7, 2, 8) for _ in range(3))
+    text_mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3], dtype=torch.bool)
+    compiled = torch.compile(processor._attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        expected = processor._attend(query, key, value, text_mask)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = compiled(query, key, value, text_mask)
+    ops = {e.name for e in prof.events() if e.name.startswith("ltx_kernels::attention")}
+    assert ops == ({f"ltx_kernels::{op}"} if op else set())
+    assert rel_l2(out, expected) <= 1e-6

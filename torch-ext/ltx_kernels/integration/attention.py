@@ -179,6 +179,28 @@ def our_attention(processor, query, key, value):
     return None
 
 
+def key_lengths_attention(processor, query, key, value):
+    """The attention op of ours that attends q/k/v [B, S, H, D] with per-batch key lengths (a
+    tensor) where the alternative is diffusers' backend with a key mask (under torch.compile, where
+    the lengths cannot be read on the host): our_attention's, and for attention="auto" (or "int8"
+    where 8 bits do not apply) also ltx_attention on a Hopper GPU where it takes q/k/v and autograd
+    does not record, diffusers' default backend kept: a key mask costs the backend more than the
+    keys it hides (HunyuanVideo-1.5 480p, 1x16x49290 with 700 padded keys, H100: cuDNN with the
+    key mask 47.8 ms, our op with the lengths 33.5 ms; benchmarks/NOTES.md). None: the key mask to
+    diffusers' backend."""
+    ours = our_attention(processor, query, key, value)
+    if ours is not None or processor.attention not in ("auto", "int8"):
+        return ours
+    if processor._attention_backend is not None or _recording(query, key, value):
+        return None
+    return ltx_attention if _op_takes(query, key, value) and _hopper(query) else None
+
+
+def _hopper(query: torch.Tensor) -> bool:
+    """Whether query is on a Hopper GPU (sm_90), the one our attention kernel is measured on."""
+    return query.is_cuda and _capability(query.device.index) == (9, 0)
+
+
 def int8_attention(query, key, value, key_lengths=None, scale=None) -> torch.Tensor:
     """8-bit attention of q/k/v [B, S, H, D] -> [B, Sq, H, D] in k's dtype: q quantized per token
     and head (quantize, QUERY_FORMAT; or already, QuantRows from the op that produced it:
