@@ -67,19 +67,14 @@ def _walk_operands(operands, recording: bool) -> bool | None:
     every call: plain loops, and a module's parameters read from its _parameters where they are.)"""
     requires_grad = False
     for operand in operands:
+        if isinstance(operand, torch.nn.Module):
+            operand = (_module_tensor(operand, "weight"), _module_tensor(operand, "bias"))
         if isinstance(operand, torch.Tensor):
             if operand.dim() > 0 and operand.stride(-1) != 1 and operand.size(-1) > 1:
                 return None
             requires_grad = requires_grad or (recording and operand.requires_grad)
         elif isinstance(operand, (tuple, list)):
             inner = _walk_operands(operand, recording)
-            if inner is None:
-                return None
-            requires_grad = requires_grad or inner
-        elif isinstance(operand, torch.nn.Module):
-            inner = _walk_operands(
-                (_module_tensor(operand, "weight"), _module_tensor(operand, "bias")), recording
-            )
             if inner is None:
                 return None
             requires_grad = requires_grad or inner
