@@ -169,31 +169,16 @@ def _attending_op(processor, query, key, value, mask, cp_config):
     return int8_attention if quantized else our_attention(processor, query, key, value)
 
 
-def our_attention(processor, query, key, value):
+def our_attention(processor, query, key, value, instead_of_key_mask=False):
     """The attention op of ours that attends q/k/v [B, S, H, D] (no mask, one device's heads) for
-    `processor`'s attention choice: `int8_attention`, `ltx_attention`, or None (diffusers')."""
+    `processor`'s attention choice: `int8_attention`, `ltx_attention`, or None (diffusers').
+    instead_of_key_mask: the alternative is diffusers' backend with a key mask, the op taking key
+    lengths counted on the device (runs_ltx_attention)."""
     if runs_int8_attention(processor, query, key, value):
         return int8_attention
-    if runs_ltx_attention(processor, query, key, value):
+    if runs_ltx_attention(processor, query, key, value, instead_of_key_mask):
         return ltx_attention
     return None
-
-
-def key_lengths_attention(processor, query, key, value):
-    """The attention op of ours that attends q/k/v [B, S, H, D] with per-batch key lengths (a
-    tensor) where the alternative is diffusers' backend with a key mask (under torch.compile, where
-    the lengths cannot be read on the host): our_attention's, and for attention="auto" (or "int8"
-    where 8 bits do not apply) also ltx_attention on a Hopper GPU where it takes q/k/v and autograd
-    does not record, diffusers' default backend kept: a key mask costs the backend more than the
-    keys it hides (HunyuanVideo-1.5 480p, 1x16x49290 with 700 padded keys, H100: cuDNN with the
-    key mask 47.8 ms, our op with the lengths 33.5 ms; benchmarks/NOTES.md). None: the key mask to
-    diffusers' backend."""
-    ours = our_attention(processor, query, key, value)
-    if ours is not None or processor.attention not in ("auto", "int8"):
-        return ours
-    if processor._attention_backend is not None or _recording(query, key, value):
-        return None
-    return ltx_attention if _op_takes(query, key, value) and _hopper(query) else None
 
 
 def _hopper(query: torch.Tensor) -> bool:
@@ -280,23 +265,31 @@ def _int8_takes(query, key, value) -> bool:
     )
 
 
-def runs_ltx_attention(processor, query, key, value) -> bool:
+def runs_ltx_attention(processor, query, key, value, instead_of_key_mask=False) -> bool:
     """Whether `processor`'s attention choice (processor.attention) attends q/k/v [B, S, H, D]
     (no mask, one device's heads) with ltx_kernels.attention: "ltx_kernels" where the op takes
     them (`_op_takes`) and autograd does not record through them (the op has no backward yet);
-    "auto" where, besides, LTX_ATTENTION_FASTER lists the GPU and head_dim and the processor keeps
-    diffusers' default attention backend (a backend set with set_attention_backend is kept)."""
+    "auto" where, besides, the processor keeps diffusers' default attention backend (a backend set
+    with set_attention_backend is kept) and LTX_ATTENTION_FASTER lists the GPU and head_dim, or,
+    `instead_of_key_mask` (the alternative: that backend with a key mask, where the key lengths
+    cannot be read on the host, under torch.compile), the GPU is a Hopper one: a key mask costs the
+    backend more than the keys it hides (HunyuanVideo-1.5 480p, 1x16x49290 with 700 padded keys,
+    H100: cuDNN with the key mask 47.8 ms, our op with the lengths 33.5 ms; benchmarks/NOTES.md)."""
     choice = "auto" if processor.attention == "int8" else processor.attention
-    if choice == "diffusers" or (choice == "auto" and not LTX_ATTENTION_FASTER):
+    if choice == "diffusers" or (
+        choice == "auto" and not LTX_ATTENTION_FASTER and not instead_of_key_mask
+    ):
         return False
     if _recording(query, key, value):
         return False
     if not _op_takes(query, key, value):
         return False
     return choice == "ltx_kernels" or (
-        query.is_cuda
-        and processor._attention_backend is None
-        and query.shape[-1] in _measured_faster(query.device.index)
+        processor._attention_backend is None
+        and (
+            (query.is_cuda and query.shape[-1] in _measured_faster(query.device.index))
+            or (instead_of_key_mask and _hopper(query))
+        )
     )
 
 

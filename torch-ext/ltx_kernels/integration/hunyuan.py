@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from . import adaln, quant, recompute, steps
-from .attention import attend, key_lengths_attention, padded_key_lengths
+from .attention import attend, our_attention, padded_key_lengths
 from .context_parallel import context_parallel_config
 from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
@@ -204,10 +204,9 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
         our attention op takes them, else a broadcast [B, 1, 1, S] key mask; where they cannot
         be read, that key mask), the padded query rows set to zero. Under torch.compile
         ("drop_padded_keys" enabled), where the lengths cannot be read on the host, an attention
-        op of ours (attention.key_lengths_attention: "ltx_kernels" or "int8" where it applies,
-        and "auto" on a Hopper GPU, where the key mask to cuDNN cost 1.4x the op) takes them as
-        a tensor counted on the device: the model puts
-        every element's valid rows first (its forward reorders the text valid-first), which an
+        op of ours (attention.our_attention, instead_of_key_mask: "ltx_kernels" or "int8" where it
+        applies, and "auto" on a Hopper GPU, where the key mask to cuDNN cost 1.4x the op) takes
+        them as a tensor counted on the device: the model puts every element's valid rows first (its forward reorders the text valid-first), which an
         asynchronous check asserts (a mask whose valid keys do not lead fails loudly, never
         attends wrongly). (At 480p, 121 frames, 1x16x49290 with 700 padded keys on an H100:
         dense mask 77.3 ms, key mask 47.8, dropped 33.1.)"""
@@ -222,7 +221,9 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
             return F.pad(out, (0, 0, 0, 0, 0, seq_len - rows))
         valid = F.pad(attention_mask, (image_rows, 0), value=True).bool()
         compiled = torch.compiler.is_compiling() and "drop_padded_keys" in self.ops
-        ours = key_lengths_attention(self, query, key, value) if compiled else None
+        ours = (
+            our_attention(self, query, key, value, instead_of_key_mask=True) if compiled else None
+        )
         if text_lengths is None and ours is not None:
             lengths = valid.sum(-1, dtype=torch.int32)
             leading = torch.arange(seq_len, device=valid.device) < lengths[:, None]
