@@ -51,7 +51,6 @@ from . import quant, recompute, steps
 from .attention import attend
 from .injector import FusedAttnProcessor
 from .linears import attention_projections, ff_projections, fp8_presets
-from .module_checks import has_hooks
 from .context_parallel import (
     context_parallel_config,
     gather_cross_attention_inputs,
@@ -377,16 +376,13 @@ class LTX2KernelsPerturbedAttnProcessor(FusedAttnProcessor):
 # ------------------------------------------------------------------------------------------------
 def _attention(attn, *args, **kwargs):
     """attn(*args, **kwargs) as the block calls it (LTX2Attention.forward), our processor called
-    directly with the same arguments where nothing hooks attn: the module's forward only filters
-    the keyword arguments, through inspect.signature of the processor on every call (six a block).
-    (Through the module where the processor is not ours, or does not take STG's arguments.)"""
-    processor = attn.processor
-    takes = LTX2KernelsPerturbedAttnProcessor
-    if "perturbation_mask" not in kwargs:
-        takes = (LTX2KernelsAttnProcessor, LTX2KernelsPerturbedAttnProcessor)
-    if isinstance(processor, takes) and not has_hooks(attn):
-        return processor(attn, *args, **kwargs)
-    return attn(*args, **kwargs)
+    directly where nothing hooks attn (steps.attention: six calls a block), except STG's arguments
+    to a processor that does not take them, which the module's forward drops."""
+    if "perturbation_mask" in kwargs and not isinstance(
+        attn.processor, LTX2KernelsPerturbedAttnProcessor
+    ):
+        return attn(*args, **kwargs)
+    return steps.attention(attn, *args, **kwargs)
 
 
 def _add_norms(ops, norm, x, pending, modulations):

@@ -292,16 +292,17 @@ def linear(ops, module, x):
     return module(x)
 
 
-def attention(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary=None):
-    """attn(hidden_states, encoder_hidden_states, attention_mask, rotary) of a diffusers attention
-    module (LTX, FLUX, Wan: their forward passes these to the processor in this order), calling
-    our processor directly when nothing hooks attn: the module's forward only filters keyword
-    arguments, through inspect.signature of its processor on every call, which costs more host
-    time than a 2688-token attention's kernels take to launch. hidden_states may be QuantRows
+def attention(attn, *args, **kwargs):
+    """attn(*args, **kwargs) of a diffusers attention module (LTX, FLUX, Wan: hidden_states,
+    encoder_hidden_states, attention_mask, rotary, which their forward passes to the processor in
+    this order; LTX-2: its keywords, ltx2._attention), calling our processor directly with the
+    same arguments when nothing hooks attn: the module's forward only filters keyword arguments,
+    through inspect.signature of its processor on every call, which costs more host time than a
+    2688-token attention's kernels take to launch. hidden_states may be QuantRows
     (quant.input_format(..., through=attn))."""
     if isinstance(attn.processor, FusedAttnProcessor) and not has_hooks(attn):
-        return attn.processor(attn, hidden_states, encoder_hidden_states, attention_mask, rotary)
-    return attn(hidden_states, encoder_hidden_states, attention_mask, rotary)
+        return attn.processor(attn, *args, **kwargs)
+    return attn(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
