@@ -203,6 +203,49 @@ __device__ __forceinline__ void init_barriers(Barriers<kStages>& bars, int consu
   __syncthreads();  // the barriers are initialized before anyone uses them
 }
 
+// A CTA of one producer warpgroup and kConsumers consumer warpgroups of 64 query rows each (the
+// wgmma's M): its queries, threads and the registers setmaxnreg gives each kind of warpgroup,
+// 128 * (producer + consumers * consumer) <= the SM's 64K (three consumers: 160 each, as
+// FlashAttention-3's three-consumer kernels; two: 240).
+template <int kConsumers_>
+struct CtaShape {
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kBlockM = kConsumers * 64;
+  static constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
+  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 24;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
+  static_assert(kConsumers == 2 || kConsumers == 3);
+  static_assert(kWarpgroup * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536);
+};
+
+// The consumers' turns to issue their GEMMs, through named barriers kFirstTurnBarrier.. (one per
+// consumer): consumer c issues its GEMMs of tile j after wait(), which completes once consumer
+// c - 1 has issued its own of tile j and called pass() (consumer 0: the last consumer's of tile
+// j - 1, or for tile 0 the last consumer's start()), so one consumer's softmax runs beside the
+// others' GEMMs (two consumers: ping-pong; three: a ring). Each consumer waits `tiles` times and
+// receives as many arrivals: the last consumer skips its pass of the last tile (consumer 0 has no
+// next turn), so no barrier is left with pending arrivals. A barrier counts the 128 threads that
+// wait on it and the 128 of the consumer before, which arrive.
+constexpr int kFirstTurnBarrier = 1;  // (named barrier 0 is __syncthreads')
+
+template <int kConsumers>
+struct Turns {
+  static constexpr int kThreads = 2 * kWarpgroup;
+  int mine, next;
+  bool last;
+  __device__ __forceinline__ explicit Turns(int consumer)
+      : mine(kFirstTurnBarrier + consumer),
+        next(kFirstTurnBarrier + (consumer + 1) % kConsumers),
+        last(consumer == kConsumers - 1) {}
+  __device__ __forceinline__ void start() const {
+    if (last) named_barrier_arrive(next, kThreads);
+  }
+  __device__ __forceinline__ void wait() const { named_barrier_sync(mine, kThreads); }
+  __device__ __forceinline__ void pass(int j, int tiles) const {
+    if (!(last && j == tiles - 1)) named_barrier_arrive(next, kThreads);
+  }
+};
+
 // The K/V tiles of kBlockN keys a CTA attends, for `keys` attended keys of kv_len.
 struct KeyTiles {
   int count;       // tiles attended

@@ -44,15 +44,16 @@ namespace hopper_int8 {
 
 using namespace hopper;  // the shared PTX wrappers and the tensor-map encoder
 
-constexpr int kConsumers = 2;                          // consumer warpgroups
 constexpr int kConsumerRows = 64;                      // query rows per consumer (wgmma's M)
-constexpr int kBlockM = kConsumers * kConsumerRows;    // queries per CTA
 constexpr int kBlockN = LTX_ATTENTION_INT8_KEY_BLOCK;  // keys per K/V tile: one k_scale each
-constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
 constexpr int kAtomBytes = 1024;     // the tiles' alignment (the 128-byte swizzle's period)
 constexpr int kVRowBytes = kBlockN;  // a V tile row: 128 keys of one channel
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 64K registers
-constexpr int kSchedBarrier = 1;  // named barriers 1 and 2: consumer c's turn to issue GEMMs
+
+// A CTA's consumers: two at every head_dim. (Three at 64, as hopper_wgmma.cuh, leave a consumer
+// 160 registers, fewer than this body's needs: its O tile beside O, the int32 scores and the
+// scales; ptxas (nvcc 13.0) spills 72 bytes there.)
+template <int kHeadDim>
+using Shape = CtaShape<2>;
 constexpr float kLog2PScale = 8.80735492205760410745f;  // log2(448): P is computed times 448
 constexpr float kLnPScale = 6.10479323241498348998f;    // ln(448)
 constexpr float kLn2 = 0.693147180559945309f;
@@ -62,6 +63,7 @@ static_assert(kBlockN == 128, "a V tile row is one 128-byte swizzled row");
 // then kStages K tiles, then kStages V tiles.
 template <int kHeadDim>
 struct Smem {
+  static constexpr int kConsumers = Shape<kHeadDim>::kConsumers;
   static constexpr int kStages = 4;
   static constexpr int kQBytes = kConsumerRows * kHeadDim;  // one consumer's Q tile
   static constexpr int kKBytes = kBlockN * kHeadDim;        // a K tile: 128 rows of head_dim
@@ -316,10 +318,12 @@ __device__ __forceinline__ void zero_v_keys(uint32_t v_tile, int valid, int lane
 }
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
     attention_int8_kernel(const __grid_constant__ TensorMaps maps, const AttentionInt8Params<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Smem<kHeadDim>;
+  using S = Shape<kHeadDim>;
+  constexpr int kConsumers = S::kConsumers;
   constexpr int kStages = L::kStages;
   __shared__ Barriers<kStages> bars;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -327,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
   // This CTA's query tile, head and batch element (query tiles vary fastest).
-  const CtaTile tile = cta_tile<kBlockM>(p.q_len, p.heads);
+  const CtaTile tile = cta_tile<S::kBlockM>(p.q_len, p.heads);
   const int q_first = tile.q_first, h = tile.h, b = tile.b;
   const int warpgroup = threadIdx.x / kWarpgroup;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
@@ -339,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kv_tiles = tiles.count, last_valid = tiles.last_valid;
 
   if (warpgroup == 0) {  // the producer
-    set_max_registers_dec<kProducerRegs>();
+    set_max_registers_dec<S::kProducerRegs>();
     if (warp != 0 || kv_tiles == 0) return;
     if (lane == 0) {
       prefetch_tensor_map(maps.q);
@@ -367,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss).
-  set_max_registers_inc<kConsumerRegs>();
+  set_max_registers_inc<S::kConsumerRegs>();
   const int consumer = warpgroup - 1;
   const int g = lane / 4, t = lane % 4;
   const int row0 = q_first + consumer * kConsumerRows + warp * 16 + g;
@@ -393,23 +397,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t pa[kBlockN / 32][4];  // P of the tile whose P V GEMM is next
     float alpha[2], factor[2];
     const uint32_t q_tile = smem + L::q(consumer);
-    const int my_turn = kSchedBarrier + consumer, other_turn = kSchedBarrier + (consumer ^ 1);
-    constexpr int kTurnThreads = kConsumers * kWarpgroup;
-    // Ping-pong as in hopper_wgmma.cuh: consumer c issues its GEMMs of tile j after
-    // bar.sync(my_turn), which completes once the other consumer has issued its GEMMs of tile
-    // j - 1 (or, for consumer 0's tile 0, consumer 1's arrival here) and arrives on other_turn
-    // right after; consumer 1 skips its last arrival (consumer 0 has no next turn).
-    if (consumer == 1) named_barrier_arrive(other_turn, kTurnThreads);
+    // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns).
+    const Turns<kConsumers> turns(consumer);
+    turns.start();
     mbarrier_wait(shared_address(&bars.q), 0);
 
     // Tile 0: S only (no P V yet).
     float k_factor = k_scale[0];
     mbarrier_wait(shared_address(&bars.k_full[0]), 0);
-    named_barrier_sync(my_turn, kTurnThreads);
+    turns.wait();
     wgmma_fence();
     gemm_qk<kHeadDim>(s, q_tile, smem + L::k(0));
     wgmma_commit();
-    if (!(consumer == 1 && kv_tiles == 1)) named_barrier_arrive(other_turn, kTurnThreads);
+    turns.pass(0, kv_tiles);
     wgmma_wait<0>();
     fence_registers(s);
     __syncwarp();
@@ -427,13 +427,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       k_factor = k_scale[j];  // (read while the GEMMs run)
       mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
       mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
-      named_barrier_sync(my_turn, kTurnThreads);
+      turns.wait();
       wgmma_fence();
       gemm_pv<kHeadDim>(o_tile, pa, smem + L::v(prev));  // O_tile = P V of tile j - 1
       wgmma_commit();
       gemm_qk<kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
       wgmma_commit();
-      if (!(consumer == 1 && j == kv_tiles - 1)) named_barrier_arrive(other_turn, kTurnThreads);
+      turns.pass(j, kv_tiles);
       wgmma_wait<1>();  // the P V GEMM is done (groups complete in order): O_tile, pa and the
                         // stage of tile j - 1 are free; the S GEMM may still run
       fence_registers(o_tile);
@@ -524,8 +524,8 @@ inline bool encode_codes(CUtensorMap* map, const void* data, const int64_t (&dim
 template <typename T, int kHeadDim>
 bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
   if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
-  if (p.q_len + kBlockM > INT32_MAX || p.kv_len + kBlockN > INT32_MAX || p.heads > INT32_MAX ||
-      p.batch > INT32_MAX)
+  if (p.q_len + Shape<kHeadDim>::kBlockM > INT32_MAX || p.kv_len + kBlockN > INT32_MAX ||
+      p.heads > INT32_MAX || p.batch > INT32_MAX)
     return false;
   if (p.kv_len == 0) return true;
   const CUtensorMapSwizzle qk_swizzle =
@@ -548,14 +548,14 @@ bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
 template <typename T, int kHeadDim>
 int run(const AttentionInt8Params<T>& p, const TensorMaps& maps, cudaStream_t stream) {
   constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
-  const int64_t ctas = ceil_div(p.q_len, kBlockM) * p.heads * p.batch;
+  const int64_t ctas = ceil_div(p.q_len, Shape<kHeadDim>::kBlockM) * p.heads * p.batch;
   if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   const cudaError_t err =
       cudaFuncSetAttribute(attention_int8_kernel<T, kHeadDim>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (err != cudaSuccess) return static_cast<int>(err);
   return launch(attention_int8_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)),
-                dim3(kThreads), kSmem, stream, maps, p);
+                dim3(Shape<kHeadDim>::kThreads), kSmem, stream, maps, p);
 }
 
 }  // namespace hopper_int8

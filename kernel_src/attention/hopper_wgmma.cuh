@@ -2,20 +2,21 @@
 // inline PTX, behind the same launcher and AttentionParams as flash_mma.cuh (which stays the body
 // for what this one does not take: see attention.cu). It computes ltx_attention_cuda's formula
 // (ltx_kernels.h) with the algorithm of flash_mma.cuh (online softmax in base 2, P rounded to T):
-// - One CTA of three warpgroups per (tile of 128 queries, head, batch element). Warpgroup 0 is the
-//   producer: it gives up registers (setmaxnreg) and one thread issues TMA copies
-//   (cp.async.bulk.tensor) of the Q tile and of K and V tiles of 128 keys into a ring of kStages
-//   shared-memory stages, each completing an mbarrier by its byte count (expect-tx); the consumers
-//   release a stage's K tile when their S GEMM of it is done and its V tile after the P V GEMM, so
-//   the next K tile loads during the P V GEMM of the tile before (one release per stage made K
-//   wait for it, a bubble per tile at kStages = 2). Warpgroups 1 and 2 are consumers of 64
-//   query rows each (setmaxnreg raises theirs).
+// - One CTA per (tile of queries, head, batch element): a producer warpgroup and consumer
+//   warpgroups of 64 query rows each, two (128 queries) at head_dim 128 and three (192) at 64
+//   (Shape). Warpgroup 0 is the producer: it gives up registers (setmaxnreg) and one thread issues
+//   TMA copies (cp.async.bulk.tensor) of the Q tile and of K and V tiles of 128 keys into a ring of
+//   kStages shared-memory stages, each completing an mbarrier by its byte count (expect-tx); the
+//   consumers release a stage's K tile when their S GEMM of it is done and its V tile after the P V
+//   GEMM, so the next K tile loads during the P V GEMM of the tile before (one release per stage
+//   made K wait for it, a bubble per tile at kStages = 2). The consumers' registers are raised with
+//   setmaxnreg.
 // - Per key tile a consumer computes S = Q K^T with wgmma (both operands in shared memory), the
 //   online softmax on S in registers, and O += P V with wgmma, P (rounded to T) in registers as
 //   the A operand: the fp32 accumulator layout of S is the A-fragment layout of P. The S GEMM of
 //   tile j and the P V GEMM of tile j - 1 are issued together, so the softmax of tile j overlaps
-//   the P V GEMM; the two consumers take turns issuing (ping-pong through two named barriers), so
-//   one's softmax overlaps the other's GEMMs.
+//   the P V GEMM; the consumers take turns issuing (Turns: named barriers in a ring), so one's
+//   softmax overlaps the others' GEMMs.
 // - Keys past the batch element's n_b: the K/V tiles stop at ceil(n_b / 128); in the last tile
 //   the scores of keys >= n_b are -inf, and V's rows in [n_b, kv_len) are zeroed in shared memory
 //   by the producer before use (0 * NaN would be NaN; rows past kv_len are TMA's zero fill).
@@ -43,21 +44,24 @@ namespace hopper_wgmma {
 
 using namespace hopper;  // the shared PTX wrappers and the tensor-map encoder
 
-constexpr int kConsumers = 2;                        // consumer warpgroups
-constexpr int kConsumerRows = 64;                    // query rows per consumer (wgmma's M)
-constexpr int kBlockM = kConsumers * kConsumerRows;  // queries per CTA
-constexpr int kBlockN = 128;                         // keys per K/V tile (the S GEMM's N)
-constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
-constexpr int kPanelElems = 64;   // elements of one 128-byte swizzled row
-constexpr int kRowBytes = 128;    // bytes of a panel row
-constexpr int kAtomBytes = 1024;  // 8 rows of 128 bytes: the 128-byte swizzle's period
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 64K registers
-constexpr int kSchedBarrier = 1;  // named barriers 1 and 2: consumer c's turn to issue GEMMs
+constexpr int kConsumerRows = 64;  // query rows per consumer (wgmma's M)
+constexpr int kBlockN = 128;       // keys per K/V tile (the S GEMM's N)
+constexpr int kPanelElems = 64;    // elements of one 128-byte swizzled row
+constexpr int kRowBytes = 128;     // bytes of a panel row
+constexpr int kAtomBytes = 1024;   // 8 rows of 128 bytes: the 128-byte swizzle's period
+
+// A CTA's consumers per head_dim. At 64 a tile's GEMMs are half as long as at 128 against the
+// same softmax work, and two consumers left the tensor cores idle half the time (ncu, 2x32x8064 on
+// an H100: tensor pipe 43%, issue slots 45%, 2.2 warps a scheduler, stalls mostly on fixed-latency
+// dependencies): three take turns there (192 queries a CTA).
+template <int kHeadDim>
+using Shape = CtaShape<kHeadDim == 64 ? 3 : 2>;
 
 // Shared memory of a CTA (byte offsets from a 1024-byte aligned base): each consumer's Q tile,
 // then kStages K tiles, then kStages V tiles.
 template <int kHeadDim>
 struct Smem {
+  static constexpr int kConsumers = Shape<kHeadDim>::kConsumers;
   static constexpr int kPanels = kHeadDim / kPanelElems;
   static constexpr int kStages = kHeadDim == 64 ? 4 : 2;
   static constexpr int kQPanelBytes = kConsumerRows * kRowBytes;
@@ -320,10 +324,12 @@ __device__ __forceinline__ void round_probabilities(uint32_t (&p)[kBlockN / 16][
 }
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
     attention_kernel(const __grid_constant__ TensorMaps maps, const AttentionParams<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Smem<kHeadDim>;
+  using S = Shape<kHeadDim>;
+  constexpr int kConsumers = S::kConsumers;
   constexpr int kStages = L::kStages;
   constexpr uint32_t kTileBytes = L::kKvBytes;  // TMA bytes of one K or V tile
   constexpr float kLn2 = 0.693147180559945309f;
@@ -333,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
   // This CTA's query tile, head and batch element (query tiles vary fastest, as in flash_mma).
-  const CtaTile tile = cta_tile<kBlockM>(p.q_len, p.heads);
+  const CtaTile tile = cta_tile<S::kBlockM>(p.q_len, p.heads);
   const int q_first = tile.q_first, h = tile.h, b = tile.b;
   const int warpgroup = threadIdx.x / kWarpgroup;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
@@ -345,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kv_tiles = tiles.count, last_valid = tiles.last_valid;
 
   if (warpgroup == 0) {  // the producer
-    set_max_registers_dec<kProducerRegs>();
+    set_max_registers_dec<S::kProducerRegs>();
     if (warp != 0 || kv_tiles == 0) return;
     if (lane == 0) {
       prefetch_tensor_map(maps.q);
@@ -387,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss).
-  set_max_registers_inc<kConsumerRegs>();
+  set_max_registers_inc<S::kConsumerRegs>();
   const int consumer = warpgroup - 1;
   const int g = lane / 4, t = lane % 4;
   const int row0 = q_first + consumer * kConsumerRows + warp * 16 + g;
@@ -404,23 +410,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t pr[kBlockN / 16][4];  // P of the tile whose P V GEMM is next
     float alpha[2];
     const uint32_t q_tile = smem + L::q(consumer);
-    const int my_turn = kSchedBarrier + consumer, other_turn = kSchedBarrier + (consumer ^ 1);
-    constexpr int kTurnThreads = kConsumers * kWarpgroup;
-    // Ping-pong: consumer c issues its GEMMs of tile j after bar.sync(my_turn), which completes
-    // once the other consumer has issued its GEMMs of tile j - 1 (or, for consumer 0's tile 0,
-    // consumer 1's arrival here) and arrives on other_turn right after. Each consumer syncs
-    // kv_tiles times and receives kv_tiles arrivals (consumer 1 skips its last one: consumer 0
-    // has no next turn), so no barrier is left with pending arrivals.
-    if (consumer == 1) named_barrier_arrive(other_turn, kTurnThreads);
+    // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns), so one's softmax
+    // runs beside the others' GEMMs.
+    const Turns<kConsumers> turns(consumer);
+    turns.start();
     mbarrier_wait(shared_address(&bars.q), 0);
 
     // Tile 0: S only (no P V yet).
     mbarrier_wait(shared_address(&bars.k_full[0]), 0);
-    named_barrier_sync(my_turn, kTurnThreads);
+    turns.wait();
     wgmma_fence();
     gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(0));
     wgmma_commit();
-    if (!(consumer == 1 && kv_tiles == 1)) named_barrier_arrive(other_turn, kTurnThreads);
+    turns.pass(0, kv_tiles);
     wgmma_wait<0>();
     fence_registers(s);
     __syncwarp();
@@ -435,13 +437,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int stage = j % kStages, prev = (j - 1) % kStages;
       mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
       mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
-      named_barrier_sync(my_turn, kTurnThreads);
+      turns.wait();
       wgmma_fence();
       gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
       wgmma_commit();
       gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
       wgmma_commit();
-      if (!(consumer == 1 && j == kv_tiles - 1)) named_barrier_arrive(other_turn, kTurnThreads);
+      turns.pass(j, kv_tiles);
       wgmma_wait<1>();  // S has landed (K tile j is read); the P V GEMM may still run
       fence_registers(s);
       __syncwarp();
@@ -531,8 +533,8 @@ bool encode_operand(CUtensorMap* map, const HeadRows<const T>& rows, int64_t bat
 template <typename T, int kHeadDim>
 bool takes(const AttentionParams<T>& p, TensorMaps* maps) {
   if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
-  if (p.kv_len == 0 || p.q_len + kBlockM > INT32_MAX || p.kv_len + kBlockN > INT32_MAX ||
-      p.heads > INT32_MAX || p.batch > INT32_MAX)
+  if (p.kv_len == 0 || p.q_len + Shape<kHeadDim>::kBlockM > INT32_MAX ||
+      p.kv_len + kBlockN > INT32_MAX || p.heads > INT32_MAX || p.batch > INT32_MAX)
     return false;
   return encode_operand<T>(&maps->q, p.q, p.batch, p.q_len, p.heads, kHeadDim, kConsumerRows) &&
          encode_operand<T>(&maps->k, p.k, p.batch, p.kv_len, p.heads, kHeadDim, kBlockN) &&
@@ -544,14 +546,14 @@ bool takes(const AttentionParams<T>& p, TensorMaps* maps) {
 template <typename T, int kHeadDim>
 int run(const AttentionParams<T>& p, const TensorMaps& maps, cudaStream_t stream) {
   constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
-  const int64_t ctas = ceil_div(p.q_len, kBlockM) * p.heads * p.batch;
+  const int64_t ctas = ceil_div(p.q_len, Shape<kHeadDim>::kBlockM) * p.heads * p.batch;
   if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   const cudaError_t err =
       cudaFuncSetAttribute(attention_kernel<T, kHeadDim>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (err != cudaSuccess) return static_cast<int>(err);
-  return launch(attention_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)), dim3(kThreads),
-                kSmem, stream, maps, p);
+  return launch(attention_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)),
+                dim3(Shape<kHeadDim>::kThreads), kSmem, stream, maps, p);
 }
 
 }  // namespace hopper_wgmma
