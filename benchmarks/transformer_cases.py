@@ -390,6 +390,7 @@ ATTENTION_COLUMNS = (
     "compile+kernels+ltx_attention",
     "kernels+int8_attention",
     "blocks+kernels+int8_attention",
+    "kernels+fp8+int8_attention",
     "blocks+kernels+fp8+int8_attention",
 )
 #: A column's part -> the attention choice it injects with (inject_optimized_kernels' attention=;
