@@ -179,9 +179,9 @@ def injected_plan(model):
 
 
 def split_token_timesteps(cp_plan):
-    """A model's `_cp_plan` plus its per-token timesteps [B, S] (LTXConditionPipeline, LTX-2's
-    image-to-video) split with the tokens (a [B] timestep is left whole, with a warning from
-    diffusers)."""
+    """A model's `_cp_plan` plus its per-token timesteps [B, S] (LTX-2's image-to-video) split
+    with the tokens (a [B] timestep is left whole, with a warning from diffusers: a graph break
+    under torch.compile)."""
     from diffusers.models._modeling_parallel import ContextParallelInput
 
     if cp_plan is None or "timestep" in cp_plan.get("", {}):
@@ -189,6 +189,28 @@ def split_token_timesteps(cp_plan):
     inputs = dict(cp_plan[""])
     inputs["timestep"] = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
     return {**cp_plan, "": inputs}
+
+
+def plan_without_timestep(cp_plan):
+    """A model's `_cp_plan` without its timestep entry (LTX-Video's in diffusers 0.42 splits
+    per-token [B, S] timesteps with the tokens): the patched forward takes that chunk instead
+    (local_token_timesteps), since diffusers' split hook logs a warning for every [B] timestep,
+    which is a graph break under torch.compile (a whole-model compile under context parallelism
+    failed with fullgraph=True)."""
+    if cp_plan is None or "timestep" not in cp_plan.get("", {}):
+        return cp_plan
+    inputs = {name: entry for name, entry in cp_plan[""].items() if name != "timestep"}
+    return {**cp_plan, "": inputs}
+
+
+def local_token_timesteps(timestep: torch.Tensor, tokens: int, parallel_config) -> torch.Tensor:
+    """Per-token timesteps [B, S] of the whole sequence (LTXConditionPipeline): this rank's chunk
+    where the model's tokens were split (`tokens`: how many this rank holds); a [B] timestep, or
+    one of this rank's tokens, as it is (the patched LTX-Video forward, its plan without the
+    timestep entry: plan_without_timestep)."""
+    if timestep.ndim != 2 or timestep.shape[1] == tokens:
+        return timestep
+    return shard_sequence(timestep, 1, parallel_config)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, parallel_config) -> torch.Tensor:

@@ -20,8 +20,8 @@ rows for the down projection; attn2's text K/V stay bf16. Per-token modulation (
 LTXConditionPipeline, [B, S] timesteps) takes the same path: the norm ops modulate per row.
 
 Under diffusers' context parallelism attn2 attends to the whole text, attn1 under Ulysses runs
-ulysses_attention (attention.py), and the patched model's `_cp_plan` also splits per-token
-timesteps ([B, S], LTXConditionPipeline).
+ulysses_attention (attention.py), and the patched model forward takes this rank's chunk of
+per-token timesteps ([B, S], LTXConditionPipeline: context_parallel.local_token_timesteps).
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ from . import quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 from .linears import self_cross_ff_fp8_presets
-from .context_parallel import gather_cross_attention_inputs, split_token_timesteps
+from .context_parallel import (
+    gather_cross_attention_inputs,
+    local_token_timesteps,
+    plan_without_timestep,
+)
 from .injector import FusedAttnProcessor
 
 
@@ -160,6 +164,8 @@ def _model_forward(
     (reformatted, its docstring left out)."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput  # ours:
 
+    # ours: per-token timesteps take this rank's chunk under context parallelism (no plan entry)
+    timestep = local_token_timesteps(timestep, hidden_states.shape[1], self._parallel_config)
     # ours: one table for the batch unless the samples have their own positions (video_coords)
     positions = hidden_states if video_coords is not None else hidden_states[:1]
     image_rotary_emb = self.rope(
@@ -266,7 +272,7 @@ def patch_model(name: str, model, injector) -> None:
         injector.skip(kind, name, reason)
         return
     injector.swap_forward(
-        name, model, model_forward, kind, required=False, replan=split_token_timesteps
+        name, model, model_forward, kind, required=False, replan=plan_without_timestep
     )
 
 
