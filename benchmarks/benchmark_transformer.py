@@ -212,10 +212,14 @@ def context_parallel_columns(args, tokens, rank, world):
             )
             with torch.no_grad(), quiet:  # every rank steps (the collectives), rank 0 prints
                 profile_step.kernel_breakdown(step, 3, 12, f"{label}, rank {rank}")
+        mode = f" ({args.compile_mode})" if args.compile_mode else ""
+        if args.model == "ltx":  # the whole model compiled (torch 2.11: a graph break at its end)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, mode=args.compile_mode)
+            attempt(label.replace("kernels", "compile+kernels") + mode, lambda: call(compiled))
         if args.model in ("ltx", "ltx2"):  # (the 13B: its compile time is not worth a device run)
             torch._dynamo.reset()
             model.compile_repeated_blocks(fullgraph=True, mode=args.compile_mode)
-            mode = f" ({args.compile_mode})" if args.compile_mode else ""
             attempt(label.replace("kernels", "blocks+kernels") + mode, lambda: call(model))
 
     phases = [one_gpu_then_stock, with_kernels]
