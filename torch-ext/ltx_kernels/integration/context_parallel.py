@@ -141,7 +141,7 @@ def beneath_parallel_hooks(model: torch.nn.Module, replan):
     """For a body that swaps the model's forward after enable_parallelism / enable_cfg_parallel:
     when parallelism's hooks are the only hooks on the model, lifts them for the body and puts
     them back on the new forward, diffusers' split hook with its plan entry passed through
-    `replan` (a `_cp_plan` -> `_cp_plan` function, e.g. split_token_timesteps), so that the model
+    `replan` (a `_cp_plan` -> `_cp_plan` function, e.g. plan_without_timestep), so that the model
     is as if injected before. Yields (whether it lifted hooks, the split plan entry it lifted or
     None); (False, None), doing nothing, when the model has no such hook or others too."""
     if not has_only_parallel_hooks(model):
@@ -178,25 +178,12 @@ def injected_plan(model):
     return None
 
 
-def split_token_timesteps(cp_plan):
-    """A model's `_cp_plan` plus its per-token timesteps [B, S] (LTX-2's image-to-video) split
-    with the tokens (a [B] timestep is left whole, with a warning from diffusers: a graph break
-    under torch.compile)."""
-    from diffusers.models._modeling_parallel import ContextParallelInput
-
-    if cp_plan is None or "timestep" in cp_plan.get("", {}):
-        return cp_plan
-    inputs = dict(cp_plan[""])
-    inputs["timestep"] = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
-    return {**cp_plan, "": inputs}
-
-
 def plan_without_timestep(cp_plan):
-    """A model's `_cp_plan` without its timestep entry (LTX-Video's in diffusers 0.42 splits
-    per-token [B, S] timesteps with the tokens): the patched forward takes that chunk instead
-    (local_token_timesteps), since diffusers' split hook logs a warning for every [B] timestep,
-    which is a graph break under torch.compile (a whole-model compile under context parallelism
-    failed with fullgraph=True)."""
+    """A model's `_cp_plan` without a timestep entry (diffusers 0.42's LTX-Video and LTX-2 plans
+    have none; a plan entry for per-token [B, S] timesteps, ours before, makes diffusers' split
+    hook log a warning for every [B] timestep, a graph break under torch.compile: a whole-model
+    compile under context parallelism failed with fullgraph=True). The patched forwards take
+    their chunk of per-token timesteps instead (local_token_timesteps)."""
     if cp_plan is None or "timestep" not in cp_plan.get("", {}):
         return cp_plan
     inputs = {name: entry for name, entry in cp_plan[""].items() if name != "timestep"}
@@ -206,8 +193,8 @@ def plan_without_timestep(cp_plan):
 def local_token_timesteps(timestep: torch.Tensor, tokens: int, parallel_config) -> torch.Tensor:
     """Per-token timesteps [B, S] of the whole sequence (LTXConditionPipeline): this rank's chunk
     where the model's tokens were split (`tokens`: how many this rank holds); a [B] timestep, or
-    one of this rank's tokens, as it is (the patched LTX-Video forward, its plan without the
-    timestep entry: plan_without_timestep)."""
+    one of this rank's tokens, as it is (the patched LTX-Video and LTX-2 forwards, their plans
+    without a timestep entry: plan_without_timestep)."""
     if timestep.ndim != 2 or timestep.shape[1] == tokens:
         return timestep
     return shard_sequence(timestep, 1, parallel_config)

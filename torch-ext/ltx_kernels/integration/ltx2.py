@@ -55,8 +55,9 @@ from .context_parallel import (
     context_parallel_config,
     gather_cross_attention_inputs,
     local_rope_tables,
+    local_token_timesteps,
+    plan_without_timestep,
     shard_sequence,
-    split_token_timesteps,
 )
 from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 
@@ -257,8 +258,8 @@ def _input_format(attn, names=("to_q",)) -> str | None:
 # Context parallelism: the video tokens (and the video's text) split over the GPUs, the audio whole
 # ------------------------------------------------------------------------------------------------
 #: What each attention of a block attends under context parallelism (the processor's cp_role).
-#: The patched model's plan (_cp_plan) splits the video tokens, per-token timesteps, the video's
-#: text and its mask (the patched forward: the keyframe mask); each processor takes the chunk of
+#: The patched model's plan (_cp_plan) splits the video tokens, the video's text and its mask (the
+#: patched forward: per-token timesteps and the keyframe mask); each processor takes the chunk of
 #: the RoPE tables of the tokens it holds; the audio and its text stay whole on every GPU. So:
 #: video self-attention runs diffusers' parallel attention (or ulysses_attention); the video's
 #: text cross-attention gathers the text and attends locally;
@@ -306,12 +307,12 @@ def _context_parallel_inputs(processor, hidden_states, encoder_hidden_states, at
 def context_parallel_plan(cp_plan):
     """diffusers' LTX-2 `_cp_plan` without its RoPE entries (the processors take their chunk of
     the tables, local_rope_tables: the plan splits only 3-dim tables, not the [B, H, S, r] ones of
-    the "split" layout of every released checkpoint) and with per-token timesteps ([B, S],
-    image-to-video) split with the tokens. (The keyframe mask of 2.5, [B, S, 1], is an optional
-    input, which a plan cannot name: the patched forward takes its chunk.)"""
+    the "split" layout of every released checkpoint) and without a timestep entry: the patched
+    forward takes its chunk of per-token timesteps ([B, S], image-to-video; local_token_timesteps),
+    as of the keyframe mask of 2.5 ([B, S, 1], an optional input, which a plan cannot name)."""
     if cp_plan is None:
         return None
-    return split_token_timesteps({key: plan for key, plan in cp_plan.items() if key != "rope"})
+    return plan_without_timestep({key: plan for key, plan in cp_plan.items() if key != "rope"})
 
 
 class LTX2KernelsAttnProcessor(FusedAttnProcessor):
@@ -667,6 +668,8 @@ def _model_forward(
     (reformatted, its docstring left out; REPRODUCED checks the diffusers side)."""
     from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput  # ours:
 
+    # ours: per-token timesteps take this rank's chunk under context parallelism (no plan entry)
+    timestep = local_token_timesteps(timestep, hidden_states.shape[1], self._parallel_config)
     # Determine timestep for audio.
     audio_timestep = audio_timestep if audio_timestep is not None else timestep
     audio_sigma = audio_sigma if audio_sigma is not None else sigma
