@@ -487,7 +487,8 @@ ltx_check_t ltx_check_attention(const ltx_attention_args_t* a) {
 }
 
 /* attention_int8: q8, k8 int8 and v8 float8_e4m3 codes, out float (or float64); k8 q8's batch and
- * heads, v8 {batch, heads, head_dim} rows of kv_pad >= kv_len keys, out q8's sizes; the scales
+ * heads, v8 {batch, heads, head_dim} rows of kv_pad >= ltx_attention_v_pad(kv_len) columns (the
+ * permuted columns of keys below kv_len), out q8's sizes; the scales
  * present (their sizes follow from the rows'). */
 ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* a) {
   const char* const names[4] = {"q8", "k8", "v8", "out"};
@@ -510,7 +511,7 @@ ltx_check_t ltx_check_attention_int8(const ltx_attention_int8_args_t* a) {
   if (a->k8.size[0] != a->q8.size[0] || a->k8.size[2] != a->q8.size[2])
     return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "k8", "q8");
   if (a->v8.size[0] != a->q8.size[0] || a->v8.size[1] != a->q8.size[2] ||
-      a->v8.size[2] != a->head_dim || a->kv_pad < a->k8.size[1])
+      a->v8.size[2] != a->head_dim || a->kv_pad < ltx_attention_v_pad(a->k8.size[1]))
     return fail(LTX_ERR_INVALID_ARGUMENT, LTX_RULE_SHAPE_OF, "v8", "k8");
   for (i = 0; i < LTX_MAX_ROW_DIMS; ++i)
     if (a->out.size[i] != a->q8.size[i])

@@ -463,10 +463,11 @@ int ltx_attention_cpu(const ltx_attention_args_t* args, int64_t row_begin, int64
  * operands, per batch b and head h (kb = j / 128, key j's block):
  *   q[b, i, h, :] = q8[b, i, h, :] * q_scale[b, i, h]       (int8, a scale per token and head)
  *   k[b, j, h, :] = k8[b, j, h, :] * k_scale[b, h, kb]      (int8, a scale per head, 128 keys)
- *   v[b, j, h, d] = v8[b, h, d, j] * v_scale[b, h, d]       (e4m3 transposed, a scale per channel)
+ *   v[b, j, h, d] = v8[b, h, d, c(j)] * v_scale[b, h, d]    (e4m3 transposed, a scale per channel)
  * q8 {batch, q_len, heads}, k8 {batch, kv_len, heads}: int8 rows of head_dim; v8 {batch, heads,
- * head_dim}: float8_e4m3 rows of kv_pad >= kv_len keys (columns from kv_len on are never read);
- * the scales contiguous float32. out: T; lse as ltx_attention's (float64 when T is).
+ * head_dim}: float8_e4m3 rows of kv_pad >= ltx_attention_v_pad(kv_len) columns, key j at column
+ * c(j) = ltx_attention_v_column(j) (columns holding no key below kv_len are never read); the
+ * scales contiguous float32. out: T; lse as ltx_attention's (float64 when T is).
  * The CUDA launcher takes T float16 or bfloat16, head_dim 64 or 128 (ltx_attention_cuda_takes_*),
  * a compute capability 9.0 device, and q8, k8, v8 rows at 16-byte boundaries (ltx_rows_aligned);
  * it computes q8.k8 exactly in int32 on tensor cores, scales the scores in fp32, rounds the
@@ -510,7 +511,8 @@ int ltx_attention_int8_cpu(const ltx_attention_int8_args_t* args, int64_t row_be
  *   ceil(kv_len / 128)] contiguous.
  * ltx_quantize_attention_v: v per channel in e4m3, transposed (keys contiguous):
  *     a[b, h, d] = amax over s of |v[b, s, h, d]|, with the LTX_QUANT_E4M3_ROW rule:
- *     codes[b, h, d, s] = e4m3(fl32(v * fl32(448 / a))) for s < kv_len, 0 up to kv_pad
+ *     codes[b, h, d, c(s)] = e4m3(fl32(v * fl32(448 / a))) for s < kv_len (c: the column of
+ *                            key s, ltx_attention_v_column), the other columns up to kv_pad 0
  *     scale[b, h, d]    = a / 448
  *   codes: float8_e4m3fn [batch, heads, head_dim, kv_pad] contiguous, kv_pad = kv_len rounded up
  *   to LTX_ATTENTION_V_PAD (ltx_attention_v_pad); scale: fp32 [batch, heads, head_dim].
@@ -535,6 +537,16 @@ typedef struct ltx_attention_quant_args {
 
 static inline int64_t ltx_attention_v_pad(int64_t kv_len) {
   return (kv_len + LTX_ATTENTION_V_PAD - 1) / LTX_ATTENTION_V_PAD * LTX_ATTENTION_V_PAD;
+}
+
+/* The column of v8's rows that holds key j: each group of 16 keys stored in the order the Hopper
+ * kernel's score accumulators hold them (key 16 g + 8 h + 2 t + e at column 16 g + 4 t + 2 h + e,
+ * t < 4, h, e < 2), so that a thread's probabilities are already its fragment of the FP8 P V GEMM
+ * (hopper_int8.cuh). A permutation within each group of 16: keys below kv_len lie below
+ * ltx_attention_v_pad(kv_len). */
+static inline int64_t ltx_attention_v_column(int64_t key) {
+  const int64_t r = key & 15; /* 8 h + 2 t + e */
+  return (key & ~(int64_t)15) | ((r & 6) << 1) | ((r & 8) >> 2) | (r & 1);
 }
 
 /* Chunks of keys the CUDA reduction pass splits each pair's sequence into: about 4 blocks per SM

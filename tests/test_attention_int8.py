@@ -188,7 +188,8 @@ def test_each_query_attends_one_key(device, head_dim, q_len, kv_len):
     lengths = torch.tensor([kv_len, max(kv_len // 2, 1)], device=device)
     operands, j = one_key_operands(2, q_len, kv_len, 3, head_dim, device, lengths)
     q8, q_scale, k8, k_scale, v8, v_scale = operands
-    v = (v8.double() * v_scale.double()[..., None]).permute(0, 3, 1, 2)  # [B, Sk_pad, H, D]
+    keys = v8.view(torch.uint8)[..., reference.v8_columns(kv_len, device)].view(v8.dtype)
+    v = (keys.double() * v_scale.double()[..., None]).permute(0, 3, 1, 2)  # [B, Sk, H, D]
     expected = torch.gather(v, 1, j[..., None].expand(-1, -1, -1, head_dim))
     scale = head_dim**-0.5
     block_scale = torch.gather(k_scale.transpose(1, 2), 1, j // 128).double()  # [B, Sq, H]
@@ -225,12 +226,14 @@ def test_key_lengths(device, case, index_dtype):
         key_lengths = torch.tensor(lengths, dtype=index_dtype, device=device)
         dtype = dtypes_for(device)[0]
         out, lse = check(operands, key_lengths, out_dtype=dtype, what=f"{case} hd{head_dim}")
-        # the keys past each length are not read: other codes there (NaN in v8) change nothing
+        # the keys past each length are not read: other codes there (NaN in v8's columns of
+        # those keys and its pad columns) change nothing
         q8, q_scale, k8, k_scale, v8, v_scale = operands
         k8, v8 = k8.clone(), v8.clone()
+        columns = reference.v8_columns(v8.shape[3], device)  # (pad columns as keys past kv_len)
         for b, n in enumerate(lengths):
             k8[b, max(n, 0) :] = 127
-            v8.view(torch.uint8)[b, :, :, max(n, 0) :] = 0x7F  # e4m3 NaN
+            v8.view(torch.uint8)[b, :, :, columns[max(n, 0) :]] = 0x7F  # e4m3 NaN
         again = ltx_kernels.attention_int8(
             q8, q_scale, k8, k_scale, v8, v_scale, key_lengths, out_dtype=dtype, return_lse=True
         )
@@ -265,6 +268,16 @@ def test_strided_views(device):
     contiguous = (q8, q_scale, k8, k_scale, v8, v_scale)
     dtype = dtypes_for(device)[0]
     assert torch.equal(out, ltx_kernels.attention_int8(*contiguous, out_dtype=dtype))
+
+
+def test_v8_column_order():
+    # key 16 g + 8 h + 2 t + e at column 16 g + 4 t + 2 h + e (ltx_attention_v_column): the order a
+    # Hopper consumer's score accumulators hold a group's keys in (hopper_int8.cuh); the kernel,
+    # the C twin and quantize_attention_v read and write it (test_each_query_attends_one_key).
+    group = [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    expected = group + [16 + c for c in group] + [32 + c for c in group[:5]]
+    assert reference.v8_columns(37).tolist() == expected
+    assert sorted(reference.v8_columns(48).tolist()) == list(range(48))
 
 
 @pytest.mark.parametrize(
@@ -340,6 +353,8 @@ def _bad_inputs(device):
         (with_(2, k8[:, :, :2]), {}, "k8 must have q8's batch, heads and head_dim"),
         (with_(4, v8.view(torch.int8)), {}, "v8 must be Float8_e4m3fn"),
         (with_(4, v8[..., :3]), {}, r"v8 must have shape \[batch, heads, head_dim, kv_len_padded"),
+        # (as many columns as keys, but a group's keys may lie up to kv_len rounded up to 16)
+        (with_(4, v8[..., :7]), {}, r"v8 must have shape .* >= 16\]"),
         (with_(1, q_scale.double()), {}, "q_scale must be float32"),
         (with_(1, q_scale[:, :2]), {}, r"q_scale must have shape \[batch, seq_len, heads\]"),
         (with_(3, k_scale.expand(2, 3, 2)), {}, r"k_scale must have shape \[batch, heads, ceil"),
@@ -351,7 +366,7 @@ def _bad_inputs(device):
     ]
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(14))
 def test_bad_inputs_raise_naming_the_argument(device, case):
     args, kwargs, message = _bad_inputs(device)[case]
     with pytest.raises(RuntimeError, match=rf"ltx_kernels\.attention_int8: {message}"):
@@ -364,6 +379,8 @@ def test_the_fake_checks_shapes():
     assert out.shape == (2, 5, 3, 64) and out.dtype == torch.bfloat16 and lse.shape == (2, 3, 5)
     with pytest.raises(RuntimeError, match="k_scale must have"):
         ltx_kernels.attention_int8(q8, q_scale, k8, k_scale[:, :, :0], v8, v_scale)
+    with pytest.raises(RuntimeError, match=r"v8.shape\[3\] must be >= Sk rounded up to 16"):
+        ltx_kernels.attention_int8(q8, q_scale, k8, k_scale, v8[..., :7], v_scale)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -431,10 +448,10 @@ def test_cuda_limits_raise():
     unaligned = torch.zeros(1, 5, 2, 65, dtype=torch.int8, device="cuda")[..., 1:]
     with pytest.raises(RuntimeError, match="q8's rows must start at 16-byte boundaries"):
         ltx_kernels.attention_int8(unaligned, q_scale, k8, k_scale, v8, v_scale)
-    unpadded = torch.zeros(1, 2, 64, 8, dtype=torch.float8_e4m3fn, device="cuda")[..., :7]
-    unpadded = unpadded.contiguous()  # rows of 7 bytes
+    # v8 rows 17 bytes apart: 16 columns each (7 keys rounded up), not at 16-byte boundaries
+    unaligned_v8 = torch.zeros(1, 2, 64, 17, dtype=torch.float8_e4m3fn, device="cuda")[..., :16]
     with pytest.raises(RuntimeError, match="v8's rows must start at 16-byte boundaries"):
-        ltx_kernels.attention_int8(q8, q_scale, k8, k_scale, unpadded, v_scale)
+        ltx_kernels.attention_int8(q8, q_scale, k8, k_scale, unaligned_v8, v_scale)
 
 
 @pytest.mark.gpu

@@ -234,8 +234,8 @@ def test_quantize_attention_k_zero_and_nan_blocks(device):
 # v: quantize_attention_v
 # ------------------------------------------------------------------------------------------------
 def assert_v_matches(v, v8, v_scale):
-    """(v8, v_scale) is reference.quantize_attention_v(v) bit for bit, pad keys 0, and v8 * v_scale
-    is within half an e4m3 step of v."""
+    """(v8, v_scale) is reference.quantize_attention_v(v) bit for bit, pad columns 0, and v8 *
+    v_scale (its columns in key order, reference.v8_columns) is within half an e4m3 step of v."""
     batch, kv_len, heads, head_dim = v.shape
     kv_pad = -(-kv_len // 16) * 16
     ref_v8, ref_scale = reference.quantize_attention_v(v)
@@ -243,9 +243,11 @@ def assert_v_matches(v, v8, v_scale):
     assert v8.is_contiguous() and v_scale.shape == (batch, heads, head_dim)
     assert_equal_codes(v8, ref_v8, "v8")
     assert_equal_scales(v_scale, ref_scale, "v_scale")
-    assert (v8[..., kv_len:].view(torch.uint8) == 0).all()
+    columns = reference.v8_columns(kv_pad, v8.device)  # (keys from kv_len on: pad columns)
+    assert (v8.view(torch.uint8)[..., columns[kv_len:]] == 0).all()
+    keys = v8.view(torch.uint8)[..., columns[:kv_len]].view(v8.dtype)
     values = v.double().permute(0, 2, 3, 1)
-    error = (v8[..., :kv_len].double() * v_scale.double()[..., None] - values).abs()
+    error = (keys.double() * v_scale.double()[..., None] - values).abs()
     bound = 2.0**-4 * values.abs() + 2.0**-10 * v_scale.double()[..., None]
     assert ((error <= bound) | v_scale.isnan()[..., None]).all()  # (NaN channels: NaN codes)
 

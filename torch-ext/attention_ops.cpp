@@ -186,10 +186,13 @@ std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at
   LTX_CHECK(k8.size(0) == batch && k8.size(2) == heads && k8.size(3) == head_dim, op,
             ": k8 must have q8's batch, heads and head_dim [", batch, ", kv_len, ", heads, ", ",
             head_dim, "], got shape ", k8.sizes());
+  const int64_t kv_pad = ltx_attention_v_pad(kv_len);
   LTX_CHECK(
-      v8.size(0) == batch && v8.size(1) == heads && v8.size(2) == head_dim && v8.size(3) >= kv_len,
+      v8.size(0) == batch && v8.size(1) == heads && v8.size(2) == head_dim && v8.size(3) >= kv_pad,
       op, ": v8 must have shape [batch, heads, head_dim, kv_len_padded] = [", batch, ", ", heads,
-      ", ", head_dim, ", >= ", kv_len, "] (V transposed, kv_len rounded up to 16), got ",
+      ", ", head_dim, ", >= ", kv_pad,
+      "] (V transposed, kv_len rounded up to 16, keys in quantize_attention_v's column order), "
+      "got ",
       v8.sizes());
   check_scales(op, "q_scale", q_scale, {batch, q_len, heads}, "[batch, seq_len, heads]", q8);
   check_scales(op, "k_scale", k_scale, {batch, heads, key_blocks},
@@ -231,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at
   args.out = head_rows(out);
   args.q8 = head_rows(q8);
   args.k8 = head_rows(k8);
-  args.v8 = head_rows(v8);  // rows {batch, heads, head_dim} of kv_len_padded keys
+  args.v8 = head_rows(v8);  // rows {batch, heads, head_dim} of kv_len_padded columns
   args.q_scale = static_cast<const float*>(present_data(q_scale));
   args.k_scale = static_cast<const float*>(present_data(k_scale));
   args.v_scale = static_cast<const float*>(present_data(v_scale));

@@ -84,8 +84,9 @@ TORCH_LIBRARY_EXPAND(LTX_OPS_NAMESPACE, ops) {
       "bool return_lse=False) -> (Tensor, Tensor)",
       "attention", &attention);
   // attention over 8-bit operands: q8, k8 int8 [B, S, H, D] with q_scale [B, Sq, H] and k_scale
-  // [B, H, ceil(Sk / 128)], v8 e4m3 transposed [B, H, D, Sk rounded up to 16] with v_scale
-  // [B, H, D]; returns (out [B, Sq, H, D] in out_dtype (default bfloat16), lse or empty).
+  // [B, H, ceil(Sk / 128)], v8 e4m3 transposed [B, H, D, Sk rounded up to 16] (keys in
+  // ltx_attention_v_column order) with v_scale [B, H, D]; returns (out [B, Sq, H, D] in out_dtype
+  // (default bfloat16), lse or empty).
   def("attention_int8(Tensor q8, Tensor q_scale, Tensor k8, Tensor k_scale, Tensor v8, "
       "Tensor v_scale, Tensor? key_lengths=None, float? scale=None, *, ScalarType? out_dtype=None, "
       "bool return_lse=False) -> (Tensor, Tensor)",

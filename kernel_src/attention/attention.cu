@@ -76,6 +76,7 @@ int attention_int8_typed(const ltx_attention_int8_args_t& a, cudaStream_t stream
   p.heads = a.q8.size[2];
   p.kv_len = a.k8.size[1];
   p.key_blocks = ceil_div(p.kv_len, LTX_ATTENTION_INT8_KEY_BLOCK);
+  p.v_columns = ltx_attention_v_pad(p.kv_len);
   p.scale_log2 = static_cast<float>(a.scale * kLog2e);
   hopper_int8::TensorMaps maps{};
   if (!hopper_int8::takes<T, kHeadDim>(p, &maps)) return LTX_ERR_INVALID_ARGUMENT;

@@ -1,7 +1,8 @@
 /* 8-bit attention (portable C, the CPU backend): ltx_attention_int8_cuda's formula (ltx_kernels.h)
  * computed in double over the dequantized operands, one query row at a time (attention_row_cpu.h):
  * the scores s_j = scale * q_scale * k_scale[j / 128] * (q8 . k8_j) (the integer dot product
- * exact), the values v8[:, j] (e4m3 codes of v's transposed rows) and out's per-channel factor
+ * exact), the values v8[:, c(j)] (e4m3 codes of v's transposed rows, key j at column
+ * c(j) = ltx_attention_v_column(j)) and out's per-channel factor
  * v_scale, rounded once to T. */
 #include "attention_row_cpu.h"
 
@@ -15,7 +16,7 @@ static double e4m3_value(uint8_t code) {
 }
 
 /* Query row (b, i, h) of q8 (q_factor = scale * q_scale): key j of (b, h) is row
- * first_key + j * heads of k8 with scale k_scale[j / 128], and column j of v8's rows
+ * first_key + j * heads of k8 with scale k_scale[j / 128], and column c(j) of v8's rows
  * first_channel + d. */
 typedef struct int8_attention_row {
   const ltx_attention_int8_args_t* a;
@@ -35,9 +36,10 @@ static double int8_score(const void* ctx, int64_t j) {
 
 static void int8_values(const void* ctx, int64_t j, int64_t c, int64_t width, double* v) {
   const int8_attention_row_t* r = (const int8_attention_row_t*)ctx;
+  const int64_t column = ltx_attention_v_column(j);
   int64_t d;
   for (d = 0; d < width; ++d)
-    v[d] = e4m3_value(((const uint8_t*)ltx_row_ptr(&r->a->v8, r->first_channel + c + d))[j]);
+    v[d] = e4m3_value(((const uint8_t*)ltx_row_ptr(&r->a->v8, r->first_channel + c + d))[column]);
 }
 
 int ltx_attention_int8_cpu(const ltx_attention_int8_args_t* args, int64_t row_begin,

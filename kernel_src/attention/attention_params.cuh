@@ -51,7 +51,8 @@ struct AttentionParams {
 };
 
 // The 8-bit kernel's view of ltx_attention_int8_args_t (ltx_kernels.h): int8 q and k rows of
-// head_dim, e4m3 v rows of keys ({batch, heads, head_dim}: row(b, h, d)), the fp32 scales.
+// head_dim, e4m3 v rows of keys ({batch, heads, head_dim}: row(b, h, d); key j at column
+// ltx_attention_v_column(j)), the fp32 scales.
 template <typename T>
 struct AttentionInt8Params {
   HeadRows<T> out;
@@ -64,6 +65,7 @@ struct AttentionInt8Params {
   const void* key_lengths;    // as AttentionParams'
   bool key_lengths_int64;
   int64_t batch, heads, q_len, kv_len, key_blocks;
+  int64_t v_columns;  // kv_len rounded up to 16: v8's columns of keys (ltx_attention_v_column)
   float scale_log2;
 
   __device__ __forceinline__ int64_t attended_keys(int64_t b) const {

@@ -7,7 +7,8 @@
 //   reduces their amax and writes the int8 codes ([B, S, H, D], rows of D);
 //   V (quantize_v_kernel): one block per tile of 128 keys converts them to e4m3 with each channel's
 //   factor, transposes them through shared memory and writes each channel's 128 keys as one
-//   coalesced 128-byte row segment of [B, H, D, kv_pad] (pad keys 0).
+//   coalesced 128-byte row segment of [B, H, D, kv_pad] (keys in ltx_attention_v_column order,
+//   pad columns 0).
 // Bytes moved: K reads x twice and writes 1 byte per element (5 bytes per bf16 element), V reads x
 // twice and writes 1 byte per element (padded); the workspace is a few hundred KB.
 #include <algorithm>
@@ -146,7 +147,8 @@ __global__ void __launch_bounds__(2 * LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM)
 }
 
 // V, block (pair, tile of 128 keys): each channel's factor from the workspace's chunk maxima (tile
-// 0 writes the scales); thread items (group g of 4 keys, pack column col) convert 4 keys x kVec
+// 0 writes the scales); thread items (word w of 4 columns, pack column col) convert the 4 keys of
+// columns 4w..4w + 3 (ltx_attention_v_column: keys 16 (w / 4) + 2 (w % 4) + {0, 1, 8, 9}) x kVec
 // channels to e4m3 and store them as one word per channel into the transposed tile [dim][32
 // words]; then each warp writes 128 contiguous bytes of one channel row of codes [pairs, dim,
 // kv_pad] (keys from kv_len on are zeros, nothing past kv_pad is written).
@@ -172,12 +174,13 @@ __global__ void __launch_bounds__(kVThreads)
   }
   __syncthreads();
   for (int it = threadIdx.x; it < kTileWords * cols; it += blockDim.x) {
-    const int g = it / cols, col = it - g * cols;
+    const int w = it / cols, col = it - w * cols;
     float v[4][kVec];
     bool valid[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t s = first + 4 * g + k;
+    for (int k = 0; k < 4;
+         ++k) {  // byte k of word w: key 16 (w / 4) + 2 (w % 4) + 8 (k / 2) + k % 2
+      const int64_t s = first + 16 * (w / 4) + 2 * (w % 4) + 8 * (k / 2) + k % 2;
       valid[k] = s < x.kv_len;
       load_values<kVec>(v[k], x.row(pair, valid[k] ? s : 0) + col * kVec, valid[k]);
     }
@@ -187,16 +190,16 @@ __global__ void __launch_bounds__(kVThreads)
       float c[4];  // the keys' scaled values; pad keys 0 (also where the factor is NaN)
 #pragma unroll
       for (int k = 0; k < 4; ++k) c[k] = valid[k] ? v[k][i] * f : 0.f;
-      tile[(col * kVec + i) * kTileStride + g] =
+      tile[(col * kVec + i) * kTileStride + w] =
           to_e4m3x2(c[0], c[1]) | (to_e4m3x2(c[2], c[3]) << 16);
     }
   }
   __syncthreads();
   for (int it = threadIdx.x; it < x.dim * kTileWords; it += blockDim.x) {
     const int d = it / kTileWords, w = it - d * kTileWords;
-    const int64_t s = first + 4 * w;
-    if (s < kv_pad)
-      *reinterpret_cast<uint32_t*>(codes + (pair * x.dim + d) * kv_pad + s) =
+    const int64_t column = first + 4 * w;
+    if (column < kv_pad)
+      *reinterpret_cast<uint32_t*>(codes + (pair * x.dim + d) * kv_pad + column) =
           tile[d * kTileStride + w];
   }
 }

@@ -2,7 +2,8 @@
  * and ltx_quantize_attention_v_cuda's rules (ltx_kernels.h), one (batch, head) pair at a time. K:
  * the pair's mean over the sequence summed in double and rounded once to fp32, then per block of
  * LTX_ATTENTION_K_BLOCK keys the amax of the centered values and their codes (recomputed in the
- * second pass). V: each channel's amax over the sequence, then its codes written transposed. The
+ * second pass). V: each channel's amax over the sequence, then its codes written transposed
+ * (keys in ltx_attention_v_column order). The
  * pair's means or factors are kept in the workspace at pair * head_dim. */
 #include "../cpu_utils.h"
 
@@ -71,11 +72,12 @@ int ltx_quantize_attention_v_cpu(const ltx_attention_quant_args_t* a, int64_t pa
       for (s = 0; s < kv_len; ++s) amax = ltx_amax_step(amax, pair_element(&a->x, b, s, h, d));
       factor[d] = ltx_e4m3_row_factor(amax, &a->scale[pair * dim + d]);
     }
-    for (d = 0; d < dim; ++d) { /* channel d's keys, contiguous */
+    for (d = 0; d < dim; ++d) { /* channel d's keys, contiguous, in ltx_attention_v_column order */
       uint8_t* codes = (uint8_t*)a->codes + (pair * dim + d) * kv_pad;
+      memset(codes + (kv_len & ~(int64_t)15), 0, (size_t)(kv_pad - (kv_len & ~(int64_t)15)));
       for (s = 0; s < kv_len; ++s)
-        codes[s] = ltx_float_to_e4m3(pair_element(&a->x, b, s, h, d) * factor[d]);
-      for (; s < kv_pad; ++s) codes[s] = 0;
+        codes[ltx_attention_v_column(s)] =
+            ltx_float_to_e4m3(pair_element(&a->x, b, s, h, d) * factor[d]);
     }
   }
   return LTX_OK;

@@ -246,18 +246,19 @@ struct Turns {
   }
 };
 
-// The K/V tiles of kBlockN keys a CTA attends, for `keys` attended keys of kv_len.
+// The K/V tiles of kBlockN keys a CTA attends, for `keys` attended keys of V tiles whose data
+// ends at `v_end` (kv_len; the 8-bit body's v8: kv_len rounded up to 16 columns).
 struct KeyTiles {
   int count;       // tiles attended
   int last_valid;  // attended keys of the last tile
-  int zero_end;    // the last tile's keys [last_valid, zero_end) hold data (below kv_len) to zero
+  int zero_end;    // the last tile's V [last_valid, zero_end) holds data (below v_end) to zero
   __device__ __forceinline__ bool zero_v_tail() const { return count > 0 && last_valid < zero_end; }
 };
 
 template <int kBlockN>
-__device__ __forceinline__ KeyTiles key_tiles(int keys, int64_t kv_len) {
+__device__ __forceinline__ KeyTiles key_tiles(int keys, int64_t v_end) {
   const int count = (keys + kBlockN - 1) / kBlockN;
-  const int64_t end = kv_len < int64_t{count} * kBlockN ? kv_len : int64_t{count} * kBlockN;
+  const int64_t end = v_end < int64_t{count} * kBlockN ? v_end : int64_t{count} * kBlockN;
   return {count, keys - (count - 1) * kBlockN,
           static_cast<int>(end - (count - 1) * int64_t{kBlockN})};
 }

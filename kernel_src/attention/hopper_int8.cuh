@@ -9,9 +9,10 @@
 //   the integer scores (max, or min for a negative factor) times the factor.
 // - P is computed times 448 (exp2(x - m + log2 448): e4m3's largest value, so probabilities down
 //   to 2^-9 / 448 keep a code) and rounded to e4m3; l sums the same unrounded values, so the 448
-//   cancels in O / l. The S accumulator's layout holds keys {2t, 2t+1, 2t+8, 2t+9} of each 16
-//   where the 8-bit A fragment wants {4t..4t+3}: quantize_probabilities exchanges bytes within
-//   each quad (two shuffles and two byte permutes per 32 keys and row).
+//   cancels in O / l. A thread's S accumulators hold keys {2t, 2t+1, 2t+8, 2t+9} of each 16 and
+//   its 8-bit A fragment wants columns {4t..4t+3} of P: v8 stores each group of 16 keys in that
+//   order (ltx_attention_v_column), so the columns are the thread's own keys and
+//   quantize_probabilities only converts (no shuffles).
 // - O_tile = P8 V8 with wgmma f32.e4m3.e4m3 (B = V^T: v8 is stored transposed, keys contiguous,
 //   the K-major layout fp8 wgmma requires) into a fresh accumulator (scale_d = 0), added to the
 //   fp32 O in registers once per tile: Hopper's FP8 tensor-core accumulation is narrower than
@@ -23,7 +24,9 @@
 // Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
 // head_dim rows of 128 keys (128 bytes, 128-byte swizzle). Keys of the last tile in [n_b, kv_len)
-// are zeroed in shared memory by the producer before use; keys past kv_len are TMA's zero fill.
+// are zeroed in shared memory by the producer before use (by column: ltx_attention_v_column); the
+// V map spans kv_len rounded up to 16 columns (a group's keys below kv_len may lie at columns past
+// it), the K map kv_len keys: past them, TMA's zero fill.
 #pragma once
 
 #include <cuda.h>
@@ -262,39 +265,30 @@ __device__ __forceinline__ uint32_t e4m3x4(float k0, float k1, float k2, float k
   return r;
 }
 
-// The probabilities (times 448, fp32 bits in s) as e4m3 A fragments of O_tile = P V. In a group
-// of 16 keys a thread holds keys {2t, 2t+1} (S's column block 2G) and {8+2t, 9+2t} (block 2G + 1)
-// of its rows, and its A fragment wants keys 4t..4t+3: block t / 2 of the group, two keys from
-// lane 2 (t % 2) of the quad and two from lane 2 (t % 2) + 1. Per row and 32-key step kk (groups
-// 2kk, 2kk + 1), u_b packs block b's two keys of both groups; the shuffle from lane
-// 2 (t % 2) + t / 2 receives that lane's send1 = u_{its t % 2}, the one from lane
-// 2 (t % 2) + 1 - t / 2 its send2 = u_{1 - its t % 2}: both are u_{t / 2}, the block this thread
-// wants, so every shuffled byte is used. Byte permutes put lane 2 (t % 2)'s keys below lane
-// 2 (t % 2) + 1's: group 2kk in the low halves, group 2kk + 1 in the high halves.
+// The probabilities (times 448, fp32 bits in s) as e4m3 A fragments of O_tile = P V: per 32-key
+// step kk and row g + 8 r, group 2kk's keys {2t, 2t+1, 8+2t, 9+2t} (S's column blocks 4kk and
+// 4kk + 1) are P's columns 32 kk + 4t.. in v8's order (ltx_attention_v_column), group 2kk + 1's
+// (blocks 4kk + 2, 4kk + 3) its columns 32 kk + 16 + 4t...
 __device__ __forceinline__ void quantize_probabilities(uint32_t (&p)[kBlockN / 32][4],
-                                                       const int32_t (&s)[kBlockN / 2], int lane) {
-  const int t = lane % 4, quad = lane & ~3;
-  const int from1 = quad | (2 * (t % 2) + t / 2), from2 = quad | (2 * (t % 2) + 1 - t / 2);
-  const uint32_t low_halves = t / 2 ? 0x1054 : 0x5410, high_halves = t / 2 ? 0x3276 : 0x7632;
+                                                       const int32_t (&s)[kBlockN / 2]) {
   auto prob = [&](int block, int r, int u) { return __int_as_float(s[4 * block + 2 * r + u]); };
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t u0 = e4m3x4(prob(4 * kk, r, 0), prob(4 * kk, r, 1), prob(4 * kk + 2, r, 0),
-                                 prob(4 * kk + 2, r, 1));
-      const uint32_t u1 = e4m3x4(prob(4 * kk + 1, r, 0), prob(4 * kk + 1, r, 1),
-                                 prob(4 * kk + 3, r, 0), prob(4 * kk + 3, r, 1));
-      const uint32_t x1 = __shfl_sync(0xffffffffu, t % 2 ? u1 : u0, from1);
-      const uint32_t x2 = __shfl_sync(0xffffffffu, t % 2 ? u0 : u1, from2);
-      p[kk][r] = __byte_perm(x1, x2, low_halves);       // row g + 8 r, keys 32 kk + 4t..
-      p[kk][2 + r] = __byte_perm(x1, x2, high_halves);  // row g + 8 r, keys 32 kk + 16 + 4t..
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int block = 4 * kk + 2 * half;
+        p[kk][2 * half + r] = e4m3x4(prob(block, r, 0), prob(block, r, 1), prob(block + 1, r, 0),
+                                     prob(block + 1, r, 1));
+      }
     }
   }
 }
 
-// Zeroes keys [valid, 128) of a V tile (head_dim rows of 128 keys, 128-byte swizzle: 16-byte
-// chunk c of row r at chunk c ^ (r % 8)), by the 32 lanes of a warp.
+// Zeroes the columns of keys [valid, 128) of a V tile (head_dim rows of 128 columns, 128-byte
+// swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), by the 32 lanes of a warp. A chunk is
+// a group of 16 keys; its word i holds keys 2i, 2i+1, 2i+8, 2i+9 (ltx_attention_v_column).
 template <int kHeadDim>
 __device__ __forceinline__ void zero_v_keys(uint32_t v_tile, int valid, int lane) {
   const int first_chunk = valid / 16, chunks = kVRowBytes / 16 - first_chunk;
@@ -306,10 +300,14 @@ __device__ __forceinline__ void zero_v_keys(uint32_t v_tile, int valid, int lane
                  : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                  : "r"(at)
                  : "memory");
+    const int keys = valid - 16 * chunk;  // keys of the group to keep
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // word i: keys 16 chunk + 4 i.., lowest in the lowest byte
-      const int keep = valid - (chunk * 16 + 4 * i);
-      w[i] &= keep >= 4 ? 0xffffffffu : keep <= 0 ? 0u : (1u << (8 * keep)) - 1;
+    for (int i = 0; i < 4; ++i) {
+      uint32_t keep = 0;
+#pragma unroll
+      for (int byte = 0; byte < 4; ++byte)
+        if (2 * i + 8 * (byte / 2) + byte % 2 < keys) keep |= 0xffu << (8 * byte);
+      w[i] &= keep;
     }
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(w[0]), "r"(w[1]),
                  "r"(w[2]), "r"(w[3])
@@ -339,7 +337,8 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  const KeyTiles tiles = key_tiles<kBlockN>(static_cast<int>(p.attended_keys(b)), p.kv_len);
+  // (the V tiles' data ends at column v_columns: the last tile zeroes up to it)
+  const KeyTiles tiles = key_tiles<kBlockN>(static_cast<int>(p.attended_keys(b)), p.v_columns);
   const int kv_tiles = tiles.count, last_valid = tiles.last_valid;
 
   if (warpgroup == 0) {  // the producer
@@ -363,7 +362,7 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
           });
     }
     __syncwarp();
-    // the last V tile's keys [last_valid, 128): zeros
+    // the columns of the last V tile's keys [last_valid, 128): zeros
     zero_last_v_tile(bars, tiles, [&](int stage) {
       zero_v_keys<kHeadDim>(smem + L::v(stage), last_valid, lane);
     });
@@ -420,7 +419,7 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
       softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
     else
       softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
-    quantize_probabilities(pa, s, lane);
+    quantize_probabilities(pa, s);
 
     for (int j = 1; j < kv_tiles; ++j) {
       const int stage = j % kStages, prev = (j - 1) % kStages;
@@ -454,7 +453,7 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
         softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];  // to m of tile j
-      quantize_probabilities(pa, s, lane);
+      quantize_probabilities(pa, s);
     }
 
     // O += P V of the last tile (its V keys past n_b zeroed first where they hold data).
@@ -524,7 +523,7 @@ inline bool encode_codes(CUtensorMap* map, const void* data, const int64_t (&dim
 template <typename T, int kHeadDim>
 bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
   if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
-  if (p.q_len + Shape<kHeadDim>::kBlockM > INT32_MAX || p.kv_len + kBlockN > INT32_MAX ||
+  if (p.q_len + Shape<kHeadDim>::kBlockM > INT32_MAX || p.v_columns + kBlockN > INT32_MAX ||
       p.heads > INT32_MAX || p.batch > INT32_MAX)
     return false;
   if (p.kv_len == 0) return true;
@@ -533,12 +532,13 @@ bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
   const cuuint32_t q_box[4] = {kHeadDim, 1, kConsumerRows, 1};
   const cuuint32_t k_box[4] = {kHeadDim, 1, kBlockN, 1};
   const cuuint32_t v_box[4] = {kBlockN, kHeadDim, 1, 1};
-  // q8, k8: {head_dim, heads, len, batch}; v8: {kv_len keys, head_dim, heads, batch}
+  // q8, k8: {head_dim, heads, len, batch}; v8: {kv_len rounded up to 16 columns, head_dim, heads,
+  // batch}
   return encode_codes(&maps->q, p.q.data, {kHeadDim, p.heads, p.q_len, p.batch},
                       {p.q.head_stride, p.q.seq_stride, p.q.batch_stride}, q_box, qk_swizzle) &&
          encode_codes(&maps->k, p.k.data, {kHeadDim, p.heads, p.kv_len, p.batch},
                       {p.k.head_stride, p.k.seq_stride, p.k.batch_stride}, k_box, qk_swizzle) &&
-         encode_codes(&maps->v, p.v.data, {p.kv_len, kHeadDim, p.heads, p.batch},
+         encode_codes(&maps->v, p.v.data, {p.v_columns, kHeadDim, p.heads, p.batch},
                       {p.v.head_stride, p.v.seq_stride, p.v.batch_stride}, v_box,
                       CU_TENSOR_MAP_SWIZZLE_128B);
 }

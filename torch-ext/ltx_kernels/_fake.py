@@ -359,7 +359,10 @@ def attention_int8(
     blocks = (kv_len + 127) // 128
     _check_attention_shape("k8", k8, (batch, None, heads, head_dim), "q8's batch, heads, D", op)
     _check_attention_shape("v8", v8, (batch, heads, head_dim, None), "[B, H, D, Sk_pad]", op)
-    torch._check(v8.shape[3] >= kv_len, lambda: f"ltx_kernels.{op}: v8.shape[3] must be >= Sk")
+    torch._check(
+        v8.shape[3] >= (kv_len + 15) // 16 * 16,
+        lambda: f"ltx_kernels.{op}: v8.shape[3] must be >= Sk rounded up to 16",
+    )
     _check_attention_shape("q_scale", q_scale, (batch, q_len, heads), "shape [B, Sq, H]", op)
     _check_attention_shape("k_scale", k_scale, (batch, heads, blocks), "[B, H, ceil(Sk/128)]", op)
     _check_attention_shape("v_scale", v_scale, (batch, heads, head_dim), "shape [B, H, D]", op)

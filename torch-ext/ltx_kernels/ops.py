@@ -312,9 +312,11 @@ def attention_int8(
     - k8: int8 [B, Sk, H, D], k_scale: float32 [B, H, ceil(Sk / 128)] (k = k8 * k_scale, one scale
       per head and block of 128 keys). k may be smoothed (a per-(batch, head) mean subtracted from
       every key: softmax-invariant).
-    - v8: float8_e4m3fn [B, H, D, Sk_pad], V transposed (keys contiguous), Sk_pad >= Sk (Sk rounded
-      up to 16 for the CUDA kernel's 16-byte rows; columns from Sk on are never read), v_scale:
-      float32 [B, H, D] (v[..., j, h, d] = v8[b, h, d, j] * v_scale[b, h, d], one per channel).
+    - v8: float8_e4m3fn [B, H, D, Sk_pad], V transposed (keys contiguous), Sk_pad >= Sk rounded up
+      to 16, key j at column c(j) = reference.v8_columns(Sk)[j]: each group of 16 keys permuted
+      into the order the Hopper kernel's scores leave its accumulators (quantize_attention_v
+      writes it; columns holding no key are never read), v_scale: float32 [B, H, D]
+      (v[b, j, h, d] = v8[b, h, d, c(j)] * v_scale[b, h, d], one per channel).
     - key_lengths, scale, return_lse: as `attention` (lse: float32, float64 for float64 out).
     Returns out [B, Sq, H, D] in out_dtype (bfloat16 or float16; the CPU backend also float32 and
     float64). CUDA: compute capability 9.0 only, D 64 or 128, 16-byte aligned rows; the scores are
@@ -351,7 +353,8 @@ def quantize_attention_v(v):
     """The FP8 v operand of 8-bit attention: (v8, v_scale). v [B, S, H, D] float32/float16/
     bfloat16, any strides with a contiguous last dim. Each channel (b, h, d) is scaled by its amax
     over the sequence ("e4m3_row" rule): v8 float8_e4m3fn [B, H, D, S_pad] transposed (keys
-    contiguous; S_pad = S rounded up to 16, pad keys 0), v_scale float32 [B, H, D], v ~ v8 *
-    v_scale (reference.quantize_attention_v is the exact rule, bit for bit on CPU and CUDA). Two
+    contiguous, in attention_int8's column order reference.v8_columns; S_pad = S rounded up to 16,
+    pad columns 0), v_scale float32 [B, H, D], v ~ v8 * v_scale (reference.quantize_attention_v is
+    the exact rule, bit for bit on CPU and CUDA). Two
     passes over v (the maxima, then the transposed codes). CUDA: head_dim <= 256."""
     return _library().quantize_attention_v(v)

@@ -483,16 +483,35 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def v8_columns(kv_len, device=None):
+    """The columns of v8 that hold keys 0..kv_len-1 (ltx_attention_v_column in ltx_kernels.h): each
+    group of 16 keys in the order the Hopper kernel's score accumulators hold them, key
+    16 g + 8 h + 2 t + e at column 16 g + 4 t + 2 h + e (t < 4; h, e < 2). int64 [kv_len]."""
+    key = torch.arange(kv_len, device=device)
+    r = key % 16
+    return key - r + (r & 6) * 2 + (r & 8) // 4 + (r & 1)
+
+
 def _dequantize_attention_int8(q8, q_scale, k8, k_scale, v8, v_scale, dtype=torch.float64):
     """The operands attention_int8 attends, in dtype: q = q8 q_scale, k = k8 k_scale (a scale per
-    block of 128 keys), v = (v8 v_scale) transposed back to [B, Sk, H, D] (columns of v8 past Sk
-    dropped)."""
+    block of 128 keys), v = (v8 v_scale) read back in key order (v8_columns) and transposed to
+    [B, Sk, H, D] (the other columns of v8 dropped)."""
     kv_len = k8.shape[1]
     q = q8.to(dtype) * q_scale.to(dtype)[..., None]
     per_key = k_scale.to(dtype).repeat_interleave(128, dim=-1)[..., :kv_len]  # [B, H, Sk]
     k = k8.to(dtype) * per_key.transpose(1, 2)[..., None]
-    v = (v8[..., :kv_len].to(dtype) * v_scale.to(dtype)[..., None]).permute(0, 3, 1, 2)
+    keys = v8.view(torch.uint8)[..., v8_columns(kv_len, v8.device)].view(v8.dtype)
+    v = (keys.to(dtype) * v_scale.to(dtype)[..., None]).permute(0, 3, 1, 2)
     return q, k, v
+
+
+def _v8_of_keys(codes, kv_len):
+    """codes [B, H, D, Sk] (e4m3, keys in order) as v8: columns in v8_columns order, Sk rounded up
+    to 16, the other columns 0."""
+    kv_pad = -(-kv_len // 16) * 16
+    v8 = torch.zeros((*codes.shape[:3], kv_pad), dtype=torch.uint8, device=codes.device)
+    v8[..., v8_columns(kv_len, codes.device)] = codes.view(torch.uint8)
+    return v8.view(torch.float8_e4m3fn)
 
 
 def _quantize_attention_int8(q, k, v, key_lengths=None):
@@ -501,9 +520,9 @@ def _quantize_attention_int8(q, k, v, key_lengths=None):
     one scale per token and head (amax / 127); k smoothed by its per-(batch, head) mean over the
     attended keys (softmax-invariant), then int8 with one scale per head and block of 128 keys;
     v8 e4m3 with one scale per channel (amax / 448), transposed to [B, H, D, Sk rounded up to 16]
-    with zero padding. Returns (q8, q_scale, k8, k_scale, v8, v_scale)."""
+    in v8_columns order with zero padding. Returns (q8, q_scale, k8, k_scale, v8, v_scale)."""
     batch, kv_len, heads, head_dim = k.shape
-    blocks, padded = -(-kv_len // 128), -(-kv_len // 16) * 16
+    blocks = -(-kv_len // 128)
     q_scale = q.float().abs().amax(-1).clamp_min(1e-20) / 127
     q8 = (q.float() / q_scale[..., None]).round().clamp(-127, 127).to(torch.int8)
     attended = torch.ones(batch, kv_len, device=k.device)
@@ -520,9 +539,8 @@ def _quantize_attention_int8(q, k, v, key_lengths=None):
     v_abs = v.float().abs()
     v_amax = v_abs.amax(1) if kv_len else v_abs.new_zeros(batch, heads, head_dim)
     v_scale = v_amax.clamp_min(1e-20) / 448  # [B, H, D]
-    v8 = (v.float().permute(0, 2, 3, 1) / v_scale[..., None]).to(torch.float8_e4m3fn)
-    v8 = v8.contiguous()
-    v8 = torch.nn.functional.pad(v8.view(torch.uint8), (0, padded - kv_len)).view(v8.dtype)
+    codes = (v.float().permute(0, 2, 3, 1) / v_scale[..., None]).to(torch.float8_e4m3fn)
+    v8 = _v8_of_keys(codes, kv_len)
     return q8, q_scale.contiguous(), k8, k_scale.contiguous(), v8, v_scale.contiguous()
 
 
@@ -587,9 +605,9 @@ def quantize_attention_k(k, *, compute_dtype=torch.float64):
 
 def quantize_attention_v(v, *, compute_dtype=None):
     """ltx_kernels.quantize_attention_v's rule: per (batch, head, channel) the "e4m3_row" rule over
-    the channel's S values, written transposed [B, H, D, S_pad] (S_pad = S rounded up to 16, pad
-    keys 0). Returns (v8 float8_e4m3fn, v_scale float32 [B, H, D]). (compute_dtype: unused, the
-    rule is exact in fp32.)"""
+    the channel's S values, written transposed [B, H, D, S_pad] (S_pad = S rounded up to 16), key
+    j at column v8_columns(S)[j], the other columns 0. Returns (v8 float8_e4m3fn, v_scale float32
+    [B, H, D]). (compute_dtype: unused, the rule is exact in fp32.)"""
     batch, kv_len, heads, head_dim = v.shape
     vt = v.float().permute(0, 2, 3, 1)  # [B, H, D, S]
     if kv_len > 0:
@@ -597,7 +615,4 @@ def quantize_attention_v(v, *, compute_dtype=None):
     else:
         amax = vt.new_zeros((batch, heads, head_dim, 1))
     q, scale = _codes(vt, amax, "e4m3_row")
-    kv_pad = -(-kv_len // 16) * 16
-    v8 = torch.zeros((batch, heads, head_dim, kv_pad), dtype=torch.float8_e4m3fn, device=v.device)
-    v8[..., :kv_len] = q
-    return v8, scale.squeeze(-1).contiguous()
+    return _v8_of_keys(q, kv_len), scale.squeeze(-1).contiguous()
