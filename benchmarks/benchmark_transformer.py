@@ -25,9 +25,11 @@ torchrun --nproc_per_node N): diffusers' context parallelism over the N GPUs, in
 text mask, which fails or is wrong in diffusers 0.42: reported, and without it; HunyuanVideo-1.5:
 none, diffusers 0.42 has no plan for it), N-GPU with the kernels (injected before
 enable_parallelism; HunyuanVideo-1.5 with its plan, integration.injected_plan: Ulysses only), and
-(LTX-Video 2B, LTX-2) that with compile_repeated_blocks; under Ulysses the same with diffusers' Ulysses
-attention in place of ulysses_attention (the A/B; not HunyuanVideo-1.5, whose text rows need
-ulysses_attention).
+(LTX-Video 2B, LTX-2) that with compile_repeated_blocks (LTX-Video 2B: also whole-model compiled);
+under Ulysses the same with diffusers' Ulysses attention in place of ulysses_attention (the A/B;
+not HunyuanVideo-1.5, whose text rows need ulysses_attention). --cp-columns keeps some of the
+optional ones (stock, compile, blocks, diffusers-ulysses; the 1-GPU and N-GPU kernel columns
+always run): each compile of the model on every rank costs minutes.
 --cfg-parallel (the same models, N even; with --context-parallel inside each group when N > 2):
 one guided denoising step (transformer_cases.guided_step: LTX-Video and LTX-2 one call on the
 cond + uncond batch of 2, Wan and HunyuanVideo-1.5 one call a branch) with the kernels on one GPU,
@@ -185,6 +187,8 @@ def context_parallel_columns(args, tokens, rank, world):
                 attempt(f"1 GPU {column}", lambda: call(target))
                 if args.graph and column == "kernels":
                     attempt("1 GPU kernels, CUDA graph", lambda: call(target), graph_step)
+        if "stock" not in args.cp_columns:
+            return
         if family == "HunyuanVideo-1.5":
             measured["N GPU eager"] = "diffusers 0.42 has no context-parallel plan for it"
             return
@@ -213,17 +217,20 @@ def context_parallel_columns(args, tokens, rank, world):
             with torch.no_grad(), quiet:  # every rank steps (the collectives), rank 0 prints
                 profile_step.kernel_breakdown(step, 3, 12, f"{label}, rank {rank}")
         mode = f" ({args.compile_mode})" if args.compile_mode else ""
-        if args.model == "ltx":  # the whole model compiled (torch 2.11: a graph break at its end)
+        if args.model == "ltx" and "compile" in args.cp_columns:
+            # the whole model compiled (torch 2.11: a graph break at its end)
             torch._dynamo.reset()
             compiled = torch.compile(model, mode=args.compile_mode)
             attempt(label.replace("kernels", "compile+kernels") + mode, lambda: call(compiled))
-        if args.model in ("ltx", "ltx2"):  # (the 13B: its compile time is not worth a device run)
+        if args.model in ("ltx", "ltx2") and "blocks" in args.cp_columns:
+            # (the 13B: its compile time is not worth a device run)
             torch._dynamo.reset()
             model.compile_repeated_blocks(fullgraph=True, mode=args.compile_mode)
             attempt(label.replace("kernels", "blocks+kernels") + mode, lambda: call(model))
 
     phases = [one_gpu_then_stock, with_kernels]
-    if degree == "ulysses_degree" and family != "HunyuanVideo-1.5":  # ulysses_attention's A/B
+    ab = degree == "ulysses_degree" and family != "HunyuanVideo-1.5"  # ulysses_attention's A/B
+    if ab and "diffusers-ulysses" in args.cp_columns:
         phases.append(
             functools.partial(
                 with_kernels,
@@ -303,6 +310,9 @@ def _distributed(parser, args, flag):
 #: 13B at 2x12672, Wan 81 frames 720p, HunyuanVideo-1.5 480p in a grid 4 GPUs divide (480x832);
 #: the others: the case's own shape.
 PARALLEL_TOKENS = {"ltx": 8064, "ltx-13b": 12672, "wan-14b": 75600, "hunyuanvideo-1.5": 48360}
+#: The optional column groups of --context-parallel (--cp-columns): stock diffusers on N GPUs,
+#: the whole model compiled, compiled blocks, diffusers' Ulysses attention in place of ours.
+CP_OPTIONAL_COLUMNS = ("stock", "compile", "blocks", "diffusers-ulysses")
 #: The batch of a case's call: one guidance branch (Wan, HunyuanVideo-1.5) or both.
 ONE_BRANCH = ("Wan", "HunyuanVideo-1.5")
 
@@ -474,6 +484,13 @@ def main():
     )
     parser.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None)
     parser.add_argument(
+        "--cp-columns",
+        type=lambda s: set(s.split(",")) - {""},
+        default=set(CP_OPTIONAL_COLUMNS),
+        help="--context-parallel: the optional columns to run, comma-separated, from "
+        f"{', '.join(CP_OPTIONAL_COLUMNS)} (default: all; the kernel columns always run)",
+    )
+    parser.add_argument(
         "--cfg-parallel",
         action="store_true",
         help="one guided step with the guidance branches on two GPU groups (enable_cfg_parallel)",
@@ -490,6 +507,9 @@ def main():
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    unknown = args.cp_columns - set(CP_OPTIONAL_COLUMNS)
+    if unknown:
+        parser.error(f"--cp-columns: unknown {', '.join(sorted(unknown))}")
     if args.cfg_parallel:
         return cfg_parallel_main(parser, args)
     if args.context_parallel:

@@ -254,3 +254,11 @@ def test_cp_copy_engine_outside_torchrun_says_how_to_launch(tmp_path, monkeypatc
         script.main()
     assert exit_info.value.code == 2
     assert "torchrun --nproc_per_node N" in capsys.readouterr().err
+
+
+def test_cp_columns_name_the_optional_context_parallel_columns(bt, monkeypatch, capsys):
+    assert bt.CP_OPTIONAL_COLUMNS == ("stock", "compile", "blocks", "diffusers-ulysses")
+    monkeypatch.setattr(sys, "argv", ["benchmark_transformer.py", "--cp-columns", "compile,bogus"])
+    with pytest.raises(SystemExit):
+        bt.main()
+    assert "--cp-columns: unknown bogus" in capsys.readouterr().err
