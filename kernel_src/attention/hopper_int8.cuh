@@ -1,8 +1,8 @@
 // 8-bit attention kernel body for Hopper (sm_90a): ltx_attention_int8_cuda's formula
 // (ltx_kernels.h) in the pipeline of hopper_wgmma.cuh (read its file comment first): a TMA
-// producer warpgroup filling a ring of K/V stages, two consumer warpgroups of 64 query rows each
-// taking turns to issue their GEMMs (ping-pong), online softmax in exp2. What differs
-// (SageAttention2's scheme, see ../shared/research/fp8-and-attention.md):
+// producer warpgroup filling a ring of K/V stages, consumer warpgroups of 64 query rows each (three
+// at head_dim 64, two at 128: Shape) taking turns to issue their GEMMs, online softmax in exp2.
+// What differs (SageAttention2's scheme, see ../shared/research/fp8-and-attention.md):
 // - S = Q8 K8^T with wgmma s32.s8.s8 (exact integer scores), converted to fp32 and scaled in the
 //   softmax's FMA by factor = q_scale[row] * k_scale[tile] * scale * log2(e): one factor per row
 //   per tile (a K/V tile is the 128 keys of one k_scale). An unmasked tile's row max comes from
@@ -17,9 +17,10 @@
 //   the K-major layout fp8 wgmma requires) into a fresh accumulator (scale_d = 0), added to the
 //   fp32 O in registers once per tile: Hopper's FP8 tensor-core accumulation is narrower than
 //   fp32, so it never sums more than one tile (128 keys). A consumer issues the P V GEMM of tile
-//   j - 1 before the S GEMM of tile j and adds O_tile into O while S is computed, so that O_tile
+//   j - 1 before the S GEMM of tile j and adds O_tile into O while S is computed (at head_dim 64,
+//   whose three consumers have 160 registers each, before it issues the S GEMM), so that O_tile
 //   and P are dead during the softmax (O, O_tile, S and P at once would not fit 240 registers
-//   without spills); the softmax overlaps the other consumer's GEMMs (ping-pong).
+//   without spills); the softmax overlaps the other consumers' GEMMs.
 // - out = O v_scale / l per channel; lse = m ln 2 + ln(l / 448).
 // Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
@@ -52,11 +53,13 @@ constexpr int kBlockN = LTX_ATTENTION_INT8_KEY_BLOCK;  // keys per K/V tile: one
 constexpr int kAtomBytes = 1024;     // the tiles' alignment (the 128-byte swizzle's period)
 constexpr int kVRowBytes = kBlockN;  // a V tile row: 128 keys of one channel
 
-// A CTA's consumers: two at every head_dim. (Three at 64, as hopper_wgmma.cuh, leave a consumer
-// 160 registers, fewer than this body's needs: its O tile beside O, the int32 scores and the
-// scales; ptxas (nvcc 13.0) spills 72 bytes there.)
+// A CTA's consumers: three at head_dim 64 (as hopper_wgmma.cuh), two at 128. Three leave a
+// consumer 160 registers, fewer than O, O_tile, P and S at once (144 at head_dim 64, with the
+// rest): there a consumer waits for its P V GEMM and adds O_tile into O before it issues the S
+// GEMM (kSerialGemms), and the GEMMs' first k-steps only write their accumulators, so neither
+// O_tile nor S holds registers outside its GEMM.
 template <int kHeadDim>
-using Shape = CtaShape<2>;
+using Shape = CtaShape<kHeadDim == 64 ? 3 : 2>;
 constexpr float kLog2PScale = 8.80735492205760410745f;  // log2(448): P is computed times 448
 constexpr float kLnPScale = 6.10479323241498348998f;    // ln(448)
 constexpr float kLn2 = 0.693147180559945309f;
@@ -91,79 +94,74 @@ struct TensorMaps {
   CUtensorMap q, k, v;
 };
 
-// S = Q8 K8^T for one consumer: s32 accumulators (the D fragment layout of wgmma_ss in
-// hopper_wgmma.cuh), int8 operands from shared memory, both K-major (m64n128k32; scale_d = 0:
-// d = A B).
-__device__ __forceinline__ void wgmma_s8_ss(int32_t (&d)[64], uint64_t a, uint64_t b, int scale_d) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %66, 0;"
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p; }"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
-        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]),
-        "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]),
-        "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]),
-        "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]),
-        "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]),
-        "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
-        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]),
-        "+r"(d[63])
-      : "l"(a), "l"(b), "r"(scale_d));
+// The accumulator operands of the wgmma wrappers below: d[0..N) under constraint C, "+r" / "+f" to
+// accumulate into them, "=r" / "=f" for a GEMM's first k-step (scale_d = 0: d = A B), which
+// overwrites them, so that they hold nothing live before it (fewer registers at once).
+#define LTX_D8(C, d, i) \
+  C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
+#define LTX_D32(C, d) LTX_D8(C, d, 0), LTX_D8(C, d, 8), LTX_D8(C, d, 16), LTX_D8(C, d, 24)
+#define LTX_D64(C, d) \
+  LTX_D32(C, d), LTX_D8(C, d, 32), LTX_D8(C, d, 40), LTX_D8(C, d, 48), LTX_D8(C, d, 56)
+
+// S (+)= Q8 K8^T for one consumer: s32 accumulators (the D fragment layout of wgmma_ss in
+// hopper_wgmma.cuh), int8 operands from shared memory, both K-major (m64n128k32; kAccumulate
+// false: d = A B).
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_s8_ss(int32_t (&d)[64], uint64_t a, uint64_t b) {
+#define LTX_WGMMA_S8                                                                  \
+  "{ .reg .pred p; setp.ne.b32 p, %66, 0;"                                            \
+  "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+  "%64, %65, p; }"
+  if constexpr (kAccumulate)
+    asm volatile(LTX_WGMMA_S8 : LTX_D64("+r", d) : "l"(a), "l"(b), "r"(1));
+  else
+    asm volatile(LTX_WGMMA_S8 : LTX_D64("=r", d) : "l"(a), "l"(b), "r"(0));
+#undef LTX_WGMMA_S8
 }
 
 // d (+)= P V for one consumer: fp32 accumulators, e4m3 operands, A (P) from registers (a: this
 // thread's fragment of 64 rows x 32 keys: a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..4t+3], a[2] =
 // A[g][16+4t..16+4t+3], a[3] = A[g+8][16+4t..16+4t+3], lowest key in the lowest byte), B (V^T)
-// from shared memory K-major (keys contiguous; fp8 wgmma takes no transpose) (m64nNk32).
-template <int N>
-__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
-                                              int scale_d);
-
-template <>
-__device__ __forceinline__ void wgmma_e4m3_rs<64>(float (&d)[32], const uint32_t (&a)[4],
-                                                  uint64_t b, int scale_d) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %37, 0;"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1; }"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+// from shared memory K-major (keys contiguous; fp8 wgmma takes no transpose) (m64nNk32;
+// kAccumulate false: d = A B).
+template <int N, bool kAccumulate>
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t (&a)[4],
+                                              uint64_t b) {
+  static_assert(N == 64 || N == 128);
+#define LTX_WGMMA_E4M3_64                                                             \
+  "{ .reg .pred p; setp.ne.b32 p, %37, 0;"                                            \
+  "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "                             \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+  "{%32, %33, %34, %35}, %36, p, 1, 1; }"
+#define LTX_WGMMA_E4M3_128                                                            \
+  "{ .reg .pred p; setp.ne.b32 p, %69, 0;"                                            \
+  "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+  "{%64, %65, %66, %67}, %68, p, 1, 1; }"
+#define LTX_E4M3_A "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+  if constexpr (N == 64 && kAccumulate)
+    asm volatile(LTX_WGMMA_E4M3_64 : LTX_D32("+f", d) : LTX_E4M3_A, "r"(1));
+  else if constexpr (N == 64)
+    asm volatile(LTX_WGMMA_E4M3_64 : LTX_D32("=f", d) : LTX_E4M3_A, "r"(0));
+  else if constexpr (kAccumulate)
+    asm volatile(LTX_WGMMA_E4M3_128 : LTX_D64("+f", d) : LTX_E4M3_A, "r"(1));
+  else
+    asm volatile(LTX_WGMMA_E4M3_128 : LTX_D64("=f", d) : LTX_E4M3_A, "r"(0));
+#undef LTX_E4M3_A
+#undef LTX_WGMMA_E4M3_128
+#undef LTX_WGMMA_E4M3_64
 }
-
-template <>
-__device__ __forceinline__ void wgmma_e4m3_rs<128>(float (&d)[64], const uint32_t (&a)[4],
-                                                   uint64_t b, int scale_d) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %69, 0;"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1; }"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-}
+#undef LTX_D64
+#undef LTX_D32
+#undef LTX_D8
 
 // S = Q8 K8^T for one consumer: its 64 query rows against the 128 keys of a K tile, head_dim / 32
 // steps of 32 bytes within the rows (K-major, the unswizzled offset: see matrix_descriptor).
@@ -175,7 +173,10 @@ __device__ __forceinline__ void gemm_qk(int32_t (&s)[kBlockN / 2], uint32_t q_ti
   for (int kk = 0; kk < kHeadDim / 32; ++kk) {
     const uint64_t a = matrix_descriptor(q_tile + 32 * kk, 16, L::kQkCoreBytes, L::kQkSwizzle);
     const uint64_t b = matrix_descriptor(k_tile + 32 * kk, 16, L::kQkCoreBytes, L::kQkSwizzle);
-    wgmma_s8_ss(s, a, b, kk > 0);
+    if (kk == 0)
+      wgmma_s8_ss<false>(s, a, b);
+    else
+      wgmma_s8_ss<true>(s, a, b);
   }
 }
 
@@ -188,7 +189,10 @@ __device__ __forceinline__ void gemm_pv(float (&o_tile)[kHeadDim / 2],
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) {
     const uint64_t b = matrix_descriptor(v_tile + 32 * kk, 16, 8 * kVRowBytes);
-    wgmma_e4m3_rs<kHeadDim>(o_tile, p[kk], b, kk > 0);
+    if (kk == 0)
+      wgmma_e4m3_rs<kHeadDim, false>(o_tile, p[kk], b);
+    else
+      wgmma_e4m3_rs<kHeadDim, true>(o_tile, p[kk], b);
   }
 }
 
@@ -323,6 +327,7 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
   using S = Shape<kHeadDim>;
   constexpr int kConsumers = S::kConsumers;
   constexpr int kStages = L::kStages;
+  constexpr bool kSerialGemms = kConsumers == 3;  // (Shape: 160 registers a consumer)
   __shared__ Barriers<kStages> bars;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
@@ -426,21 +431,32 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
       k_factor = k_scale[j];  // (read while the GEMMs run)
       mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
       mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
+      // Once the P V GEMM is done: O_tile, pa and the V stage of tile j - 1 are free; O += O_tile
+      // (against m of tile j - 1).
+      auto add_o_tile = [&] {
+        fence_registers(o_tile);
+        fence_registers(pa);
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
+#pragma unroll
+        for (int i = 0; i < kHeadDim / 2; ++i) o[i] += o_tile[i];
+      };
       turns.wait();
       wgmma_fence();
       gemm_pv<kHeadDim>(o_tile, pa, smem + L::v(prev));  // O_tile = P V of tile j - 1
       wgmma_commit();
+      if constexpr (kSerialGemms) {
+        wgmma_wait<0>();
+        add_o_tile();
+        wgmma_fence();
+      }
       gemm_qk<kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
       wgmma_commit();
       turns.pass(j, kv_tiles);
-      wgmma_wait<1>();  // the P V GEMM is done (groups complete in order): O_tile, pa and the
-                        // stage of tile j - 1 are free; the S GEMM may still run
-      fence_registers(o_tile);
-      fence_registers(pa);
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
-#pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) o[i] += o_tile[i];  // against m of tile j - 1
+      if constexpr (!kSerialGemms) {
+        wgmma_wait<1>();  // the P V GEMM (groups complete in order); the S GEMM may still run
+        add_o_tile();
+      }
       wgmma_wait<0>();
       fence_registers(s);
       __syncwarp();
