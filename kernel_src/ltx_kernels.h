@@ -466,7 +466,7 @@ int ltx_attention_cpu(const ltx_attention_args_t* args, int64_t row_begin, int64
  *   v[b, j, h, d] = v8[b, h, d, c(j)] * v_scale[b, h, d]    (e4m3 transposed, a scale per channel)
  * q8 {batch, q_len, heads}, k8 {batch, kv_len, heads}: int8 rows of head_dim; v8 {batch, heads,
  * head_dim}: float8_e4m3 rows of kv_pad >= ltx_attention_v_pad(kv_len) columns, key j at column
- * c(j) = ltx_attention_v_column(j) (columns holding no key below kv_len are never read); the
+ * c(j) = ltx_attention_v_column(j) (columns holding no key below kv_len may hold any codes); the
  * scales contiguous float32. out: T; lse as ltx_attention's (float64 when T is).
  * The CUDA launcher takes T float16 or bfloat16, head_dim 64 or 128 (ltx_attention_cuda_takes_*),
  * a compute capability 9.0 device, and q8, k8, v8 rows at 16-byte boundaries (ltx_rows_aligned);
@@ -523,7 +523,7 @@ int ltx_attention_int8_cpu(const ltx_attention_int8_args_t* args, int64_t row_be
  * twins run over pairs [pair_begin, pair_end) only.
  */
 #define LTX_ATTENTION_K_BLOCK 128
-#define LTX_ATTENTION_V_PAD 16
+#define LTX_ATTENTION_V_PAD 16 /* a multiple of 16: ltx_attention_v_column's groups */
 #define LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM 256
 
 typedef struct ltx_attention_quant_args {

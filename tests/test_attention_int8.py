@@ -188,7 +188,7 @@ def test_each_query_attends_one_key(device, head_dim, q_len, kv_len):
     lengths = torch.tensor([kv_len, max(kv_len // 2, 1)], device=device)
     operands, j = one_key_operands(2, q_len, kv_len, 3, head_dim, device, lengths)
     q8, q_scale, k8, k_scale, v8, v_scale = operands
-    keys = v8.view(torch.uint8)[..., reference.v8_columns(kv_len, device)].view(v8.dtype)
+    keys = reference.v8_keys(v8, kv_len)
     v = (keys.double() * v_scale.double()[..., None]).permute(0, 3, 1, 2)  # [B, Sk, H, D]
     expected = torch.gather(v, 1, j[..., None].expand(-1, -1, -1, head_dim))
     scale = head_dim**-0.5

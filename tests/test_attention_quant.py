@@ -245,7 +245,7 @@ def assert_v_matches(v, v8, v_scale):
     assert_equal_scales(v_scale, ref_scale, "v_scale")
     columns = reference.v8_columns(kv_pad, v8.device)  # (keys from kv_len on: pad columns)
     assert (v8.view(torch.uint8)[..., columns[kv_len:]] == 0).all()
-    keys = v8.view(torch.uint8)[..., columns[:kv_len]].view(v8.dtype)
+    keys = reference.v8_keys(v8, kv_len)
     values = v.double().permute(0, 2, 3, 1)
     error = (keys.double() * v_scale.double()[..., None] - values).abs()
     bound = 2.0**-4 * values.abs() + 2.0**-10 * v_scale.double()[..., None]

@@ -65,7 +65,8 @@ struct AttentionInt8Params {
   const void* key_lengths;    // as AttentionParams'
   bool key_lengths_int64;
   int64_t batch, heads, q_len, kv_len, key_blocks;
-  int64_t v_columns;  // kv_len rounded up to 16: v8's columns of keys (ltx_attention_v_column)
+  int64_t v_columns;  // kv_len rounded up to 16: v8's columns of keys (ltx_attention_v_column;
+                      // its rows may be longer: kv_pad)
   float scale_log2;
 
   __device__ __forceinline__ int64_t attended_keys(int64_t b) const {

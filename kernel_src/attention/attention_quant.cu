@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(2 * LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM)
 // columns 4w..4w + 3 (ltx_attention_v_column: keys 16 (w / 4) + 2 (w % 4) + {0, 1, 8, 9}) x kVec
 // channels to e4m3 and store them as one word per channel into the transposed tile [dim][32
 // words]; then each warp writes 128 contiguous bytes of one channel row of codes [pairs, dim,
-// kv_pad] (keys from kv_len on are zeros, nothing past kv_pad is written).
+// kv_pad] (the columns of keys from kv_len on are zeros, nothing past kv_pad is written).
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kVThreads)
     quantize_v_kernel(const KeyRows<T> x, const float* __restrict__ workspace,
@@ -177,9 +177,9 @@ __global__ void __launch_bounds__(kVThreads)
     const int w = it / cols, col = it - w * cols;
     float v[4][kVec];
     bool valid[4];
+    // byte k of word w: key 16 (w / 4) + 2 (w % 4) + 8 (k / 2) + k % 2
 #pragma unroll
-    for (int k = 0; k < 4;
-         ++k) {  // byte k of word w: key 16 (w / 4) + 2 (w % 4) + 8 (k / 2) + k % 2
+    for (int k = 0; k < 4; ++k) {
       const int64_t s = first + 16 * (w / 4) + 2 * (w % 4) + 8 * (k / 2) + k % 2;
       valid[k] = s < x.kv_len;
       load_values<kVec>(v[k], x.row(pair, valid[k] ? s : 0) + col * kVec, valid[k]);
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kVThreads)
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       const float f = factor[col * kVec + i];
-      float c[4];  // the keys' scaled values; pad keys 0 (also where the factor is NaN)
+      float c[4];  // the keys' scaled values; keys past kv_len 0 (also where the factor is NaN)
 #pragma unroll
       for (int k = 0; k < 4; ++k) c[k] = valid[k] ? v[k][i] * f : 0.f;
       tile[(col * kVec + i) * kTileStride + w] =

@@ -74,7 +74,8 @@ int ltx_quantize_attention_v_cpu(const ltx_attention_quant_args_t* a, int64_t pa
     }
     for (d = 0; d < dim; ++d) { /* channel d's keys, contiguous, in ltx_attention_v_column order */
       uint8_t* codes = (uint8_t*)a->codes + (pair * dim + d) * kv_pad;
-      memset(codes + (kv_len & ~(int64_t)15), 0, (size_t)(kv_pad - (kv_len & ~(int64_t)15)));
+      if (kv_pad > kv_len) /* the last group's columns (codes may be NULL without keys) */
+        memset(codes + (kv_len & ~(int64_t)15), 0, (size_t)(kv_pad - (kv_len & ~(int64_t)15)));
       for (s = 0; s < kv_len; ++s)
         codes[ltx_attention_v_column(s)] =
             ltx_float_to_e4m3(pair_element(&a->x, b, s, h, d) * factor[d]);

@@ -22,7 +22,7 @@ struct Barriers {
   uint64_t v_full[kStages];   // stage's V tile landed (TMA bytes)
   uint64_t k_empty[kStages];  // both consumers' S GEMMs read the stage's K tile (one per warp)
   uint64_t v_empty[kStages];  // both consumers' P V GEMMs read the stage's V tile (one per warp)
-  uint64_t v_tail;            // the last V tile's keys in [n_b, kv_len) are zeroed (32 arrivals)
+  uint64_t v_tail;            // the last V tile's data past n_b is zeroed (32 arrivals; KeyTiles)
 };
 
 // ------------------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@
 // - out = O v_scale / l per channel; lse = m ln 2 + ln(l / 448).
 // Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
-// head_dim rows of 128 keys (128 bytes, 128-byte swizzle). Keys of the last tile in [n_b, kv_len)
-// are zeroed in shared memory by the producer before use (by column: ltx_attention_v_column); the
+// head_dim rows of 128 keys (128 bytes, 128-byte swizzle). The columns of the last tile's keys
+// from n_b up to v_columns (kv_len rounded up to 16) are zeroed in shared memory by the producer
+// before use (ltx_attention_v_column); the
 // V map spans kv_len rounded up to 16 columns (a group's keys below kv_len may lie at columns past
 // it), the K map kv_len keys: past them, TMA's zero fill.
 #pragma once
@@ -394,9 +395,7 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
           query < p.q_len ? p.q_scale[(b * p.q_len + query) * p.heads + h] * p.scale_log2 : 0.f;
     }
     const float* const k_scale = p.k_scale + (int64_t{b} * p.heads + h) * p.key_blocks;
-    int32_t s[kBlockN / 2];
-#pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0;
+    int32_t s[kBlockN / 2];  // (written by each S GEMM's first k-step)
     float o_tile[kHeadDim / 2];
     uint32_t pa[kBlockN / 32][4];  // P of the tile whose P V GEMM is next
     float alpha[2], factor[2];

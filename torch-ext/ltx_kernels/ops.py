@@ -315,8 +315,8 @@ def attention_int8(
     - v8: float8_e4m3fn [B, H, D, Sk_pad], V transposed (keys contiguous), Sk_pad >= Sk rounded up
       to 16, key j at column c(j) = reference.v8_columns(Sk)[j]: each group of 16 keys permuted
       into the order the Hopper kernel's scores leave its accumulators (quantize_attention_v
-      writes it; columns holding no key are never read), v_scale: float32 [B, H, D]
-      (v[b, j, h, d] = v8[b, h, d, c(j)] * v_scale[b, h, d], one per channel).
+      writes it; codes in the columns holding no key leave the result unchanged), v_scale:
+      float32 [B, H, D] (v[b, j, h, d] = v8[b, h, d, c(j)] * v_scale[b, h, d], one per channel).
     - key_lengths, scale, return_lse: as `attention` (lse: float32, float64 for float64 out).
     Returns out [B, Sq, H, D] in out_dtype (bfloat16 or float16; the CPU backend also float32 and
     float64). CUDA: compute capability 9.0 only, D 64 or 128, 16-byte aligned rows; the scores are

@@ -492,6 +492,12 @@ def v8_columns(kv_len, device=None):
     return key - r + (r & 6) * 2 + (r & 8) // 4 + (r & 1)
 
 
+def v8_keys(v8, kv_len):
+    """The codes of keys 0..kv_len-1 of v8 [B, H, D, Sk_pad] in key order (its v8_columns), the
+    inverse of the layout: [B, H, D, kv_len] float8_e4m3fn."""
+    return v8.view(torch.uint8)[..., v8_columns(kv_len, v8.device)].view(v8.dtype)
+
+
 def _dequantize_attention_int8(q8, q_scale, k8, k_scale, v8, v_scale, dtype=torch.float64):
     """The operands attention_int8 attends, in dtype: q = q8 q_scale, k = k8 k_scale (a scale per
     block of 128 keys), v = (v8 v_scale) read back in key order (v8_columns) and transposed to
@@ -500,8 +506,7 @@ def _dequantize_attention_int8(q8, q_scale, k8, k_scale, v8, v_scale, dtype=torc
     q = q8.to(dtype) * q_scale.to(dtype)[..., None]
     per_key = k_scale.to(dtype).repeat_interleave(128, dim=-1)[..., :kv_len]  # [B, H, Sk]
     k = k8.to(dtype) * per_key.transpose(1, 2)[..., None]
-    keys = v8.view(torch.uint8)[..., v8_columns(kv_len, v8.device)].view(v8.dtype)
-    v = (keys.to(dtype) * v_scale.to(dtype)[..., None]).permute(0, 3, 1, 2)
+    v = (v8_keys(v8, kv_len).to(dtype) * v_scale.to(dtype)[..., None]).permute(0, 3, 1, 2)
     return q, k, v
 
 
