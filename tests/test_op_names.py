@@ -49,9 +49,10 @@ PIECES = {
         for name, value in vars(ltx_kernels).items()
         if inspect.isfunction(value) and value is vars(ops).get(name) and name != "_library"
     },
-    # (and the row quantization rule the quantized ops' references share)
+    # (and the row quantization rule the quantized ops' references share, and v8's column order
+    # the 8-bit attention ops' references share)
     "references (reference.<op>)": lambda: _functions_defined_in(
-        reference, but={"quantize_rows", "dequantize_rows"}
+        reference, but={"quantize_rows", "dequantize_rows", "v8_columns", "v8_keys"}
     ),
     "reference.__all__": lambda: set(reference.__all__),
     "fakes (_fake.<op>)": lambda: _functions_defined_in(_fake, but={"register"}),
