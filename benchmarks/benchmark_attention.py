@@ -13,7 +13,7 @@ by our ops (quantize "i8_row", quantize_attention_k, quantize_attention_v) and a
 timed together (the issue's "quantization included"). Their outputs are checked against the first
 backend's like the others, with a looser bound (8-bit operands and e4m3 probabilities).
 
-    python benchmarks/benchmark_attention.py [--cases a,b] [--replays 30] [--out results]
+    python benchmarks/benchmark_attention.py [--cases a,b] [--columns c,d] [--replays 30] [--out results]
     python benchmarks/benchmark_attention.py --device cpu --scale 64   # smoke run, no timing
 
 Each call is F.scaled_dot_product_attention on q/k/v made as [B, S, H, D] and transposed to
@@ -26,6 +26,8 @@ torch.nn.attention.sdpa_kernel. HunyuanVideo-1.5's padded text (its 480p case: 7
   dropped     no mask over the unpadded keys and queries (the output padded with zero rows)
   seam        HunyuanVideo15KernelsAttnProcessor's attention through integration/attention.py
               (the dropped form, its key lengths read once per mask tensor)
+--columns keeps some columns (and the ones their outputs are checked against: the first backend,
+the dense mask), e.g. "cudnn,ours wgmma,ours int8,ours int8+quant" leaves out the slow ones.
 Times: GPU time of CUDA-graph replays (CUDA events around each call for the seam, whose host
 reads of the mask are not captured), median of --replays, per call. TF/s counts 4 * B * H *
 Sq * Sk * D: the backend columns over the whole (unmasked) sequence, the mask forms over the
@@ -71,6 +73,8 @@ INT8_QUANT = "ours int8+quant"
 #: operands and probabilities)
 TOLERANCE = {INT8: 5e-2, INT8_QUANT: 5e-2}
 DEFAULT_TOLERANCE = 2e-2
+#: every column name --columns takes ("default": the CPU smoke run's backend)
+COLUMNS = ("default", *BACKENDS, *OURS, INT8, INT8_QUANT, *MASK_FORMS)
 
 
 def _sdpa(query, key, value, mask=None):
@@ -165,10 +169,11 @@ def _mask_forms(tokens: int, padded: int, device):
     return {"dense": dense, "key mask": key_mask, "dropped": dropped, "seam": seam}
 
 
-def columns(case, device):
+def columns(case, device, keep=None):
     """Column name -> (fn(*operands), the column its output is checked against, prepare(query, key,
     value) -> fn's operands, untimed): the backends (unmasked, against the first), ours int8
-    (against the first) and, for a padded case, the mask forms (against dense)."""
+    (against the first) and, for a padded case, the mask forms (against dense); with `keep`, only
+    those columns and the ones they are checked against."""
     batch, heads, tokens, head_dim, padded = case
     if device == "cpu":  # no pinned backends on the CPU
         backends = {"default": _sdpa}
@@ -183,6 +188,10 @@ def columns(case, device):
         cols.update(
             {name: (fn, "dense", _same) for name, fn in _mask_forms(tokens, padded, device).items()}
         )
+    if keep is not None:
+        kept = {name for name in cols if name in keep}
+        kept |= {cols[name][1] for name in kept}  # (their references, which come first)
+        cols = {name: column for name, column in cols.items() if name in kept}
     return cols
 
 
@@ -203,12 +212,12 @@ def scaled(case, scale: int):
     return (batch, heads, max(tokens // scale, 8), head_dim, padded // scale)
 
 
-def run_case(name, case, device, dtype, replays: int) -> list[dict]:
+def run_case(name, case, device, dtype, replays: int, keep=None) -> list[dict]:
     batch, heads, tokens, head_dim, padded = case
     valid = tokens - padded
     first = _inputs(case, device, dtype, 0)
     results, outputs = [], {}
-    for column, (fn, reference, prepare) in columns(case, device).items():
+    for column, (fn, reference, prepare) in columns(case, device, keep).items():
         try:
             out = fn(*prepare(*first)).float()
         except RuntimeError as error:  # a backend that does not take this case
@@ -251,17 +260,22 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
-def case_arguments(argv, program: str, doc: str):
+def case_arguments(argv, program: str, doc: str, columns=None):
     """The command line of the attention benchmarks (this one, benchmark_attention_quant.py):
-    (args, the case names), or None where CUDA is asked for and absent (printed)."""
+    (args, the case names), or None where CUDA is asked for and absent (printed). With `columns`
+    (the names a --columns argument takes), args.columns: the ones asked for, or None (all)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
+    if columns is not None:
+        parser.add_argument("--columns", default=None, help=f"from: {', '.join(columns)}")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--scale", type=int, default=1, help="divide every sequence by this")
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None, help="a folder for the JSON")
     args = parser.parse_args(argv)
     names = bench_utils.parse_columns(parser, args.cases, CASES)
+    if columns is not None and args.columns is not None:
+        args.columns = set(bench_utils.parse_columns(parser, args.columns, columns))
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"{program}: needs a CUDA device (--device cpu: the smoke run)")
         return None
@@ -269,7 +283,7 @@ def case_arguments(argv, program: str, doc: str):
 
 
 def main(argv=None) -> int:
-    parsed = case_arguments(argv, "benchmark_attention", __doc__)
+    parsed = case_arguments(argv, "benchmark_attention", __doc__, COLUMNS)
     if parsed is None:
         return 2
     args, names = parsed
@@ -284,7 +298,7 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         case = scaled(CASES[name], args.scale)
-        case_rows = run_case(name, case, args.device, dtype, args.replays)
+        case_rows = run_case(name, case, args.device, dtype, args.replays, args.columns)
         print(_table(case_rows))
         rows += case_rows
     timed = [row["ms"] for row in rows if "ms" in row]

@@ -242,3 +242,12 @@ def test_benchmark_smoke_run_on_the_cpu(capsys):
         assert case in out
     for form in benchmark_attention.MASK_FORMS:
         assert f"| {form}" in out
+
+    # --columns: those columns and the ones they are checked against (the mask forms: dense)
+    args = ["--device", "cpu", "--scale", "64", "--cases", "hunyuanvideo-1.5 480p 121f"]
+    assert benchmark_attention.main([*args, "--columns", "ours int8,seam"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    columns = {row.split("|")[1].strip() for row in rows}
+    assert columns == {"default", "ours int8", "dense", "seam"}
+    with pytest.raises(SystemExit):
+        benchmark_attention.main([*args, "--columns", "cudnn,nonsense"])
