@@ -55,12 +55,13 @@ int ltx_quantize_attention_k_cpu(const ltx_attention_quant_args_t* a, int64_t pa
 int ltx_quantize_attention_v_cpu(const ltx_attention_quant_args_t* a, int64_t pair_begin,
                                  int64_t pair_end) {
   const ltx_check_t check = ltx_check_quantize_attention_v(a);
-  int64_t heads, kv_len, kv_pad, dim, pair, d, s;
+  int64_t heads, kv_len, kv_pad, last_group, dim, pair, d, s;
   int status;
   if (check.status != LTX_OK) return check.status;
   heads = a->x.size[2];
   kv_len = a->x.size[1];
   kv_pad = ltx_attention_v_pad(kv_len);
+  last_group = kv_len / 16 * 16; /* the first column of the last (partial) group of 16 keys */
   dim = a->head_dim;
   status = ltx_cpu_status(check, pair_begin, pair_end, a->x.size[0] * heads);
   if (status != LTX_OK) return status;
@@ -75,7 +76,7 @@ int ltx_quantize_attention_v_cpu(const ltx_attention_quant_args_t* a, int64_t pa
     for (d = 0; d < dim; ++d) { /* channel d's keys, contiguous, in ltx_attention_v_column order */
       uint8_t* codes = (uint8_t*)a->codes + (pair * dim + d) * kv_pad;
       if (kv_pad > kv_len) /* the last group's columns (codes may be NULL without keys) */
-        memset(codes + (kv_len & ~(int64_t)15), 0, (size_t)(kv_pad - (kv_len & ~(int64_t)15)));
+        memset(codes + last_group, 0, (size_t)(kv_pad - last_group));
       for (s = 0; s < kv_len; ++s)
         codes[ltx_attention_v_column(s)] =
             ltx_float_to_e4m3(pair_element(&a->x, b, s, h, d) * factor[d]);

@@ -112,6 +112,15 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
+// The accumulator operands of a wgmma wrapper's asm (hopper_wgmma.cuh, hopper_int8.cuh): d[0..N)
+// under constraint C, "+r" / "+f" to accumulate into them, "=r" / "=f" for a GEMM's first k-step
+// (scale_d = 0: d = A B), which overwrites them, so that they hold nothing live before it.
+#define LTX_D8(C, d, i) \
+  C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
+#define LTX_D32(C, d) LTX_D8(C, d, 0), LTX_D8(C, d, 8), LTX_D8(C, d, 16), LTX_D8(C, d, 24)
+#define LTX_D64(C, d) \
+  LTX_D32(C, d), LTX_D8(C, d, 32), LTX_D8(C, d, 40), LTX_D8(C, d, 48), LTX_D8(C, d, 56)
+
 // Keeps the compiler from moving reads or writes of registers that an in-flight wgmma writes (or
 // reads) across the wait: each use after the wait depends on this empty asm's output.
 template <int N>

@@ -26,9 +26,8 @@
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
 // head_dim rows of 128 keys (128 bytes, 128-byte swizzle). The columns of the last tile's keys
 // from n_b up to v_columns (kv_len rounded up to 16) are zeroed in shared memory by the producer
-// before use (ltx_attention_v_column); the
-// V map spans kv_len rounded up to 16 columns (a group's keys below kv_len may lie at columns past
-// it), the K map kv_len keys: past them, TMA's zero fill.
+// before use (ltx_attention_v_column); the V map spans kv_len rounded up to 16 columns (a group's
+// keys below kv_len may lie at columns past it), the K map kv_len keys: past them, TMA's zero fill.
 #pragma once
 
 #include <cuda.h>
@@ -95,15 +94,6 @@ struct TensorMaps {
   CUtensorMap q, k, v;
 };
 
-// The accumulator operands of the wgmma wrappers below: d[0..N) under constraint C, "+r" / "+f" to
-// accumulate into them, "=r" / "=f" for a GEMM's first k-step (scale_d = 0: d = A B), which
-// overwrites them, so that they hold nothing live before it (fewer registers at once).
-#define LTX_D8(C, d, i) \
-  C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
-#define LTX_D32(C, d) LTX_D8(C, d, 0), LTX_D8(C, d, 8), LTX_D8(C, d, 16), LTX_D8(C, d, 24)
-#define LTX_D64(C, d) \
-  LTX_D32(C, d), LTX_D8(C, d, 32), LTX_D8(C, d, 40), LTX_D8(C, d, 48), LTX_D8(C, d, 56)
-
 // S (+)= Q8 K8^T for one consumer: s32 accumulators (the D fragment layout of wgmma_ss in
 // hopper_wgmma.cuh), int8 operands from shared memory, both K-major (m64n128k32; kAccumulate
 // false: d = A B).
@@ -160,9 +150,6 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t 
 #undef LTX_WGMMA_E4M3_128
 #undef LTX_WGMMA_E4M3_64
 }
-#undef LTX_D64
-#undef LTX_D32
-#undef LTX_D8
 
 // S = Q8 K8^T for one consumer: its 64 query rows against the 128 keys of a K tile, head_dim / 32
 // steps of 32 bytes within the rows (K-major, the unswizzled offset: see matrix_descriptor).

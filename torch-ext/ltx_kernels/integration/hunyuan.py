@@ -208,8 +208,9 @@ class HunyuanVideo15KernelsAttnProcessor(HunyuanVideoKernelsAttnProcessor):
         applies, and "auto" on a Hopper GPU, where the key mask to cuDNN cost 1.4x the op) takes
         them as a tensor counted on the device: the model puts every element's valid rows first
         (its forward reorders the text valid-first), which an asynchronous check asserts (a mask
-        whose valid keys do not lead fails loudly, never attends wrongly). (At 480p, 121 frames, 1x16x49290 with 700 padded keys on an H100:
-        dense mask 77.3 ms, key mask 47.8, dropped 33.1.)"""
+        whose valid keys do not lead fails loudly, never attends wrongly). (At 480p, 121 frames,
+        1x16x49290 with 700 padded keys on an H100: dense mask 77.3 ms, key mask 47.8, dropped
+        33.1.)"""
         seq_len, image_rows = query.shape[1], query.shape[1] - attention_mask.shape[1]
         cp_config = context_parallel_config(self._parallel_config)
         if cp_config is not None:
