@@ -61,9 +61,11 @@ kernels injected on top. The text mask every LTXPipeline call passes fails (Ulys
 goes wrong (ring) in stock diffusers 0.42, and its plan does not split LTXConditionPipeline's
 per-token timesteps; ltx_kernels' attention processors and patched plan handle both, so the
 baseline rows run the diffusers code through them (inject_optimized_kernels(ops=())) and stay
-comparable. --compare adds a first row: the kernels on
-one GPU (every rank alone). Compiling is per block there. Ring attention runs on cuDNN (the backend
-that returns the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writes
+comparable. --compare adds a first row: the kernels on one GPU (every rank alone). Compiling is
+per block there by default; under Ulysses alone --compile-scope full compiles the whole model (not
+fullgraph: torch 2.11 breaks its graph once, in diffusers' output gather), the fastest LTX-Video
+2B step on 4 GPUs (benchmarks/NOTES.md). Ring attention runs on cuDNN (the backend that returns
+the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writes
 the outputs. --cfg-parallel (guidance on) runs the two classifier-free-guidance branches on two
 halves of the GPUs (ltx_kernels.integration.enable_cfg_parallel; LTX-2's STG and modality passes
 side by side too), each half under --context-parallel when given (4 GPUs: 2 x Ulysses 2), else
@@ -300,14 +302,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the transformer (fullgraph); stacks with the kernels",
+        help="torch.compile the transformer (fullgraph, but the whole model under "
+        "--context-parallel); stacks with the kernels",
     )
     parser.add_argument(
         "--compile-scope",
         choices=("full", "blocks"),
         default=None,
-        help="full (default): torch.compile of the whole transformer; blocks: "
-        "compile_repeated_blocks (compiles in seconds, about as fast)",
+        help="full (default; blocks under --context-parallel or --cfg-parallel): torch.compile "
+        "of the whole transformer; blocks: compile_repeated_blocks (compiles in seconds, about "
+        "as fast)",
     )
     parser.add_argument(
         "--compile-mode",
@@ -528,10 +532,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             )
         if args.cpu_offload:
             parser.error(f"{args.parallel}: not with --cpu-offload (each GPU holds the model)")
-        if args.compile_scope == "full":
+        if args.compile_scope == "full" and (
+            args.context_parallel != "ulysses" or args.cfg_parallel
+        ):
             parser.error(
-                f"{args.parallel}: compile per block (--compile-scope blocks, the default "
-                "there); the parallel hooks around the whole model do not compile"
+                f"{args.parallel}: --compile-scope full compiles the whole model under "
+                "--context-parallel ulysses alone (not tested under ring attention or "
+                "--cfg-parallel); compile per block there (--compile-scope blocks, the default)"
             )
         world = int(os.environ["WORLD_SIZE"])
         if args.cfg_parallel and (world % 2 or (world > 2 and not args.context_parallel)):
@@ -544,7 +551,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"--cfg-parallel: needs classifier-free guidance (--guidance-scale > 1; "
                 f"{args.model_id} runs with {args.guidance_scale})"
             )
-        args.compile_scope = "blocks"
+        args.compile_scope = args.compile_scope or "blocks"
         if args.compare:
             args.configs = (
                 ["kernels-1gpu", *args.configs] if "kernels" in args.configs else args.configs
@@ -886,13 +893,16 @@ def apply_config(pipe, config: str, args) -> str:
         notes.append(parallel_layout(args))
     if parts[-1] == "compile":
         torch._dynamo.reset()
-        options = dict(fullgraph=True, mode=args.compile_mode)
+        # (the whole model under Ulysses: torch 2.11 breaks its graph once, in diffusers' output
+        # gather; test_context_parallel's whole-model case)
+        fullgraph = args.compile_scope == "blocks" or not parallel
+        options = dict(fullgraph=fullgraph, mode=args.compile_mode)
         if args.compile_scope == "blocks":
             pipe.transformer.compile_repeated_blocks(**options)
         else:
             pipe.transformer.compile(**options)
         mode = f", mode={args.compile_mode}" if args.compile_mode else ""
-        notes.append(f"torch.compile ({args.compile_scope}, fullgraph{mode})")
+        notes.append(f"torch.compile ({args.compile_scope}{', fullgraph' * fullgraph}{mode})")
     return "; ".join(notes) or "reference"
 
 

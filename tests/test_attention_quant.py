@@ -128,6 +128,28 @@ def test_qk_rmsnorm_rope_quant(device, dtype, kind, mode, weight_kind):
     assert_qk_quant(q, k, weight, weight, cos, sin, across_heads, MODES[mode][0])
 
 
+@pytest.mark.parametrize("tables", ["1SD", "BSD"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_rmsnorm_rope_quant_ltx_split_into_heads(device, dtype, head_dim, tables):
+    # LTX-Video's processor under attention="int8": q/k [B, S, C] and their tables ([1 or B, S,
+    # C], rotation of adjacent pairs) split into heads [B, S, H, Dh], the norm across the heads:
+    # the token-shaped call's values bit for bit, q quantized per token and head.
+    heads = 3
+    q, k, _ = make_qk("ltx", dtype, device, seq=37, heads=heads, head_dim=head_dim)
+    cos, sin = tables_for(tables, q.shape, "pairs", "fp32", dtype, device)
+    weight = norm_weight("fp32", heads * head_dim, dtype, device)
+    q_tokens, k_tokens = ltx_kernels.qk_rmsnorm_rope(q, k, weight, weight, cos, sin, 1e-6, True)
+    split = [t.unflatten(-1, (heads, head_dim)) for t in (q, k, cos, sin)]
+    args = (*split[:2], weight, weight, *split[2:], 1e-6, True)
+    q8, q_scale, k_heads = ltx_kernels.qk_rmsnorm_rope_quant(*args, format="i8_row")
+    ref_q8, ref_scale = reference.quantize_rows(q_tokens.unflatten(-1, (heads, head_dim)), "i8_row")
+    assert_equal_codes(q8, ref_q8, "q8")
+    assert_equal_scales(q_scale, ref_scale, "q_scale")
+    assert torch.equal(k_heads.flatten(2), k_tokens)
+    assert torch.equal(ltx_kernels.qk_rmsnorm_rope(*args)[0].flatten(2), q_tokens)
+
+
 # Heads x head_dim of the models (LTX 32x64, FLUX 24x128, Wan 40x128), a single head, and rows
 # the cached kernel does not take (odd head_dim: scalar or streaming; 130 heads: too long).
 @pytest.mark.parametrize(

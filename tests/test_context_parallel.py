@@ -26,7 +26,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ltx_kernels
-from distributed_helpers import compared_rows, free_port, run_cases, run_generate_video
+from distributed_helpers import (
+    compared_rows,
+    free_port,
+    generate_video_script,
+    run_cases,
+    run_generate_video,
+)
 from inject_helpers import REL_L2_TOLERANCE, output_of, rel_l2
 from ltx_kernels.integration import FUSIONS
 from model_zoo import ltx
@@ -724,7 +730,9 @@ def test_remove_restores_stock_model_and_processors_with_parallel_config(results
         ]  # fmt: skip
 
 
-def _generate_video_worker(rank, port, output, model_args):
+def _generate_video_worker(
+    rank, port, output, model_args, configs=("--configs", "baseline,kernels")
+):
     """scripts/generate_video.py under a torchrun-like environment (gloo on the CPU)."""
     run_generate_video(
         rank,
@@ -733,7 +741,7 @@ def _generate_video_worker(rank, port, output, model_args):
         ["--tiny", *model_args, "--num-frames", "9", "--height", "64", "--width", "64"]
         + ["--steps", "2"]
         + ["--warmup-iterations", "1", "--runs", "1", "--no-progress", "--no-video"]
-        + ["--dtype", "fp32", "--compare", "--configs", "baseline,kernels"]
+        + ["--dtype", "fp32", "--compare", *configs]
         + ["--context-parallel", "ulysses", "--output", output],
     )
 
@@ -758,6 +766,55 @@ def test_generate_video_context_parallel(tmp_path, model_args):
     assert "ulysses x 2 GPUs" in rows["kernels"]["notes"]
     assert "ltx_kernels processors for the text mask" in rows["baseline"]["notes"]
     assert results["settings"]["context_parallel"] == "ulysses"
+
+
+@pytest.mark.parametrize(
+    "model_args",
+    [[], ["--model-id", "Lightricks/LTX-2"]],
+    ids=["ltx", "ltx2"],
+)
+def test_generate_video_ulysses_whole_model_compiled(tmp_path, model_args):
+    """--compile-scope full under --context-parallel ulysses: the whole model compiled (Inductor,
+    not fullgraph), its latents the parallel baseline's within fp32 rounding, as the uncompiled
+    kernels' are."""
+    output = tmp_path / "video.mp4"
+    compiled = ["--configs", "baseline,kernels,kernels+compile", "--compile-scope", "full"]
+    mp.spawn(
+        _generate_video_worker,
+        args=(free_port(), str(output), model_args, compiled),
+        nprocs=WORLD,
+        join=True,
+    )
+    results = json.loads(output.with_suffix(".json").read_text())
+    rows = {row["config"]: row for row in results["results"]}
+    assert list(rows) == ["kernels-1gpu", "baseline", "kernels", "kernels+compile"]
+    assert "torch.compile (full)" in rows["kernels+compile"]["notes"]
+    assert "ulysses x 2 GPUs" in rows["kernels+compile"]["notes"]
+    # (compiled: Inductor's first call takes seconds where the tiny eager call takes milliseconds)
+    assert rows["kernels+compile"]["warmup_s"][0] > 10 * rows["kernels"]["warmup_s"][0], rows
+    for config in ("kernels", "kernels+compile"):
+        assert 0 < rows[config]["rel_l2"] <= TOLERANCE, rows[config]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--context-parallel", "ring"], ["--context-parallel", "ulysses", "--cfg-parallel"]],
+    ids=["ring", "cfg_parallel"],
+)
+def test_generate_video_whole_model_compile_under_ulysses_alone(monkeypatch, capsys, flags):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    parse = generate_video_script().parse_args
+    ulysses = ["--tiny", "--compile", "--context-parallel", "ulysses"]
+    assert parse(ulysses).compile_scope == "blocks"  # (the default under parallelism)
+    assert parse([*ulysses, "--compile-scope", "full"]).compile_scope == "full"
+    with pytest.raises(SystemExit):
+        generate_video_script().parse_args(
+            ["--tiny", "--compile", "--compile-scope", "full", *flags]
+        )
+    assert (
+        "--compile-scope full compiles the whole model under --context-parallel ulysses alone"
+        in (capsys.readouterr().err)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

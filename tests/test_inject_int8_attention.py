@@ -120,9 +120,18 @@ def test_every_family_attends_in_8_bits(name):
     assert rel_l2(outputs["int8"], outputs["diffusers"]) <= INT8_TOLERANCE
 
 
-#: The families whose processors have the q/k norm op quantize the query (query_format): Wan's
-#: text-to-video attentions (I2V's attend the query twice: left a tensor).
-QUERY_IN_THE_NORM_PASS = {"wan", "wan_ti2v", "skyreels_v2", "skyreels_v2_df"}
+#: The families whose processors have the q/k norm op quantize the query (query_format) in every
+#: attention that runs in 8 bits: LTX-Video's and Wan's text-to-video ones (I2V's attend the query
+#: twice: left a tensor); per attention in 8 bits, how many keep diffusers' attention and the
+#: plain qk_rmsnorm_rope (LTX-Video: the cross-attention under its text mask).
+QUERY_IN_THE_NORM_PASS = {
+    "ltx": 1,
+    "ltx_per_token": 1,
+    "wan": 0,
+    "wan_ti2v": 0,
+    "skyreels_v2": 0,
+    "skyreels_v2_df": 0,
+}
 
 
 @pytest.mark.parametrize("name", sorted(QUERY_IN_THE_NORM_PASS))
@@ -136,26 +145,43 @@ def test_the_query_is_quantized_in_the_norm_pass(name, monkeypatch):
         fused = output_of(model(**inputs))
     calls = counter.counts
     assert calls["qk_rmsnorm_rope_quant"] == calls["attention_int8"] > 0, calls
-    assert "quantize" not in calls and "qk_rmsnorm_rope" not in calls, calls
+    assert "quantize" not in calls, calls
+    plain_per_int8 = QUERY_IN_THE_NORM_PASS[name]
+    assert calls.get("qk_rmsnorm_rope", 0) == plain_per_int8 * calls["attention_int8"], calls
     monkeypatch.setattr(attention, "query_format", lambda *args, **kwargs: None)
     with torch.no_grad(), OpCounter() as counter:
         separate = output_of(model(**inputs))
     assert counter.counts["quantize"] == counter.counts["attention_int8"]
+    # each norm pass that quantized q is the plain op there; the others are the same
+    plain = calls.get("qk_rmsnorm_rope", 0) + calls["qk_rmsnorm_rope_quant"]
+    assert counter.counts["qk_rmsnorm_rope"] == plain, (calls, counter.counts)
     assert torch.equal(fused, separate)
 
 
+#: The tiny models' configs at a head_dim (LTX-Video's text width is its inner width, 2 heads).
+AT_HEAD_DIM = {
+    "ltx": (
+        ltx,
+        lambda head_dim: dict(attention_head_dim=head_dim, cross_attention_dim=2 * head_dim),
+    ),
+    "wan": (wan, lambda head_dim: dict(attention_head_dim=head_dim)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AT_HEAD_DIM))
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_wan_at_the_kernels_head_dims_quantizes_the_query_in_the_norm_pass(
-    device, head_dim, monkeypatch
+def test_the_kernels_head_dims_quantize_the_query_in_the_norm_pass(
+    device, name, head_dim, monkeypatch
 ):
     # The same in bf16 at the head dims the CUDA kernel takes (on a Hopper GPU: the CUDA ops).
     if device == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the 8-bit kernel is Hopper's (compute capability 9.0)")
     torch.manual_seed(0)
-    model = wan.tiny_model(torch.bfloat16, attention_head_dim=head_dim).to(device)
+    family, config = AT_HEAD_DIM[name]
+    model = family.tiny_model(torch.bfloat16, **config(head_dim)).to(device)
     inputs = {
-        name: value.to(device) if isinstance(value, torch.Tensor) else value
-        for name, value in wan.tiny_inputs(torch.bfloat16).items()
+        key: value.to(device) if isinstance(value, torch.Tensor) else value
+        for key, value in family.tiny_inputs(torch.bfloat16).items()
     }
     ltx_kernels.inject_optimized_kernels(model, verbose=False, attention="int8")
     with torch.no_grad(), OpCounter() as counter:
@@ -163,6 +189,8 @@ def test_wan_at_the_kernels_head_dims_quantizes_the_query_in_the_norm_pass(
     calls = counter.counts
     assert calls["qk_rmsnorm_rope_quant"] == calls["attention_int8"] > 0, calls
     assert "quantize" not in calls, calls
+    plain_per_int8 = QUERY_IN_THE_NORM_PASS[name]
+    assert calls.get("qk_rmsnorm_rope", 0) == plain_per_int8 * calls["attention_int8"], calls
     monkeypatch.setattr(attention, "query_format", lambda *args, **kwargs: None)
     with torch.no_grad():
         assert torch.equal(fused, output_of(model(**inputs)))

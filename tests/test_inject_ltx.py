@@ -202,6 +202,31 @@ def test_hook_removed_then_inject_patches_everything():
         assert torch.equal(output_of(call(model)), eager)
 
 
+@pytest.mark.parametrize(
+    "hooked, op",
+    [
+        ("transformer_blocks.0.attn1.norm_q", "qk_rmsnorm_rope"),
+        ("transformer_blocks.0.norm2", "add_rmsnorm_modulate"),
+    ],
+)
+def test_a_hook_registered_on_a_fused_norm_sees_its_call(hooked, op):
+    """A forward hook registered (register_forward_hook, not a replaced forward) on a norm our ops
+    fuse sees its call: that step runs the norm as itself, within the tolerance of eager; the op
+    again once the hook is removed."""
+    model = tiny_model(torch.float32)
+    call = caller(tiny_inputs(torch.float32))
+    eager, _, _ = eager_and_injected(model, call)
+    fused = count_ltx_ops(lambda: call(model))
+    seen = []
+    hook = model.get_submodule(hooked).register_forward_hook(lambda m, args, out: seen.append(m))
+    assert count_ltx_ops(lambda: call(model)).get(op, 0) == fused[op] - 1
+    assert seen == [model.get_submodule(hooked)]
+    with torch.no_grad():
+        assert_matches_eager(eager, call(model), torch.float32, hooked)
+    hook.remove()
+    assert count_ltx_ops(lambda: call(model)) == fused
+
+
 def test_layerwise_casting_after_inject_falls_back_where_hooked():
     model = tiny_model(torch.bfloat16)
     call = caller(tiny_inputs(torch.bfloat16))

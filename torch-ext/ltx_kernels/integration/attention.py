@@ -231,8 +231,8 @@ def query_format(
     in the op's pass instead of one of int8_attention's own; None: hand it the tensor. q/k/v
     [B, S, H, D] as attend takes them, asked before that op (which keeps their shapes and dtype);
     `params`: its parameters (the norms' weights), through which autograd may record too."""
-    if _recording(*(p for p in params if p is not None)):
-        return None
+    if processor.attention != "int8" or _recording(*(p for p in params if p is not None)):
+        return None  # (only "int8" attends through int8_attention: runs_int8_attention)
     cp_config = context_parallel_config(parallel_config)
     op = _attending_op(processor, query, key, value, mask, cp_config)
     return QUERY_FORMAT if op is int8_attention else None

@@ -4,6 +4,7 @@ Per block (`LTXVideoTransformerBlock`), with t = scale_shift_table + temb split 
   norm1 + modulation            -> rmsnorm_modulate       (diffusers RMSNorm, weight None or not)
   attn1: q/k/v projections      -> one GEMM               (fused_projections)
   attn1: q/k RMSNorm + RoPE     -> qk_rmsnorm_rope        (across heads, full-D interleaved RoPE)
+                                   (attention="int8": qk_rmsnorm_rope_quant, q in 8 bits)
   x + attn1 * gate_msa          -> gated_residual
   attn2: q/k RMSNorm (no RoPE)  -> qk_rmsnorm_rope without tables
   x + attn2, norm2 + modulation -> add_rmsnorm_modulate   (one pass emits both)
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import quant, recompute, steps
+from . import attention, quant, recompute, steps
 from .attention import attend
 from .diffusers_compat import Reproduced, diffusers_modules, lora_scaled
 from .linears import self_cross_ff_fp8_presets
@@ -46,6 +47,34 @@ def _diffusers_rope(x, cos_sin):
     from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
 
     return apply_rotary_emb(x, cos_sin)
+
+
+def _diffusers_rope_heads(x, cos_sin):
+    """_diffusers_rope (over the whole token) of x [B, S, H, Dh], tables split the same way."""
+    whole = _diffusers_rope(x.flatten(2), tuple(t.flatten(2) for t in cos_sin))
+    return whole.unflatten(2, x.shape[2:])
+
+
+def qk_norm_rope(ops, attn, query, key, image_rotary_emb, query_format=None):
+    """LTXVideoAttnProcessor's q/k path on [B, S, C]: torch.nn.RMSNorm over the token, then RoPE
+    over the token (interleaved, tables [B or 1, S, C]) -> (query, key) split into heads
+    [B, S, H, Dh]. With a query_format the query comes back quantized in it where our op runs the
+    step: q/k and the tables go to the op split into heads (steps.qk_norm_rope_heads: q quantized
+    per token and head); without one, as tokens (the default path's fewer host operations)."""
+    norm_q, norm_k = attn.norm_q, attn.norm_k
+    if query_format is None:
+        query, key = steps.qk_norm_rope(
+            ops, norm_q, norm_k, query, key, image_rotary_emb, _diffusers_rope, across_heads=True
+        )
+        return _heads(attn, query), _heads(attn, key)
+    tables = None if image_rotary_emb is None else tuple(_heads(attn, t) for t in image_rotary_emb)
+    return steps.qk_norm_rope_heads(
+        ops, norm_q, norm_k, query, key, attn.heads, tables, _diffusers_rope_heads, query_format
+    )
+
+
+def _heads(attn, t):
+    return t.unflatten(2, (attn.heads, -1))
 
 
 class LTXKernelsAttnProcessor(FusedAttnProcessor):
@@ -80,21 +109,19 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
             query = steps.linear(self.ops, attn.to_q, hidden_states)
             key = steps.linear(self.ops, attn.to_k, encoder_hidden_states)
             value = steps.linear(self.ops, attn.to_v, encoder_hidden_states)
-        query, key = steps.qk_norm_rope(
-            self.ops,
-            attn.norm_q,
-            attn.norm_k,
-            query,
-            key,
-            image_rotary_emb,
-            _diffusers_rope,
-            across_heads=True,
-        )
-        hidden_states = attend(
+        value = _heads(attn, value)
+        query_format = attention.query_format(
             self,
-            *(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)),
+            _heads(attn, query),
+            _heads(attn, key),
+            value,
             mask=attention_mask,
             parallel_config=parallel_config,
+            params=(getattr(attn.norm_q, "weight", None), getattr(attn.norm_k, "weight", None)),
+        )
+        query, key = qk_norm_rope(self.ops, attn, query, key, image_rotary_emb, query_format)
+        hidden_states = attend(
+            self, query, key, value, mask=attention_mask, parallel_config=parallel_config
         ).flatten(2)
         hidden_states = steps.linear(self.ops, attn.to_out[0], hidden_states)
         return attn.to_out[1](hidden_states)

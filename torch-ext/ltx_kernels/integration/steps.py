@@ -40,7 +40,7 @@ from ..ops import (
 )
 from .injector import FUSED_BACKWARD, FUSED_BACKWARD_COMPILED, FusedAttnProcessor
 from .linears import Fp8Linear, is_peft_lora, lora_outputs, projections
-from .module_checks import has_forward_hook, has_hooks, plain_tensor
+from .module_checks import has_hooks, plain_tensor
 from .quant import QuantRows, input_format, quantize_rows, rows_of
 
 
@@ -89,10 +89,11 @@ def _module_tensor(module: torch.nn.Module, name: str):
 
 
 def _plain(*modules) -> bool:
-    """Hook-free modules whose weight and bias (where they have them) are plain tensors."""
+    """Hook-free modules (no replaced forward, no registered forward hooks: a hook sees the module
+    run as itself) whose weight and bias (where they have them) are plain tensors."""
     return all(
         m is not None
-        and not has_forward_hook(m)
+        and not has_hooks(m)
         and plain_tensor(getattr(m, "weight", None))
         and plain_tensor(getattr(m, "bias", None))
         for m in modules
@@ -368,6 +369,30 @@ def qk_norm_rope(
     return q, k
 
 
+def qk_norm_rope_heads(
+    ops, norm_q, norm_k, q, k, heads: int, cos_sin, diffusers_rope, query_format=None
+):
+    """qk_norm_rope of q/k [B, S, C] whose norms (torch.nn.RMSNorm over C) span the token, returned
+    split into `heads` ([B, S, H, Dh]; cos_sin and diffusers_rope take the split tensors): our op
+    norms the split q/k across the heads, and with a query_format quantizes q per token and head.
+    Where it does not run the norms, they run on the whole tokens first (the shared step would
+    norm each head)."""
+    if not fuses_qk_norm(ops_for_step(ops, q, k, norm_q, norm_k, cos_sin), norm_q, norm_k, q, k):
+        q, k, norm_q, norm_k = norm_q(q), norm_k(k), None, None
+    q, k = (t.unflatten(2, (heads, -1)) for t in (q, k))
+    return qk_norm_rope(
+        ops,
+        norm_q,
+        norm_k,
+        q,
+        k,
+        cos_sin,
+        diffusers_rope,
+        across_heads=True,
+        query_format=query_format,
+    )
+
+
 def _weights_ok(x, *weights) -> bool:
     return all(w is None or w.dtype in (x.dtype, torch.float32) for w in weights)
 
@@ -465,13 +490,12 @@ def linear_act(ops, proj, act, x):
     """act(proj(x)) for a Linear followed by a bare nn.GELU (FLUX's and HunyuanVideo's single-block
     MLP): GELU-tanh as one GEMM with a GELU epilogue, other GELUs as our gelu op."""
     ops = ops_for_step(ops, x, proj)
-    # (a hook registered on act must see its call: then act runs as itself)
-    if linear_act_fusable(act) is None and _plain(act) and not has_hooks(act):
+    # (a hook registered on act or proj must see its call: _plain)
+    if linear_act_fusable(act) is None and _plain(act):
         if (
             "linear_gelu" in ops
             and act.approximate == "tanh"
             and _plain(proj)
-            and not has_hooks(proj)  # (a registered hook must see proj's call)
             and _bf16_linear(proj)
             and _same_dtype(x, proj.weight, proj.bias)
         ):

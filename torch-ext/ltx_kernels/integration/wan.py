@@ -98,22 +98,10 @@ def qk_norm_rope(ops, attn, query, key, rotary_emb, query_format=None):
     """WanAttnProcessor's q/k path: torch.nn.RMSNorm over the token, split into heads
     [B, S, H, Dh], RoPE per head (none without rotary_emb). Returns (query, key) split, the query
     quantized in `query_format` where our op runs the step (steps.qk_norm_rope)."""
-    norm_q, norm_k = attn.norm_q, attn.norm_k
-    ops = steps.ops_for_step(ops, query, key, norm_q, norm_k, rotary_emb)
+    ops = steps.ops_for_step(ops, query, key, attn.norm_q, attn.norm_k, rotary_emb)
     ops, tables = _rope_operands(ops, rotary_emb)
-    if not steps.fuses_qk_norm(ops, norm_q, norm_k, query, key):
-        # The shared step would norm the head-split tensors; these norms span the whole token.
-        query, key, norm_q, norm_k = norm_q(query), norm_k(key), None, None
-    return steps.qk_norm_rope(
-        ops,
-        norm_q,
-        norm_k,
-        _heads(attn, query),
-        _heads(attn, key),
-        tables,
-        wan_rope,
-        across_heads=True,
-        query_format=query_format,
+    return steps.qk_norm_rope_heads(
+        ops, attn.norm_q, attn.norm_k, query, key, attn.heads, tables, wan_rope, query_format
     )
 
 
