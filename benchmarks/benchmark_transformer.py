@@ -34,8 +34,9 @@ always run): each compile of the model on every rank costs minutes.
 one guided denoising step (transformer_cases.guided_step: LTX-Video and LTX-2 one call on the
 cond + uncond batch of 2, Wan and HunyuanVideo-1.5 one call a branch) with the kernels on one GPU,
 under --context-parallel over all N GPUs, and under enable_cfg_parallel: the guidance branches on
-two groups of N/2 GPUs. LTX-2: its CFG call only (LTX2Pipeline's STG and modality passes, two
-more single-branch calls a step, are not timed). --profile adds the GPU kernel
+two groups of N/2 GPUs; with --cp-columns compile (LTX-Video 2B, Ulysses) that last one also
+with the whole model compiled. LTX-2: its CFG call only (LTX2Pipeline's STG and modality passes,
+two more single-branch calls a step, are not timed). --profile adds the GPU kernel
 time by category of the kernel columns; --graph the 1-GPU and N-GPU kernel columns replayed as one
 CUDA graph per step (NCCL's kernels inside): the step's GPU time without host launch gaps, which
 also keep one GPU waiting for the other in the collectives. Ring attention runs on cuDNN (`_native_cudnn`, every
@@ -286,6 +287,14 @@ def cfg_parallel_columns(args, tokens, world):
         )
     layout = f"cfg 2 x {mode} {world // 2}" if world > 2 else "cfg x 2"  # (2: no inner split)
     attempt(f"{layout} GPUs kernels", lambda pipe: enable_cfg_parallel(pipe, config(world // 2)))
+    if args.model == "ltx" and mode == "ulysses" and "compile" in args.cp_columns:
+
+        def compiled(pipe):  # (not fullgraph: torch 2.11 breaks once, in the output gather)
+            enable_cfg_parallel(pipe, config(world // 2))
+            torch._dynamo.reset()
+            pipe.transformer.compile()
+
+        attempt(f"{layout} GPUs, the whole model compiled + kernels", compiled)
     return measured
 
 
@@ -488,7 +497,8 @@ def main():
         type=lambda s: set(s.split(",")) - {""},
         default=set(CP_OPTIONAL_COLUMNS),
         help="--context-parallel: the optional columns to run, comma-separated, from "
-        f"{', '.join(CP_OPTIONAL_COLUMNS)} (default: all; the kernel columns always run)",
+        f"{', '.join(CP_OPTIONAL_COLUMNS)} (default: all; the kernel columns always run); "
+        "--cfg-parallel: compile only",
     )
     parser.add_argument(
         "--cfg-parallel",
