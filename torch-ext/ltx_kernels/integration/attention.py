@@ -222,7 +222,7 @@ QUERY_FORMAT = "i8_row"
 
 
 def query_format(
-    processor, query, key, value, *, mask=None, parallel_config=None, params=()
+    processor, query, key, value, *, heads=None, mask=None, parallel_config=None, params=()
 ) -> str | None:
     """The format in which the op producing the query (qk_rmsnorm_rope_quant: steps.qk_norm_rope)
     may hand it to `attend(processor, query, key, value, mask=mask,
@@ -230,9 +230,13 @@ def query_format(
     int8_attention (attend's own choice, _attending_op), so that q is quantized
     in the op's pass instead of one of int8_attention's own; None: hand it the tensor. q/k/v
     [B, S, H, D] as attend takes them, asked before that op (which keeps their shapes and dtype);
-    `params`: its parameters (the norms' weights), through which autograd may record too."""
+    with `heads`, q/k are [B, S, H * D], split here (only once the cheap refusals pass: the
+    default path makes no views); `params`: its parameters (the norms' weights), through which
+    autograd may record too."""
     if processor.attention != "int8" or _recording(*(p for p in params if p is not None)):
         return None  # (only "int8" attends through int8_attention: runs_int8_attention)
+    if heads is not None:
+        query, key = (t.unflatten(2, (heads, -1)) for t in (query, key))
     cp_config = context_parallel_config(parallel_config)
     op = _attending_op(processor, query, key, value, mask, cp_config)
     return QUERY_FORMAT if op is int8_attention else None

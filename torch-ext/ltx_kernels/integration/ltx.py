@@ -112,9 +112,10 @@ class LTXKernelsAttnProcessor(FusedAttnProcessor):
         value = _heads(attn, value)
         query_format = attention.query_format(
             self,
-            _heads(attn, query),
-            _heads(attn, key),
+            query,
+            key,
             value,
+            heads=attn.heads,
             mask=attention_mask,
             parallel_config=parallel_config,
             params=(getattr(attn.norm_q, "weight", None), getattr(attn.norm_k, "weight", None)),

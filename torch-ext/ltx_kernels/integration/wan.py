@@ -156,9 +156,10 @@ class WanKernelsAttnProcessor(FusedAttnProcessor):
         if encoder_hidden_states_img is None:  # (I2V attends the query twice: left a tensor)
             query_format = attention.query_format(
                 self,
-                _heads(attn, query),
-                _heads(attn, key),
+                query,
+                key,
                 value,
+                heads=attn.heads,
                 mask=attention_mask,
                 parallel_config=parallel_config,
                 params=(getattr(attn.norm_q, "weight", None), getattr(attn.norm_k, "weight", None)),
