@@ -36,7 +36,34 @@ __device__ __forceinline__ float bf16_pair(float a, float b) {
   return __uint_as_float((r & 0xffffu) | 0x3f000000u);
 }
 
-enum Probe { kEx2, kI2f, kE4m3Pair, kBf16Pair, kFfma, kEx2E4m3, kEx2Bf16, kEx2I2f, kProbes };
+// ex2 of a half pair (ex2.approx.f16x2), x's bits as the pair; the result as a float in [0.5, 1).
+__device__ __forceinline__ float ex2_half_pair(float x) {
+  uint32_t r;
+  asm volatile("ex2.approx.f16x2 %0, %1;" : "=r"(r) : "r"(__float_as_uint(x) & 0x3bff3bffu));
+  return __uint_as_float((r & 0xffffu) | 0x3f000000u);
+}
+// A half pair (as bits) to two e4m3 codes (cvt.rn.satfinite.e4m3x2.f16x2).
+__device__ __forceinline__ float e4m3_from_half_pair(float x) {
+  uint32_t r;
+  asm volatile("{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f16x2 t, %1; cvt.u32.u16 %0, t; }"
+               : "=r"(r)
+               : "r"(__float_as_uint(x)));
+  return __uint_as_float(r | 0x3f000000u);
+}
+
+enum Probe {
+  kEx2,
+  kI2f,
+  kE4m3Pair,
+  kBf16Pair,
+  kFfma,
+  kEx2E4m3,
+  kEx2Bf16,
+  kEx2I2f,
+  kEx2HalfPair,
+  kE4m3FromHalfPair,
+  kProbes
+};
 const char* const kNames[kProbes] = {"ex2.approx.ftz.f32",
                                      "cvt.rn.f32.s32",
                                      "cvt.rn.satfinite.e4m3x2.f32",
@@ -44,7 +71,9 @@ const char* const kNames[kProbes] = {"ex2.approx.ftz.f32",
                                      "fma.rn.f32",
                                      "ex2 + 1/2 e4m3x2 (per ex2)",
                                      "ex2 + 1/2 bf16x2 (per ex2)",
-                                     "ex2 + cvt.f32.s32 (per ex2)"};
+                                     "ex2 + cvt.f32.s32 (per ex2)",
+                                     "ex2.approx.f16x2 (pairs)",
+                                     "cvt.rn.satfinite.e4m3x2.f16x2"};
 
 template <Probe kProbe>
 __global__ void probe(float* out, long long* cycles) {
@@ -63,6 +92,8 @@ __global__ void probe(float* out, long long* cycles) {
       if (kProbe == kEx2E4m3) v[c] = c % 2 ? e4m3_pair(ex2(v[c]), v[c - 1]) : ex2(v[c]);
       if (kProbe == kEx2Bf16) v[c] = c % 2 ? bf16_pair(ex2(v[c]), v[c - 1]) : ex2(v[c]);
       if (kProbe == kEx2I2f) v[c] = ex2(i2f(v[c]));
+      if (kProbe == kEx2HalfPair) v[c] = ex2_half_pair(v[c]);
+      if (kProbe == kE4m3FromHalfPair) v[c] = e4m3_from_half_pair(v[c]);
     }
   }
   __syncthreads();
@@ -101,5 +132,7 @@ int main() {
   report<kEx2E4m3>(sms, out, cycles);
   report<kEx2Bf16>(sms, out, cycles);
   report<kEx2I2f>(sms, out, cycles);
+  report<kEx2HalfPair>(sms, out, cycles);
+  report<kE4m3FromHalfPair>(sms, out, cycles);
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }

@@ -212,18 +212,17 @@ __device__ __forceinline__ void init_barriers(Barriers<kStages>& bars, int consu
   __syncthreads();  // the barriers are initialized before anyone uses them
 }
 
-// A CTA of one producer warpgroup and kConsumers consumer warpgroups of 64 query rows each (the
-// wgmma's M): its queries, threads and the registers setmaxnreg gives each kind of warpgroup,
-// 128 * (producer + consumers * consumer) <= the SM's 64K (three consumers: 160 each, as
-// FlashAttention-3's three-consumer kernels; two: 240).
-template <int kConsumers_>
+// A CTA of one producer warpgroup and three consumer warpgroups of 64 query rows each (the wgmma's
+// M): its queries, threads and the registers setmaxnreg gives each kind of warpgroup, 128 *
+// (producer + 3 * consumer) <= the SM's 64K (160 a consumer, as FlashAttention-3's three-consumer
+// kernels). Both bodies take this shape at both head dims (two consumers of 240 registers each ran
+// 9-17% slower at head_dim 128 on an H100, benchmarks/NOTES.md).
 struct CtaShape {
-  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kConsumers = 3;
   static constexpr int kBlockM = kConsumers * 64;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
-  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 24;
-  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
-  static_assert(kConsumers == 2 || kConsumers == 3);
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = 160;
   static_assert(kWarpgroup * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536);
 };
 

@@ -1,7 +1,7 @@
 // 8-bit attention kernel body for Hopper (sm_90a): ltx_attention_int8_cuda's formula
 // (ltx_kernels.h) in the pipeline of hopper_wgmma.cuh (read its file comment first): a TMA
-// producer warpgroup filling a ring of K/V stages, consumer warpgroups of 64 query rows each (three
-// at head_dim 64, two at 128: Shape) taking turns to issue their GEMMs, online softmax in exp2.
+// producer warpgroup filling a ring of K/V stages, three consumer warpgroups of 64 query rows each
+// (Shape) taking turns to issue their GEMMs, online softmax in exp2.
 // What differs (SageAttention2's scheme, see ../shared/research/fp8-and-attention.md):
 // - S = Q8 K8^T with wgmma s32.s8.s8 (exact integer scores), converted to fp32 and scaled in the
 //   softmax's FMA by factor = q_scale[row] * k_scale[tile] * scale * log2(e): one factor per row
@@ -16,11 +16,13 @@
 // - O_tile = P8 V8 with wgmma f32.e4m3.e4m3 (B = V^T: v8 is stored transposed, keys contiguous,
 //   the K-major layout fp8 wgmma requires) into a fresh accumulator (scale_d = 0), added to the
 //   fp32 O in registers once per tile: Hopper's FP8 tensor-core accumulation is narrower than
-//   fp32, so it never sums more than one tile (128 keys). A consumer issues the P V GEMM of tile
-//   j - 1 before the S GEMM of tile j and adds O_tile into O while S is computed (at head_dim 64,
-//   whose three consumers have 160 registers each, before it issues the S GEMM), so that O_tile
-//   and P are dead during the softmax (O, O_tile, S and P at once would not fit 240 registers
-//   without spills); the softmax overlaps the other consumers' GEMMs.
+//   fp32, so it never sums more than one tile (128 keys). In its turn a consumer issues the P V
+//   GEMM of tile j - 1 in blocks of 64 channels (one at head_dim 64, two at 128), waits for each
+//   and adds it into O, then issues the S GEMM of tile j: O_tile holds 32 registers and is dead,
+//   with P, once S is live, so O, S and the rest fit a consumer's 160 registers (three consumers);
+//   the softmax overlaps the other consumers' GEMMs.
+// - O is rescaled to a tile's max only where some row of the warp has a new max (alpha != 1), at
+//   head_dim 128 (at 64 the vote cost about 1% on an H100).
 // - out = O v_scale / l per channel; lse = m ln 2 + ln(l / 448).
 // Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
@@ -53,13 +55,12 @@ constexpr int kBlockN = LTX_ATTENTION_INT8_KEY_BLOCK;  // keys per K/V tile: one
 constexpr int kAtomBytes = 1024;     // the tiles' alignment (the 128-byte swizzle's period)
 constexpr int kVRowBytes = kBlockN;  // a V tile row: 128 keys of one channel
 
-// A CTA's consumers: three at head_dim 64 (as hopper_wgmma.cuh), two at 128. Three leave a
-// consumer 160 registers, fewer than O, O_tile, P and S at once (144 at head_dim 64, with the
-// rest): there a consumer waits for its P V GEMM and adds O_tile into O before it issues the S
-// GEMM (kSerialGemms), and the GEMMs' first k-steps only write their accumulators, so neither
-// O_tile nor S holds registers outside its GEMM.
-template <int kHeadDim>
-using Shape = CtaShape<kHeadDim == 64 ? 3 : 2>;
+// A CTA's consumers: three, 160 registers each (fewer than O, a whole tile's O_tile, P and S at
+// once: the P V GEMM runs in blocks of kPvChannels channels, each waited for and added into O
+// before the next and before the S GEMM issues, and the GEMMs' first k-steps only write their
+// accumulators, so neither O_tile nor S holds registers outside its GEMM).
+using Shape = CtaShape;
+constexpr int kPvChannels = 64;  // channels of a P V GEMM block (O_tile: 32 registers)
 constexpr float kLog2PScale = 8.80735492205760410745f;  // log2(448): P is computed times 448
 constexpr float kLnPScale = 6.10479323241498348998f;    // ln(448)
 constexpr float kLn2 = 0.693147180559945309f;
@@ -69,7 +70,7 @@ static_assert(kBlockN == 128, "a V tile row is one 128-byte swizzled row");
 // then kStages K tiles, then kStages V tiles.
 template <int kHeadDim>
 struct Smem {
-  static constexpr int kConsumers = Shape<kHeadDim>::kConsumers;
+  static constexpr int kConsumers = Shape::kConsumers;
   static constexpr int kStages = 4;
   static constexpr int kQBytes = kConsumerRows * kHeadDim;  // one consumer's Q tile
   static constexpr int kKBytes = kBlockN * kHeadDim;        // a K tile: 128 rows of head_dim
@@ -168,19 +169,39 @@ __device__ __forceinline__ void gemm_qk(int32_t (&s)[kBlockN / 2], uint32_t q_ti
   }
 }
 
-// O_tile = P V for one consumer: P [64 x 128 keys] from registers (p[kk]: keys 32 kk..32 kk + 31),
-// V^T [head_dim x 128 keys] K-major: step kk at byte 32 kk of each row, 8-row groups 1024 bytes
-// apart (SBO). The first step overwrites o_tile (scale_d = 0).
-template <int kHeadDim>
-__device__ __forceinline__ void gemm_pv(float (&o_tile)[kHeadDim / 2],
-                                        const uint32_t (&p)[kBlockN / 32][4], uint32_t v_tile) {
+// O_tile = P V for one consumer and kPvChannels channels: P [64 x 128 keys] from registers (p[kk]:
+// keys 32 kk..32 kk + 31), V^T [channels x 128 keys] from the V tile's row of the block's first
+// channel (v_rows), K-major: step kk at byte 32 kk of each row, 8-row groups 1024 bytes apart
+// (SBO). The first step overwrites o_tile (scale_d = 0).
+__device__ __forceinline__ void gemm_pv(float (&o_tile)[kPvChannels / 2],
+                                        const uint32_t (&p)[kBlockN / 32][4], uint32_t v_rows) {
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) {
-    const uint64_t b = matrix_descriptor(v_tile + 32 * kk, 16, 8 * kVRowBytes);
+    const uint64_t b = matrix_descriptor(v_rows + 32 * kk, 16, 8 * kVRowBytes);
     if (kk == 0)
-      wgmma_e4m3_rs<kHeadDim, false>(o_tile, p[kk], b);
+      wgmma_e4m3_rs<kPvChannels, false>(o_tile, p[kk], b);
     else
-      wgmma_e4m3_rs<kHeadDim, true>(o_tile, p[kk], b);
+      wgmma_e4m3_rs<kPvChannels, true>(o_tile, p[kk], b);
+  }
+}
+
+// O += P V of one tile for one consumer (its turn to issue GEMMs held, the V tile landed): block
+// by block of kPvChannels channels (o's D fragment, channel block c at o[c / 2..]), each GEMM
+// waited for. P's registers are free after it.
+template <int kHeadDim>
+__device__ __forceinline__ void accumulate_pv(float (&o)[kHeadDim / 2],
+                                              const uint32_t (&p)[kBlockN / 32][4],
+                                              uint32_t v_tile) {
+  float o_tile[kPvChannels / 2];  // (written by each GEMM's first k-step)
+#pragma unroll
+  for (int c = 0; c < kHeadDim; c += kPvChannels) {
+    wgmma_fence();
+    gemm_pv(o_tile, p, v_tile + c * kVRowBytes);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(o_tile);
+#pragma unroll
+    for (int i = 0; i < kPvChannels / 2; ++i) o[c / 2 + i] += o_tile[i];
   }
 }
 
@@ -308,14 +329,13 @@ __device__ __forceinline__ void zero_v_keys(uint32_t v_tile, int valid, int lane
 }
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(Shape::kThreads, 1)
     attention_int8_kernel(const __grid_constant__ TensorMaps maps, const AttentionInt8Params<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Smem<kHeadDim>;
-  using S = Shape<kHeadDim>;
+  using S = Shape;
   constexpr int kConsumers = S::kConsumers;
   constexpr int kStages = L::kStages;
-  constexpr bool kSerialGemms = kConsumers == 3;  // (Shape: 160 registers a consumer)
   __shared__ Barriers<kStages> bars;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
@@ -382,8 +402,7 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
           query < p.q_len ? p.q_scale[(b * p.q_len + query) * p.heads + h] * p.scale_log2 : 0.f;
     }
     const float* const k_scale = p.k_scale + (int64_t{b} * p.heads + h) * p.key_blocks;
-    int32_t s[kBlockN / 2];  // (written by each S GEMM's first k-step)
-    float o_tile[kHeadDim / 2];
+    int32_t s[kBlockN / 2];        // (written by each S GEMM's first k-step)
     uint32_t pa[kBlockN / 32][4];  // P of the tile whose P V GEMM is next
     float alpha[2], factor[2];
     const uint32_t q_tile = smem + L::q(consumer);
@@ -417,32 +436,15 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
       k_factor = k_scale[j];  // (read while the GEMMs run)
       mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
       mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
-      // Once the P V GEMM is done: O_tile, pa and the V stage of tile j - 1 are free; O += O_tile
-      // (against m of tile j - 1).
-      auto add_o_tile = [&] {
-        fence_registers(o_tile);
-        fence_registers(pa);
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
-#pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) o[i] += o_tile[i];
-      };
       turns.wait();
+      accumulate_pv<kHeadDim>(o, pa, smem + L::v(prev));  // O += P V of tile j - 1
+      fence_registers(pa);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));  // V tile j - 1 is read
       wgmma_fence();
-      gemm_pv<kHeadDim>(o_tile, pa, smem + L::v(prev));  // O_tile = P V of tile j - 1
-      wgmma_commit();
-      if constexpr (kSerialGemms) {
-        wgmma_wait<0>();
-        add_o_tile();
-        wgmma_fence();
-      }
       gemm_qk<kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
       wgmma_commit();
       turns.pass(j, kv_tiles);
-      if constexpr (!kSerialGemms) {
-        wgmma_wait<1>();  // the P V GEMM (groups complete in order); the S GEMM may still run
-        add_o_tile();
-      }
       wgmma_wait<0>();
       fence_registers(s);
       __syncwarp();
@@ -453,8 +455,10 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
         softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
       else
         softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
+      if (kHeadDim == 64 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];  // to m of tile j
+        for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];  // to m of tile j
+      }
       quantize_probabilities(pa, s);
     }
 
@@ -462,14 +466,7 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
     const int last = kv_tiles - 1, stage = last % kStages;
     mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
     if (tiles.zero_v_tail()) mbarrier_wait(shared_address(&bars.v_tail), 0);
-    wgmma_fence();
-    gemm_pv<kHeadDim>(o_tile, pa, smem + L::v(stage));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(o_tile);
-    fence_registers(pa);
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o[i] += o_tile[i];
+    accumulate_pv<kHeadDim>(o, pa, smem + L::v(stage));
   }
 
   // out = O v_scale / l, lse = m ln 2 + ln(l / 448) (natural log); a row without keys: 0, -inf.
@@ -525,7 +522,7 @@ inline bool encode_codes(CUtensorMap* map, const void* data, const int64_t (&dim
 template <typename T, int kHeadDim>
 bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
   if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
-  if (p.q_len + Shape<kHeadDim>::kBlockM > INT32_MAX || p.v_columns + kBlockN > INT32_MAX ||
+  if (p.q_len + Shape::kBlockM > INT32_MAX || p.v_columns + kBlockN > INT32_MAX ||
       p.heads > INT32_MAX || p.batch > INT32_MAX)
     return false;
   if (p.kv_len == 0) return true;
@@ -550,14 +547,14 @@ bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
 template <typename T, int kHeadDim>
 int run(const AttentionInt8Params<T>& p, const TensorMaps& maps, cudaStream_t stream) {
   constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
-  const int64_t ctas = ceil_div(p.q_len, Shape<kHeadDim>::kBlockM) * p.heads * p.batch;
+  const int64_t ctas = ceil_div(p.q_len, Shape::kBlockM) * p.heads * p.batch;
   if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   const cudaError_t err =
       cudaFuncSetAttribute(attention_int8_kernel<T, kHeadDim>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (err != cudaSuccess) return static_cast<int>(err);
   return launch(attention_int8_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)),
-                dim3(Shape<kHeadDim>::kThreads), kSmem, stream, maps, p);
+                dim3(Shape::kThreads), kSmem, stream, maps, p);
 }
 
 }  // namespace hopper_int8

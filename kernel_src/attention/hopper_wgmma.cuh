@@ -2,21 +2,23 @@
 // inline PTX, behind the same launcher and AttentionParams as flash_mma.cuh (which stays the body
 // for what this one does not take: see attention.cu). It computes ltx_attention_cuda's formula
 // (ltx_kernels.h) with the algorithm of flash_mma.cuh (online softmax in base 2, P rounded to T):
-// - One CTA per (tile of queries, head, batch element): a producer warpgroup and consumer
-//   warpgroups of 64 query rows each, two (128 queries) at head_dim 128 and three (192) at 64
-//   (Shape). Warpgroup 0 is the producer: it gives up registers (setmaxnreg) and one thread issues
-//   TMA copies (cp.async.bulk.tensor) of the Q tile and of K and V tiles of 128 keys into a ring of
-//   kStages shared-memory stages, each completing an mbarrier by its byte count (expect-tx); the
-//   consumers release a stage's K tile when their S GEMM of it is done and its V tile after the P V
-//   GEMM, so the next K tile loads during the P V GEMM of the tile before (one release per stage
-//   made K wait for it, a bubble per tile at kStages = 2). The consumers' registers are raised with
-//   setmaxnreg.
+// - One CTA per (tile of queries, head, batch element): a producer warpgroup and three consumer
+//   warpgroups of 64 query rows each (192 queries: Shape). Warpgroup 0 is the producer: it gives up
+//   registers (setmaxnreg) and one thread issues TMA copies (cp.async.bulk.tensor) of the Q tile
+//   and of K and V tiles of 128 keys into a ring of kStages shared-memory stages, each completing
+//   an mbarrier by its byte count (expect-tx); the consumers release a stage's K tile when their S
+//   GEMM of it is done and its V tile after the P V GEMM, so the next K tile loads during the P V
+//   GEMM of the tile before (one release per stage made K wait for it, a bubble per tile at kStages
+//   = 2). The consumers' registers are raised with setmaxnreg.
 // - Per key tile a consumer computes S = Q K^T with wgmma (both operands in shared memory), the
 //   online softmax on S in registers, and O += P V with wgmma, P (rounded to T) in registers as
-//   the A operand: the fp32 accumulator layout of S is the A-fragment layout of P. The S GEMM of
-//   tile j and the P V GEMM of tile j - 1 are issued together, so the softmax of tile j overlaps
-//   the P V GEMM; the consumers take turns issuing (Turns: named barriers in a ring), so one's
-//   softmax overlaps the others' GEMMs.
+//   the A operand: the fp32 accumulator layout of S is the A-fragment layout of P. At head_dim 64
+//   the S GEMM of tile j and the P V GEMM of tile j - 1 are issued together, so the softmax of
+//   tile j overlaps the P V GEMM; at 128 (O, S and P at once would not fit 160 registers) the
+//   P V GEMM is waited for before the S GEMM issues (kSerialGemms). The consumers take turns
+//   issuing (Turns: named barriers in a ring), so one's softmax overlaps the others' GEMMs.
+// - O is rescaled to a tile's max only where some row of the warp has a new max (alpha != 1), at
+//   head_dim 128 (at 64 the vote measured no gain).
 // - Keys past the batch element's n_b: the K/V tiles stop at ceil(n_b / 128); in the last tile
 //   the scores of keys >= n_b are -inf, and V's rows in [n_b, kv_len) are zeroed in shared memory
 //   by the producer before use (0 * NaN would be NaN; rows past kv_len are TMA's zero fill).
@@ -50,18 +52,17 @@ constexpr int kPanelElems = 64;    // elements of one 128-byte swizzled row
 constexpr int kRowBytes = 128;     // bytes of a panel row
 constexpr int kAtomBytes = 1024;   // 8 rows of 128 bytes: the 128-byte swizzle's period
 
-// A CTA's consumers per head_dim. At 64 a tile's GEMMs are half as long as at 128 against the
-// same softmax work, and two consumers left the tensor cores idle half the time (ncu, 2x32x8064 on
-// an H100: tensor pipe 43%, issue slots 45%, 2.2 warps a scheduler, stalls mostly on fixed-latency
-// dependencies): three take turns there (192 queries a CTA).
-template <int kHeadDim>
-using Shape = CtaShape<kHeadDim == 64 ? 3 : 2>;
+// A CTA's consumers: three (192 queries). Two left the tensor cores idle half the time at head_dim
+// 64 (ncu, 2x32x8064 on an H100: tensor pipe 43%, issue slots 45%, 2.2 warps a scheduler, stalls
+// mostly on fixed-latency dependencies); at 128 three (with kSerialGemms) ran 2x32x6144 to
+// 1x40x32760 10-14% faster than two on an H100.
+using Shape = CtaShape;
 
 // Shared memory of a CTA (byte offsets from a 1024-byte aligned base): each consumer's Q tile,
 // then kStages K tiles, then kStages V tiles.
 template <int kHeadDim>
 struct Smem {
-  static constexpr int kConsumers = Shape<kHeadDim>::kConsumers;
+  static constexpr int kConsumers = Shape::kConsumers;
   static constexpr int kPanels = kHeadDim / kPanelElems;
   static constexpr int kStages = kHeadDim == 64 ? 4 : 2;
   static constexpr int kQPanelBytes = kConsumerRows * kRowBytes;
@@ -280,14 +281,15 @@ __device__ __forceinline__ void round_probabilities(uint32_t (&p)[kBlockN / 16][
 }
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(Shape::kThreads, 1)
     attention_kernel(const __grid_constant__ TensorMaps maps, const AttentionParams<T> p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Smem<kHeadDim>;
-  using S = Shape<kHeadDim>;
+  using S = Shape;
   constexpr int kConsumers = S::kConsumers;
   constexpr int kStages = L::kStages;
-  constexpr uint32_t kTileBytes = L::kKvBytes;  // TMA bytes of one K or V tile
+  constexpr bool kSerialGemms = kHeadDim == 128;  // (see the file comment)
+  constexpr uint32_t kTileBytes = L::kKvBytes;    // TMA bytes of one K or V tile
   constexpr float kLn2 = 0.693147180559945309f;
   __shared__ Barriers<kStages> bars;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -393,14 +395,31 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
       const int stage = j % kStages, prev = (j - 1) % kStages;
       mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
       mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
+      // Once the P V GEMM is done: O, pr and V tile j - 1's stage are free.
+      auto release_v = [&] {
+        fence_registers(o);
+        fence_registers(pr);
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
+      };
       turns.wait();
       wgmma_fence();
-      gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
-      wgmma_commit();
-      gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
-      wgmma_commit();
+      if constexpr (kSerialGemms) {
+        gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
+        wgmma_commit();
+        wgmma_wait<0>();
+        release_v();
+        wgmma_fence();
+        gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
+        wgmma_commit();
+      } else {
+        gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
+        wgmma_commit();
+        gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
+        wgmma_commit();
+      }
       turns.pass(j, kv_tiles);
-      wgmma_wait<1>();  // S has landed (K tile j is read); the P V GEMM may still run
+      wgmma_wait<kSerialGemms ? 0 : 1>();  // S has landed (K tile j is read)
       fence_registers(s);
       __syncwarp();
       if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));
@@ -408,13 +427,14 @@ __global__ void __launch_bounds__(Shape<kHeadDim>::kThreads, 1)
         softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
       else
         softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
-      wgmma_wait<0>();  // the P V GEMM is done: O, pr and V tile j - 1's stage are free
-      fence_registers(o);
-      fence_registers(pr);
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
+      if constexpr (!kSerialGemms) {
+        wgmma_wait<0>();  // the P V GEMM (it ran beside the softmax)
+        release_v();
+      }
+      if (kHeadDim == 64 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+        for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+      }
       round_probabilities<T>(pr, s);
     }
 
@@ -489,8 +509,8 @@ bool encode_operand(CUtensorMap* map, const HeadRows<const T>& rows, int64_t bat
 template <typename T, int kHeadDim>
 bool takes(const AttentionParams<T>& p, TensorMaps* maps) {
   if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
-  if (p.kv_len == 0 || p.q_len + Shape<kHeadDim>::kBlockM > INT32_MAX ||
-      p.kv_len + kBlockN > INT32_MAX || p.heads > INT32_MAX || p.batch > INT32_MAX)
+  if (p.kv_len == 0 || p.q_len + Shape::kBlockM > INT32_MAX || p.kv_len + kBlockN > INT32_MAX ||
+      p.heads > INT32_MAX || p.batch > INT32_MAX)
     return false;
   return encode_operand<T>(&maps->q, p.q, p.batch, p.q_len, p.heads, kHeadDim, kConsumerRows) &&
          encode_operand<T>(&maps->k, p.k, p.batch, p.kv_len, p.heads, kHeadDim, kBlockN) &&
@@ -502,14 +522,14 @@ bool takes(const AttentionParams<T>& p, TensorMaps* maps) {
 template <typename T, int kHeadDim>
 int run(const AttentionParams<T>& p, const TensorMaps& maps, cudaStream_t stream) {
   constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
-  const int64_t ctas = ceil_div(p.q_len, Shape<kHeadDim>::kBlockM) * p.heads * p.batch;
+  const int64_t ctas = ceil_div(p.q_len, Shape::kBlockM) * p.heads * p.batch;
   if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   const cudaError_t err =
       cudaFuncSetAttribute(attention_kernel<T, kHeadDim>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (err != cudaSuccess) return static_cast<int>(err);
   return launch(attention_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)),
-                dim3(Shape<kHeadDim>::kThreads), kSmem, stream, maps, p);
+                dim3(Shape::kThreads), kSmem, stream, maps, p);
 }
 
 }  // namespace hopper_wgmma
