@@ -544,9 +544,16 @@ static inline int64_t ltx_attention_v_pad(int64_t kv_len) {
  * t < 4, h, e < 2), so that a thread's probabilities are already its fragment of the FP8 P V GEMM
  * (hopper_int8.cuh). A permutation within each group of 16: keys below kv_len lie below
  * ltx_attention_v_pad(kv_len). */
-static inline int64_t ltx_attention_v_column(int64_t key) {
+static inline LTX_HOST_DEVICE int64_t ltx_attention_v_column(int64_t key) {
   const int64_t r = key & 15; /* 8 h + 2 t + e */
   return (key & ~(int64_t)15) | ((r & 6) << 1) | ((r & 8) >> 2) | (r & 1);
+}
+
+/* The key that column `column` of v8's rows holds: ltx_attention_v_column's inverse (column
+ * 16 g + 4 t + 2 h + e holds key 16 g + 8 h + 2 t + e). */
+static inline LTX_HOST_DEVICE int64_t ltx_attention_v_key(int64_t column) {
+  const int64_t r = column & 15; /* 4 t + 2 h + e */
+  return (column & ~(int64_t)15) | ((r & 2) << 2) | ((r & 12) >> 1) | (r & 1);
 }
 
 /* Chunks of keys the CUDA reduction pass splits each pair's sequence into: about 4 blocks per SM

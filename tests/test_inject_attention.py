@@ -1,6 +1,7 @@
 """inject_optimized_kernels' `attention=` (issue 34, stage e): "ltx_kernels" attends through our
 attention op wherever it applies (on the CPU its C twin), "diffusers" as stock, "auto" (the
-default) as "diffusers" until injector.LTX_ATTENTION_FASTER holds a measurement. Every tiny model
+default) as "ltx_kernels" only where injector.LTX_ATTENTION_FASTER lists the GPU, head_dim and as
+few tokens as the call has (on the CPU: "diffusers"). Every tiny model
 of model_zoo with "ltx_kernels" against "diffusers"; key lengths against the key mask they stand
 for; the report; torch.compile (dynamic, fullgraph) of the injected blocks; autograd recording
 (the op has no backward: the fallback)."""
@@ -31,7 +32,7 @@ def _run(model, inputs, attention_choice, grad=False):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_ltx_kernels_attention_matches_diffusers_fp32(name):
     # Every family and variant: "ltx_kernels" within fp32 summation noise of "diffusers", our op
-    # running; "auto" and the default are "diffusers" bit for bit (no measured entry).
+    # running; "auto" and the default are "diffusers" bit for bit (the table lists CUDA only).
     torch.manual_seed(0)
     model, inputs = MODELS[name].build(torch.float32), MODELS[name].inputs(torch.float32)
     expected, counts = _run(model, inputs, "diffusers")
@@ -181,16 +182,31 @@ def test_op_takes_what_the_op_takes():
 
 def test_auto_follows_the_measured_table(monkeypatch):
     # "auto" attends with ours where LTX_ATTENTION_FASTER lists the device's capability and
-    # head_dim, and the processor keeps diffusers' default backend. (The table is empty: a CPU
-    # run checks the rule's other half with a stand-in capability lookup.)
-    assert injector.LTX_ATTENTION_FASTER == {}
-    query = torch.randn(1, 4, 2, 64)
+    # head_dim and the call has at least its tokens (queries and keys), and the processor keeps
+    # diffusers' default backend. The CPU never: a stand-in capability lookup and table check the
+    # rule's other half. Under torch.compile a symbolic length reads as too few: no guard, no
+    # recompile from one length to the next; static lengths compare exactly.
+    assert injector.LTX_ATTENTION_FASTER == {(9, 0): ((128, 6144),)}
     processor = type("P", (_Processor,), {"attention": "auto"})()
-    assert not attention.runs_ltx_attention(processor, query, query, query)
-    monkeypatch.setitem(injector.LTX_ATTENTION_FASTER, (9, 0), (64,))  # (attention.py's too)
+
+    def qk(tokens, keys=None, head_dim=64):
+        return torch.randn(1, tokens, 2, head_dim), torch.randn(1, keys or tokens, 2, head_dim)
+
+    query, key = qk(32)
+    assert not attention.runs_ltx_attention(processor, query, key, key)  # (the CPU)
+    monkeypatch.setitem(injector.LTX_ATTENTION_FASTER, (9, 0), ((64, 24),))  # (attention.py's too)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    assert attention._measured_faster(0) == (64,)
-    assert not attention.runs_ltx_attention(processor, query, query, query)  # (the CPU)
+    torch._dynamo.reset()
+    assert attention._measured_faster(0) == ((64, 24),)
+    assert attention._long_enough(*qk(24)) and attention._long_enough(*qk(48, 30))
+    assert not attention._long_enough(*qk(23)) and not attention._long_enough(*qk(48, 23))
+    assert not attention._long_enough(*qk(48, head_dim=128))
+    dynamic = torch.compile(attention._long_enough, fullgraph=True, dynamic=True)
+    static = torch.compile(attention._long_enough, fullgraph=True, dynamic=False)
+    assert not dynamic(*qk(16))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert not dynamic(*qk(32)) and not dynamic(*qk(48))
+    assert [static(*qk(n)) for n in (16, 32)] == [False, True]
 
 
 def test_report_names_the_choice_and_the_fallbacks():
@@ -200,7 +216,9 @@ def test_report_names_the_choice_and_the_fallbacks():
         report = ltx_kernels.inject_optimized_kernels(clone(model), verbose=False, attention=choice)
         assert f"  attention: {choice} (" in str(report) and report.attention == choice
         assert injector.LTX_ATTENTION not in report.skipped  # (the CPU's C twin takes head_dim 8)
-    assert "nowhere yet" in str(_report(clone(model), "auto"))
+    assert "where measured faster: sm_90 head_dim 128 from 6144 tokens" in str(
+        _report(clone(model), "auto")
+    )
     # On the meta device (as on a GPU) the tiny heads (8) are not the CUDA kernel's: each
     # attention is reported, by name, as attending with diffusers' backend.
     report = _report(clone(model).to("meta"), "ltx_kernels")
@@ -312,6 +330,29 @@ def test_cuda_takes_bf16_at_64_and_128_and_matches_sdpa(head_dim):
         key_lengths=lengths,
     )
     assert rel_l2(out, expected) <= BF16_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_auto_takes_our_op_from_the_measured_tokens():
+    # On a Hopper GPU "auto" attends with our op at head_dim 128 from 6144 queries and keys (the
+    # table's entry), with diffusers' backend below (FLUX.1's 4608: cuDNN faster), at head_dim 64,
+    # and where the processor has a backend set.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("LTX_ATTENTION_FASTER lists compute capability 9.0 only")
+    processor = type("P", (_Processor,), {"attention": "auto"})()
+
+    def qkv(tokens, keys=None, head_dim=128):
+        shapes = ((1, tokens, 2, head_dim), (1, keys or tokens, 2, head_dim))
+        q, k = (torch.randn(s, dtype=torch.bfloat16, device="cuda") for s in shapes)
+        return q, k, k
+
+    assert attention.runs_ltx_attention(processor, *qkv(6144))
+    assert attention.runs_ltx_attention(processor, *qkv(32760))
+    assert not attention.runs_ltx_attention(processor, *qkv(4608))
+    assert not attention.runs_ltx_attention(processor, *qkv(32760, 512))  # (text cross-attention)
+    assert not attention.runs_ltx_attention(processor, *qkv(8064, head_dim=64))
+    processor._attention_backend = "flash"
+    assert not attention.runs_ltx_attention(processor, *qkv(6144))
 
 
 @pytest.mark.parametrize("choice, op", [("ltx_kernels", "attention"), ("int8", "attention_int8")])

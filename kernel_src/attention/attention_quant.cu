@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(2 * LTX_ATTENTION_QUANT_CUDA_MAX_HEAD_DIM)
 
 // V, block (pair, tile of 128 keys): each channel's factor from the workspace's chunk maxima (tile
 // 0 writes the scales); thread items (word w of 4 columns, pack column col) convert the 4 keys of
-// columns 4w..4w + 3 (ltx_attention_v_column: keys 16 (w / 4) + 2 (w % 4) + {0, 1, 8, 9}) x kVec
+// columns 4w..4w + 3 (ltx_attention_v_key: keys 16 (w / 4) + 2 (w % 4) + {0, 1, 8, 9}) x kVec
 // channels to e4m3 and store them as one word per channel into the transposed tile [dim][32
 // words]; then each warp writes 128 contiguous bytes of one channel row of codes [pairs, dim,
 // kv_pad] (the columns of keys from kv_len on are zeros, nothing past kv_pad is written).
@@ -177,10 +177,9 @@ __global__ void __launch_bounds__(kVThreads)
     const int w = it / cols, col = it - w * cols;
     float v[4][kVec];
     bool valid[4];
-    // byte k of word w: key 16 (w / 4) + 2 (w % 4) + 8 (k / 2) + k % 2
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t s = first + 16 * (w / 4) + 2 * (w % 4) + 8 * (k / 2) + k % 2;
+    for (int k = 0; k < 4; ++k) {  // byte k of word w: the key of column 4 w + k
+      const int64_t s = first + ltx_attention_v_key(4 * w + k);
       valid[k] = s < x.kv_len;
       load_values<kVec>(v[k], x.row(pair, valid[k] ? s : 0) + col * kVec, valid[k]);
     }

@@ -215,8 +215,8 @@ __device__ __forceinline__ void init_barriers(Barriers<kStages>& bars, int consu
 // A CTA of one producer warpgroup and three consumer warpgroups of 64 query rows each (the wgmma's
 // M): its queries, threads and the registers setmaxnreg gives each kind of warpgroup, 128 *
 // (producer + 3 * consumer) <= the SM's 64K (160 a consumer, as FlashAttention-3's three-consumer
-// kernels). Both bodies take this shape at both head dims (two consumers of 240 registers each ran
-// 9-17% slower at head_dim 128 on an H100, benchmarks/NOTES.md).
+// kernels). Both bodies take this shape at both head dims (at head_dim 128 three ran 3-16% faster
+// than two consumers of 240 registers each on an H100, benchmarks/NOTES.md).
 struct CtaShape {
   static constexpr int kConsumers = 3;
   static constexpr int kBlockM = kConsumers * 64;

@@ -19,8 +19,9 @@
 //   fp32, so it never sums more than one tile (128 keys). In its turn a consumer issues the P V
 //   GEMM of tile j - 1 in blocks of 64 channels (one at head_dim 64, two at 128), waits for each
 //   and adds it into O, then issues the S GEMM of tile j: O_tile holds 32 registers and is dead,
-//   with P, once S is live, so O, S and the rest fit a consumer's 160 registers (three consumers);
-//   the softmax overlaps the other consumers' GEMMs.
+//   with P, once S is live, so O, S and the rest about fit a consumer's 160 registers (three
+//   consumers; at head_dim 128 ptxas keeps a few scalars and two of O's elements in local memory,
+//   108 bytes); the softmax overlaps the other consumers' GEMMs.
 // - O is rescaled to a tile's max only where some row of the warp has a new max (alpha != 1), at
 //   head_dim 128 (at 64 the vote cost about 1% on an H100).
 // - out = O v_scale / l per channel; lse = m ln 2 + ln(l / 448).
@@ -301,7 +302,7 @@ __device__ __forceinline__ void quantize_probabilities(uint32_t (&p)[kBlockN / 3
 
 // Zeroes the columns of keys [valid, 128) of a V tile (head_dim rows of 128 columns, 128-byte
 // swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), by the 32 lanes of a warp. A chunk is
-// a group of 16 keys; its word i holds keys 2i, 2i+1, 2i+8, 2i+9 (ltx_attention_v_column).
+// a group of 16 keys; its byte j holds key ltx_attention_v_key(j) of the group.
 template <int kHeadDim>
 __device__ __forceinline__ void zero_v_keys(uint32_t v_tile, int valid, int lane) {
   const int first_chunk = valid / 16, chunks = kVRowBytes / 16 - first_chunk;
@@ -319,7 +320,7 @@ __device__ __forceinline__ void zero_v_keys(uint32_t v_tile, int valid, int lane
       uint32_t keep = 0;
 #pragma unroll
       for (int byte = 0; byte < 4; ++byte)
-        if (2 * i + 8 * (byte / 2) + byte % 2 < keys) keep |= 0xffu << (8 * byte);
+        if (ltx_attention_v_key(4 * i + byte) < keys) keep |= 0xffu << (8 * byte);
       w[i] &= keep;
     }
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(w[0]), "r"(w[1]),

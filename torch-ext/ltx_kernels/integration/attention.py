@@ -33,8 +33,9 @@ SDPA where sdpa=True), as stock attends. "ltx_kernels": our `attention` op where
 backward yet, and no context parallelism but ulysses_attention's), non-uniform key lengths passed
 to it as they are (uniform ones still slice the keys: the same keys, no lengths tensor); every
 other call as "diffusers". "auto" (the default): as "ltx_kernels" only where
-LTX_ATTENTION_FASTER (injector.py) lists the GPU and head_dim, and the processor keeps diffusers'
-default backend; as "diffusers" elsewhere. "int8" (opt-in, a numerics change): 8-bit attention
+LTX_ATTENTION_FASTER (injector.py) lists the GPU and head_dim and the call has at least its
+tokens (queries and keys; a length torch.compile keeps symbolic counts as too few: `_long_enough`),
+and the processor keeps diffusers' default backend; as "diffusers" elsewhere. "int8" (opt-in, a numerics change): 8-bit attention
 (`int8_attention`: q, k and v quantized by our ops, then attention_int8) wherever it applies
 (runs_int8_attention: no mask, no autograd recording; CUDA: a Hopper GPU, float16/bfloat16,
 head_dim 64 or 128; the CPU: its C twins), as "auto" elsewhere, and in the blocks
@@ -74,6 +75,8 @@ from .context_parallel import (
     context_parallel_config,
     version_of,
 )
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from .injector import LTX_ATTENTION_FASTER, LTX_ATTENTION_HEAD_DIMS
 from .quant import QuantRows
 
@@ -274,7 +277,8 @@ def runs_ltx_attention(processor, query, key, value, instead_of_key_mask=False) 
     (no mask, one device's heads) with ltx_kernels.attention: "ltx_kernels" where the op takes
     them (`_op_takes`) and autograd does not record through them (the op has no backward yet);
     "auto" where, besides, the processor keeps diffusers' default attention backend (a backend set
-    with set_attention_backend is kept) and LTX_ATTENTION_FASTER lists the GPU and head_dim, or,
+    with set_attention_backend is kept) and LTX_ATTENTION_FASTER lists the GPU and head_dim with
+    no more tokens than q and k have (`_long_enough`), or,
     `instead_of_key_mask` (the alternative: that backend with a key mask, where the key lengths
     cannot be read on the host, under torch.compile), the GPU is a Hopper one: a key mask costs the
     backend more than the keys it hides (HunyuanVideo-1.5 480p, 1x16x49290 with 700 padded keys,
@@ -291,15 +295,28 @@ def runs_ltx_attention(processor, query, key, value, instead_of_key_mask=False) 
     return choice == "ltx_kernels" or (
         processor._attention_backend is None
         and (
-            (query.is_cuda and query.shape[-1] in _measured_faster(query.device.index))
-            or (instead_of_key_mask and _hopper(query))
+            (query.is_cuda and _long_enough(query, key)) or (instead_of_key_mask and _hopper(query))
         )
     )
 
 
+def _long_enough(query, key) -> bool:
+    """Whether q/k [B, S, H, D] on CUDA have at least the tokens from which ltx_kernels.attention
+    measured faster at their head_dim (LTX_ATTENTION_FASTER of the device's compute capability).
+    Decided without a guard: under torch.compile a length it keeps symbolic (dynamic=True, or
+    after a recompile for a new length) counts as too few, so a new sequence length never
+    recompiles; static lengths (torch.compile's first compile) and eager calls compare exactly."""
+    for head_dim, tokens in _measured_faster(query.device.index):
+        if query.shape[-1] == head_dim:
+            return statically_known_true(query.shape[1] >= tokens) and statically_known_true(
+                key.shape[1] >= tokens
+            )
+    return False
+
+
 @torch.compiler.assume_constant_result  # (torch.compile: called once while tracing, a constant)
-def _measured_faster(device_index: int | None) -> tuple[int, ...]:
-    """The head dims at which ltx_kernels.attention measured faster on CUDA device
+def _measured_faster(device_index: int | None) -> tuple[tuple[int, int], ...]:
+    """((head_dim, tokens), ...): where ltx_kernels.attention measured faster on CUDA device
     `device_index` (LTX_ATTENTION_FASTER of its compute capability)."""
     return LTX_ATTENTION_FASTER.get(torch.cuda.get_device_capability(device_index), ())
 

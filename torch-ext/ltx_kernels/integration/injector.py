@@ -83,18 +83,20 @@ DISABLE_ENV = "LTX_KERNELS_DISABLE"
 #: "diffusers": diffusers' attention backend of each processor, as stock attends; "ltx_kernels": our
 #: attention op wherever it applies (no mask, autograd not recording, CUDA: float16/bfloat16 and
 #: head_dim 64 or 128), diffusers' backend elsewhere; "auto": as "ltx_kernels" only where
-#: LTX_ATTENTION_FASTER lists the GPU and head_dim, as "diffusers" elsewhere; "int8" (opt-in,
-#: a numerics change): 8-bit attention (q, k, v quantized by our ops, attention_int8) wherever it
-#: applies (no mask, autograd not recording, CUDA: Hopper, float16/bfloat16, head_dim 64 or 128),
-#: as "auto" elsewhere.
+#: LTX_ATTENTION_FASTER lists the GPU and head_dim and the call has as many tokens, as "diffusers"
+#: elsewhere; "int8" (opt-in, a numerics change): 8-bit attention (q, k, v quantized by our ops,
+#: attention_int8) wherever it applies (no mask, autograd not recording, CUDA: Hopper,
+#: float16/bfloat16, head_dim 64 or 128), as "auto" elsewhere.
 ATTENTION_CHOICES = ("auto", "ltx_kernels", "diffusers", "int8")
 #: The head dims the CUDA attention kernel takes (ltx_attention_cuda_takes_head_dim).
 LTX_ATTENTION_HEAD_DIMS = (64, 128)
-#: Where attention="auto" attends with our op: CUDA compute capability -> the head dims at which
-#: ltx_kernels.attention measured faster than cuDNN's SDPA, the default backend
-#: (benchmarks/benchmark_attention.py, the issue's cases). Empty until measured: "auto" attends as
-#: "diffusers" everywhere.
-LTX_ATTENTION_FASTER: dict[tuple[int, int], tuple[int, ...]] = {}
+#: Where attention="auto" attends with our op: CUDA compute capability -> ((head_dim, tokens), ...):
+#: at that head_dim, calls of at least `tokens` queries and keys, where ltx_kernels.attention
+#: measured faster than cuDNN's SDPA, the default backend (benchmarks/benchmark_attention.py on an
+#: H100 80GB HBM3, 2026-11-27: head_dim 128 1.06x at 2x32x6144 (LTX-2), 1.15x at 1x40x32760 (Wan
+#: 2.1 14B), 1.17x at 1x16x49290 (HunyuanVideo-1.5), 0.93x at 1x24x4608 (FLUX.1); head_dim 64
+#: 0.96-1.00x: not listed). The H200 shares sm_90's entry.
+LTX_ATTENTION_FASTER: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(9, 0): ((128, 6144),)}
 #: The report's kind for the attention modules whose calls attend with diffusers' backend although
 #: attention="ltx_kernels".
 LTX_ATTENTION = "attention (ltx_kernels.attention)"
@@ -186,8 +188,9 @@ def _attention_note(choice: str) -> str:
             f"the others ({_attention_note('auto')})"
         )
     measured = "; ".join(
-        f"sm_{major}{minor} head_dim {', '.join(map(str, dims))}"
-        for (major, minor), dims in sorted(LTX_ATTENTION_FASTER.items())
+        f"sm_{major}{minor} head_dim {head_dim} from {tokens} tokens"
+        for (major, minor), entries in sorted(LTX_ATTENTION_FASTER.items())
+        for head_dim, tokens in entries
     )
     return (
         f"ltx_kernels.attention where measured faster: {measured or 'nowhere yet'} "
