@@ -20,8 +20,8 @@ struct Barriers {
   uint64_t q;                 // the Q tiles landed (TMA bytes)
   uint64_t k_full[kStages];   // stage's K tile landed (TMA bytes)
   uint64_t v_full[kStages];   // stage's V tile landed (TMA bytes)
-  uint64_t k_empty[kStages];  // both consumers' S GEMMs read the stage's K tile (one per warp)
-  uint64_t v_empty[kStages];  // both consumers' P V GEMMs read the stage's V tile (one per warp)
+  uint64_t k_empty[kStages];  // every consumer's S GEMM read the stage's K tile (one per warp)
+  uint64_t v_empty[kStages];  // every consumer's P V GEMM read the stage's V tile (one per warp)
   uint64_t v_tail;            // the last V tile's data past n_b is zeroed (32 arrivals; KeyTiles)
 };
 
@@ -230,10 +230,10 @@ struct CtaShape {
 // consumer): consumer c issues its GEMMs of tile j after wait(), which completes once consumer
 // c - 1 has issued its own of tile j and called pass() (consumer 0: the last consumer's of tile
 // j - 1, or for tile 0 the last consumer's start()), so one consumer's softmax runs beside the
-// others' GEMMs (two consumers: ping-pong; three: a ring). Each consumer waits `tiles` times and
-// receives as many arrivals: the last consumer skips its pass of the last tile (consumer 0 has no
-// next turn), so no barrier is left with pending arrivals. A barrier counts the 128 threads that
-// wait on it and the 128 of the consumer before, which arrive.
+// others' GEMMs (a ring of CtaShape's three; two would ping-pong). Each consumer waits `tiles`
+// times and receives as many arrivals: the last consumer skips its pass of the last tile (consumer
+// 0 has no next turn), so no barrier is left with pending arrivals. A barrier counts the 128
+// threads that wait on it and the 128 of the consumer before, which arrive.
 constexpr int kFirstTurnBarrier = 1;  // (named barrier 0 is __syncthreads')
 
 template <int kConsumers>
@@ -273,7 +273,7 @@ __device__ __forceinline__ KeyTiles key_tiles(int keys, int64_t v_end) {
 
 // The producer's loop (one thread): the Q tiles (load_q(bar), q_bytes), then K and V tile j into
 // stage j % kStages (load_k / load_v(stage, j, bar), k_bytes / v_bytes each). A stage's K tile
-// j - kStages is free once both consumers' S GEMMs of it are done (early in their iteration
+// j - kStages is free once every consumer's S GEMM of it is done (early in their iteration
 // j - kStages), its V tile once their P V GEMMs are (one iteration later): separate barriers, so
 // K tile j loads while the P V GEMM of tile j - kStages runs.
 template <int kStages, class LoadQ, class LoadK, class LoadV>
