@@ -22,8 +22,8 @@
 //   with P, once S is live, so O, S and the rest about fit a consumer's 160 registers (three
 //   consumers; at head_dim 128 ptxas keeps a few scalars and two of O's elements in local memory,
 //   108 bytes); the softmax overlaps the other consumers' GEMMs.
-// - O is rescaled to a tile's max only where some row of the warp has a new max (alpha != 1), at
-//   head_dim 128 (at 64 the vote cost about 1% on an H100).
+// - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
+//   (rescale_o in hopper_common.cuh).
 // - out = O v_scale / l per channel; lse = m ln 2 + ln(l / 448).
 // Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
@@ -456,10 +456,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
       else
         softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
-      if (kHeadDim == 64 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];  // to m of tile j
-      }
+      rescale_o<kHeadDim>(o, alpha);  // to m of tile j
       quantize_probabilities(pa, s);
     }
 

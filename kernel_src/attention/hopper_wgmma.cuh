@@ -17,8 +17,8 @@
 //   tile j overlaps the P V GEMM; at 128 (O, S and P at once would not fit 160 registers) the
 //   P V GEMM is waited for before the S GEMM issues (kSerialGemms). The consumers take turns
 //   issuing (Turns: named barriers in a ring), so one's softmax overlaps the others' GEMMs.
-// - O is rescaled to a tile's max only where some row of the warp has a new max (alpha != 1), at
-//   head_dim 128 (at 64 the vote measured no gain).
+// - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
+//   (rescale_o in hopper_common.cuh).
 // - Keys past the batch element's n_b: the K/V tiles stop at ceil(n_b / 128); in the last tile
 //   the scores of keys >= n_b are -inf, and V's rows in [n_b, kv_len) are zeroed in shared memory
 //   by the producer before use (0 * NaN would be NaN; rows past kv_len are TMA's zero fill).
@@ -431,10 +431,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         wgmma_wait<0>();  // the P V GEMM (it ran beside the softmax)
         release_v();
       }
-      if (kHeadDim == 64 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];
-      }
+      rescale_o<kHeadDim>(o, alpha);
       round_probabilities<T>(pr, s);
     }
 
