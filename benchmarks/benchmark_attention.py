@@ -133,11 +133,10 @@ def _int8_attention():
 def _quantize_query(query, key, value):
     """q as the q/k norm op hands it to int8_attention (QuantRows, QUERY_FORMAT), k and v as they
     are (not timed)."""
-    from ltx_kernels import quantize
     from ltx_kernels.integration.attention import QUERY_FORMAT
-    from ltx_kernels.integration.quant import QuantRows
+    from ltx_kernels.integration.quant import quantize_rows
 
-    return QuantRows(*quantize(query, format=QUERY_FORMAT), QUERY_FORMAT), key, value
+    return quantize_rows(query, QUERY_FORMAT), key, value
 
 
 def _quantize_int8(query, key, value):
