@@ -69,7 +69,9 @@ the log-sum-exp ring attention needs and takes the mask). Rank 0 prints and writ
 the outputs. --cfg-parallel (guidance on) runs the two classifier-free-guidance branches on two
 halves of the GPUs (ltx_kernels.integration.enable_cfg_parallel; LTX-2's STG and modality passes
 side by side too), each half under --context-parallel when given (4 GPUs: 2 x Ulysses 2), else
-one GPU a branch (2 GPUs).
+one GPU a branch (2 GPUs); --cfg-parallel 4 (LTX-2, STG and modality isolation on, its default)
+runs its four passes a step on four groups (4 GPUs: one pass each, no collective inside the
+model).
 
 Outputs: the video (--output: .mp4, .mov, .mkv, .avi or .gif, .mp4 when no extension is given;
 the extension and the folders are checked before the run; written by diffusers' export_to_video,
@@ -446,10 +448,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cfg-parallel",
-        action="store_true",
+        nargs="?",
+        type=int,
+        const=2,
+        default=None,
+        choices=(2, 4),
+        metavar="GROUPS",
         help="the two guidance branches on two halves of the GPUs of a torchrun launch, each "
         "half under --context-parallel when given (torchrun --nproc_per_node 4 "
-        "scripts/generate_video.py --cfg-parallel --context-parallel ulysses)",
+        "scripts/generate_video.py --cfg-parallel --context-parallel ulysses); --cfg-parallel 4 "
+        "(LTX-2): its four passes a step (the branches, STG, modality isolation) on four groups",
     )
     parser.add_argument(
         "--tiny",
@@ -519,7 +527,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.parallel = " ".join(
         option
         for option, given in (
-            ("--cfg-parallel", args.cfg_parallel),
+            ("--cfg-parallel" + (" 4" if args.cfg_parallel == 4 else ""), args.cfg_parallel),
             (f"--context-parallel {args.context_parallel}", args.context_parallel),
         )
         if given
@@ -540,11 +548,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--context-parallel ulysses alone (not tested under ring attention or "
                 "--cfg-parallel); compile per block there (--compile-scope blocks, the default)"
             )
-        world = int(os.environ["WORLD_SIZE"])
-        if args.cfg_parallel and (world % 2 or (world > 2 and not args.context_parallel)):
+        world, groups = int(os.environ["WORLD_SIZE"]), args.cfg_parallel
+        if groups and (world % groups or (world > groups and not args.context_parallel)):
             parser.error(
                 f"--cfg-parallel: {world} GPUs; launch 2 (one guidance branch each), or an even "
                 "number with --context-parallel (each half splits the sequence)"
+                if groups == 2
+                else f"--cfg-parallel {groups}: {world} GPUs; launch {groups} (one pass each), "
+                f"or a multiple of {groups} with --context-parallel"
+            )
+        if groups == 4 and args.pipeline != "LTX2Pipeline":
+            parser.error(
+                f"--cfg-parallel 4: LTX-2 only (its four passes a step); {args.model_id} is "
+                f"{args.pipeline or 'no known LTX-2 checkpoint'}: --cfg-parallel"
             )
         if args.cfg_parallel and args.guidance_scale <= 1:
             parser.error(
@@ -1281,9 +1297,10 @@ def parallel_layout(args) -> str:
     world = torch.distributed.get_world_size()
     if not args.cfg_parallel:
         return f"{args.context_parallel} x {world} GPUs"
+    groups = args.cfg_parallel
     if not args.context_parallel:
         return f"cfg x {world} GPUs"
-    return f"cfg 2 x {args.context_parallel} {world // 2} GPUs"
+    return f"cfg {groups} x {args.context_parallel} {world // groups} GPUs"
 
 
 def enable_parallel(pipe, args) -> None:
@@ -1292,7 +1309,7 @@ def enable_parallel(pipe, args) -> None:
     the text tokens and (Ulysses) the attention heads. --cfg-parallel: enable_cfg_parallel."""
     from diffusers import ContextParallelConfig
 
-    degree = torch.distributed.get_world_size() // (2 if args.cfg_parallel else 1)
+    degree = torch.distributed.get_world_size() // (args.cfg_parallel or 1)
     config = None  # each half's ContextParallelConfig
     if args.context_parallel:
         vae = pipe.vae
@@ -1317,7 +1334,7 @@ def enable_parallel(pipe, args) -> None:
     if args.cfg_parallel:
         from ltx_kernels.integration import enable_cfg_parallel
 
-        enable_cfg_parallel(pipe, config)
+        enable_cfg_parallel(pipe, config, groups=args.cfg_parallel)
     else:
         pipe.transformer.enable_parallelism(config=config)
 

@@ -162,7 +162,7 @@ def _ltx2_pipeline():
     return generate_video_script().build_random_pipeline("ltx-2", torch.float32, "cpu", tiny=True)
 
 
-def _ltx2_call(pipe, guidance_scale=3.0):
+def _ltx2_call(pipe, guidance_scale=3.0, stg_blocks=(1,), stg_scale=1.0):
     """Two steps of 9 frames 64 x 64 (8 video tokens) on a left-padded 8-token prompt, with
     LTX2Pipeline's default guidance: CFG, STG (at the second block) and modality isolation, the
     video and audio latents concatenated."""
@@ -182,7 +182,9 @@ def _ltx2_call(pipe, guidance_scale=3.0):
         width=64,
         num_inference_steps=STEPS,
         guidance_scale=guidance_scale,
-        spatio_temporal_guidance_blocks=[1],
+        spatio_temporal_guidance_blocks=list(stg_blocks),
+        stg_scale=stg_scale,
+        audio_stg_scale=stg_scale,
         max_sequence_length=8,
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
@@ -199,7 +201,7 @@ FAMILIES = {
 }
 
 
-def _case(family, ulysses, order="before", device="cpu"):
+def _case(family, ulysses, order="before", device="cpu", groups=2):
     """The pipeline with its transformer injected before or after enable_cfg_parallel against
     stock diffusers in this process, on `device`; the (batch, tokens) each call of the last block
     saw on this rank. Injected after: then removed, the hooks on the model and how many modules
@@ -210,7 +212,7 @@ def _case(family, ulysses, order="before", device="cpu"):
     model, stock_class = pipe.transformer, type(pipe.transformer)
     if order == "before":
         ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
-    enable_cfg_parallel(pipe, _ulysses(ulysses))
+    enable_cfg_parallel(pipe, _ulysses(ulysses), groups=groups)
     if order == "after":
         ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
     seen = []
@@ -226,6 +228,40 @@ def _case(family, ulysses, order="before", device="cpu"):
         result["hooks"] = list(model._diffusers_hook.hooks)
         result["class"] = type(model) is stock_class
     return result
+
+
+def _ltx2_four_groups_blocks_change(device):
+    """LTX-2 on four groups called twice, the second time with STG at another block: the second
+    call's twins, run ahead with the first call's blocks, run again at the STG call; both calls
+    against stock diffusers."""
+    expected = [
+        _ltx2_call(_ltx2_pipeline().to(device), stg_blocks=blocks) for blocks in ((1,), (0,))
+    ]
+    pipe = _ltx2_pipeline().to(device)
+    ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+    enable_cfg_parallel(pipe, groups=4)
+    seen = []
+    pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
+        with_kwargs=True,
+    )
+    outs = [_ltx2_call(pipe, stg_blocks=blocks) for blocks in ((1,), (0,))]
+    return {
+        "out": max(rel_l2(out, ref) for out, ref in zip(outs, expected)),
+        "latents": torch.cat(outs).tolist(),
+        "seen": seen,
+    }
+
+
+def _ltx2_four_groups_without_stg():
+    pipe = _ltx2_pipeline()
+    enable_cfg_parallel(pipe, groups=4)
+    return _raises(lambda: _ltx2_call(pipe, stg_scale=0.0))
+
+
+def _four_groups_ltx_video():
+    pipe = _ltx_pipeline()
+    return _raises(lambda: enable_cfg_parallel(pipe, groups=4))
 
 
 def _raises(run):
@@ -275,6 +311,10 @@ CASES = {
         "ltx2_ulysses": lambda d: _case("ltx2", 2, device=d),
         "ltx_ulysses_inject_after": lambda d: _case("ltx", 2, "after", device=d),
         "hunyuan15_ulysses": lambda d: _case("hunyuan15", 2, device=d),
+        "ltx2_four_groups": lambda d: _case("ltx2", 1, device=d, groups=4),
+        "ltx2_four_groups_blocks_change": _ltx2_four_groups_blocks_change,
+        "ltx2_four_groups_without_stg": lambda d: _ltx2_four_groups_without_stg(),
+        "four_groups_ltx_video": lambda d: _four_groups_ltx_video(),
     },
 }
 #: Cases that must raise, with a part of the expected message.
@@ -284,6 +324,12 @@ RAISES = {
     "guidance_off_hunyuan15": "HunyuanVideo15Pipeline was called with guidance off",
     "no_guidance_pipeline": "FluxPipeline is not supported",
     "world_not_divisible": "the world size 2 must be 2 (guidance branches) x the context-parallel",
+    "ltx2_four_groups_without_stg": "enable_cfg_parallel(groups=4): LTX2Pipeline was called "
+    "without both of its 'uncond_stg' and 'uncond_modality' passes (do_spatio_temporal_guidance"
+    "=False, do_modality_isolation_guidance=True)",
+    "four_groups_ltx_video": "enable_cfg_parallel: groups=4 for LTXPipeline; 2 (the guidance "
+    "branches), or 4 (the branches and the STG and modality passes) for LTX2ImageToVideoPipeline, "
+    "LTX2Pipeline",
 }
 #: (batch, tokens) of each last-block call on every rank: LTX one batched call a step, half the
 #: batch a group (Ulysses: half the tokens a rank); Wan one of the two calls a step a group.
@@ -294,6 +340,10 @@ SEEN.update(ltx_ulysses_inject_after=SEEN["ltx_ulysses"])
 SEEN.update(hunyuan15=[[1, 32]] * STEPS, hunyuan15_ulysses=[[1, 16]] * STEPS)
 # LTX-2: the batched call, then the STG pass (group 0) or the modality pass (group 1), a step
 SEEN.update(ltx2=[[1, 8]] * 2 * STEPS, ltx2_ulysses=[[1, 4]] * 2 * STEPS)
+# LTX-2 on four groups: two passes at the first step (the twins' call not seen yet), then one; the
+# second call (other STG blocks) runs its first step's twins again at the STG call.
+SEEN.update(ltx2_four_groups=[[1, 8]] * (STEPS + 1))
+SEEN.update(ltx2_four_groups_blocks_change=[[1, 8]] * 2 * (STEPS + 1))
 #: Injected after enable_cfg_parallel, then removed: how many modules came back (blocks, two
 #: processors and fused q/k/v projections each, the model) and the hooks left on the model,
 #: innermost first. (Wan under context parallelism is injected first: diffusers' split hook sits
@@ -398,6 +448,7 @@ def _generate_video_worker(rank, world, port, output, flags):
         (2, ["--cfg-parallel"], "cfg x 2 GPUs"),
         (2, ["--cfg-parallel", "--model-id", "Lightricks/LTX-2"], "cfg x 2 GPUs"),
         (4, ["--cfg-parallel", "--context-parallel", "ulysses"], "cfg 2 x ulysses 2 GPUs"),
+        (4, ["--cfg-parallel", "4", "--model-id", "Lightricks/LTX-2"], "cfg x 4 GPUs"),
         (  # LTXConditionPipeline: per-token timesteps [2B, S], split by batch, then by tokens
             4,
             ["--cfg-parallel", "--context-parallel", "ulysses"]
@@ -405,7 +456,7 @@ def _generate_video_worker(rank, world, port, output, flags):
             "cfg 2 x ulysses 2 GPUs",
         ),
     ],
-    ids=["ltx", "ltx2", "ltx_ulysses", "ltx_condition_ulysses"],
+    ids=["ltx", "ltx2", "ltx_ulysses", "ltx2_four_groups", "ltx_condition_ulysses"],
 )
 def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
     """torchrun --nproc_per_node N scripts/generate_video.py --cfg-parallel [--context-parallel
@@ -429,8 +480,16 @@ def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
         (2, ["--guidance-scale", "1"], "--cfg-parallel: needs classifier-free guidance"),
         (4, [], "--cfg-parallel: 4 GPUs; launch 2 (one guidance branch each), or an even"),
         (3, ["--context-parallel", "ulysses"], "--cfg-parallel: 3 GPUs"),
+        (4, ["4"], "--cfg-parallel 4: LTX-2 only (its four passes a step)"),
+        (8, ["4"], "--cfg-parallel 4: 8 GPUs; launch 4 (one pass each), or a multiple of 4"),
     ],
-    ids=["guidance_off", "four_gpus_without_context_parallel", "odd_gpu_count"],
+    ids=[
+        "guidance_off",
+        "four_gpus_without_context_parallel",
+        "odd_gpu_count",
+        "four_groups_ltx_video",
+        "four_groups_eight_gpus_without_context_parallel",
+    ],
 )
 def test_generate_video_cfg_parallel_flag_errors(monkeypatch, capsys, world, flags, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -1,12 +1,14 @@
 """Classifier-free-guidance parallelism: the two guidance branches of a diffusers video pipeline
 (unconditional and conditional) on two GPU groups, with context parallelism (Ulysses / ring)
-inside each group, e.g. 2 groups x Ulysses 2 on 4 GPUs.
+inside each group, e.g. 2 groups x Ulysses 2 on 4 GPUs; or, for LTX-2 with STG and modality
+isolation on, its four passes a step on four groups (e.g. one GPU each on 4 GPUs).
 
     ltx_kernels.inject_optimized_kernels(pipe)  # before or after
     enable_cfg_parallel(pipe, ContextParallelConfig(ulysses_degree=2))  # 4 processes
+    enable_cfg_parallel(ltx2_pipe, groups=4)  # 4 processes, one LTX-2 pass each
 
 The processes form a (cfg, ring, ulysses) device mesh: ranks [0, N) are group 0, [N, 2N) group 1,
-N the context-parallel degree. Each transformer gets diffusers' context parallelism over its own
+and so on, N the context-parallel degree. Each transformer gets diffusers' context parallelism over its own
 group (the "ring" and "ulysses" dims) and a diffusers hook, outermost, that hands each group one
 branch and exchanges the results between the two groups (the "cfg" dim), so that every rank
 returns what one GPU would and the pipeline (guidance sum, scheduler, callbacks) runs unchanged
@@ -25,6 +27,14 @@ How a pipeline calls its transformer (PIPELINES; the pipeline names each call's 
   first call group 0 runs it and group 1 runs the second, one all-gather exchanges them, and the
   second call returns what group 1 computed (its arguments checked against those it ran with).
   With one of the two passes off, the other runs whole on every group (right, not faster).
+- four groups (LTX-2, groups=4): the twins' arguments are the batched call's conditional half with
+  their changes, and the first twin's own argument (the STG blocks, a local of the pipeline's
+  call) is seen at its call. So at the first step the twins run as with two groups (groups 2 and
+  3 repeat 0 and 1), and from the second step on groups 2 and 3 run the twins beside the batched
+  call, in its one all-gather: one pass a step a group instead of two. Each twin's call returns
+  what was run ahead for it after checking its arguments against the prediction (all of them,
+  with one device sync); a first twin predicted wrongly (other STG blocks) is run then, as at
+  the first step.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import torch
 from .context_parallel import CFG_PARALLEL_HOOK, _GatherSequence, injected_plan
 
 GROUPS = 2  # the guidance branches: unconditional and conditional
+TWIN_GROUPS = 4  # LTX-2's four passes a step: the two branches and the two twins
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,10 @@ class Twins:
     second: str
     changes: dict
     when: str
+    # Four groups: the arguments of the first's that only its call shows (the batched call's
+    # conditional half with these is its call), and the property that turns it on.
+    first_own: tuple[str, ...] = ()
+    first_when: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,8 @@ _LTX2 = Branches(
         second="uncond_modality",
         changes={"isolate_modalities": True, "spatio_temporal_guidance_blocks": None},
         when="do_modality_isolation_guidance",
+        first_own=("spatio_temporal_guidance_blocks",),
+        first_when="do_spatio_temporal_guidance",
     ),
 )
 _WAN = Branches(separate=("cond", "uncond"))
@@ -97,10 +114,12 @@ PIPELINES = {
 }
 
 
-def enable_cfg_parallel(pipe, context_parallel=None) -> None:
+def enable_cfg_parallel(pipe, context_parallel=None, groups: int = GROUPS) -> None:
     """Runs the pipeline's two guidance branches on two halves of the torch.distributed world
     (one process per GPU, e.g. torchrun), each half under `context_parallel` (a diffusers
     ContextParallelConfig: Ulysses / ring over the half's GPUs; None: one GPU a branch).
+    groups=4 (LTX-2 pipelines, called with STG and modality isolation on): its four passes a
+    step on four quarters of the world instead (module docstring).
 
     Call instead of the transformer's enable_parallelism (it calls that on each half), before or
     after inject_optimized_kernels (injected after, remove_optimized_kernels can restore the
@@ -127,12 +146,20 @@ def enable_cfg_parallel(pipe, context_parallel=None) -> None:
                 "enable_cfg_parallel: pass a ContextParallelConfig without a mesh (the guidance "
                 "groups and their context-parallel meshes are built here)"
             )
-    world = dist.get_world_size()
-    if world != GROUPS * degree:
+    if groups != GROUPS and not (groups == TWIN_GROUPS and PIPELINES[name].twins):
+        with_twins = sorted(key for key, branches in PIPELINES.items() if branches.twins)
         raise ValueError(
-            f"enable_cfg_parallel: the world size {world} must be {GROUPS} (guidance branches) x "
+            f"enable_cfg_parallel: groups={groups} for {name}; {GROUPS} (the guidance branches), "
+            f"or {TWIN_GROUPS} (the branches and the STG and modality passes) for "
+            f"{', '.join(with_twins)}"
+        )
+    world = dist.get_world_size()
+    if world != groups * degree:
+        what = "guidance branches" if groups == GROUPS else "passes a step"
+        raise ValueError(
+            f"enable_cfg_parallel: the world size {world} must be {groups} ({what}) x "
             f"the context-parallel degree {degree} (ring_degree x ulysses_degree) = "
-            f"{GROUPS * degree}"
+            f"{groups * degree}"
         )
     transformers = _transformers(pipe)
     for key, transformer in transformers:
@@ -146,7 +173,7 @@ def enable_cfg_parallel(pipe, context_parallel=None) -> None:
     ulysses = context_parallel.ulysses_degree if context_parallel else 1
     mesh = torch.distributed.device_mesh.init_device_mesh(
         torch._C._get_accelerator().type,
-        (GROUPS, ring, ulysses),
+        (groups, ring, ulysses),
         mesh_dim_names=("cfg", "ring", "ulysses"),
     )
     from diffusers.hooks import HookRegistry
@@ -156,7 +183,7 @@ def enable_cfg_parallel(pipe, context_parallel=None) -> None:
             config = _copy_config(context_parallel)
             config.mesh = mesh
             transformer.enable_parallelism(config=config, cp_plan=injected_plan(transformer))
-        hook = _CfgParallelHook(pipe, PIPELINES[name], mesh["cfg"])
+        hook = _CfgParallelHook(pipe, PIPELINES[name], mesh["cfg"], groups)
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(hook, CFG_PARALLEL_HOOK)
 
@@ -190,18 +217,22 @@ class _CfgParallelHook:
 
     _is_stateful = True
 
-    def __init__(self, pipe, branches: Branches, cfg_mesh):
+    def __init__(self, pipe, branches: Branches, cfg_mesh, groups: int):
         from diffusers.hooks.hooks import StateManager
 
         self.fn_ref = None  # set by diffusers' HookRegistry.register_hook
         self.pipe = weakref.ref(pipe)  # (the pipeline holds the transformer, which holds this)
         self.branches = branches
         self.group = cfg_mesh.get_group()
-        self.index = cfg_mesh.get_local_rank()  # this rank's guidance group: 0 or 1
+        self.groups = groups
+        self.index = cfg_mesh.get_local_rank()  # this rank's guidance group: 0 .. groups - 1
         self.state = StateManager(_NoState)
-        # What a later call takes: separate, the first call's output; twins, (the second twin's
-        # arguments, its output).
+        # separate: the first call's output, for the second call
         self.pending = None
+        # Calls run ahead: cache context -> (their predicted arguments, their output).
+        self.ahead = {}
+        # Four groups: the first twin's own arguments (Twins.first_own) at its last call.
+        self.first_own = None
 
     def initialize_hook(self, module):
         return module
@@ -216,13 +247,15 @@ class _CfgParallelHook:
         return output
 
     def reset_state(self, module):
-        self.pending = None
+        self.pending, self.ahead, self.first_own = None, {}, None
         return module
 
     def new_forward(self, module, *args, **kwargs):
         context = self.state._context
         name = None if context is None else context.name
         branches, pipe = self.branches, self.pipe()
+        if name in self.ahead:
+            return self._ran_ahead(module, name, args, kwargs)
         if name == branches.batched or name in (branches.separate or ()):
             if pipe is not None and not branches.guided(pipe):
                 raise RuntimeError(
@@ -236,12 +269,15 @@ class _CfgParallelHook:
         twins = branches.twins
         if twins and name == twins.first and pipe is not None and getattr(pipe, twins.when):
             return self._first_twin(module, args, kwargs)
-        if twins and name == twins.second and self.pending is not None:
-            return self._second_twin(module, args, kwargs)
         return self.fn_ref.original_forward(*args, **kwargs)  # (one pass, on every group)
 
+    def _gather(self, output):
+        """Every group's output of one call, stacked along a new first dim in group order."""
+        return _map_tensors(output, lambda x: _GatherSequence.apply(x.unsqueeze(0), 0, self.group))
+
     def _batched(self, module, args, kwargs):
-        """This group's half of the batch through the model, then the whole batch's output."""
+        """This group's half of the batch through the model, then the whole batch's output;
+        with four groups, groups 2 and 3 run the twins meanwhile (once their call was seen)."""
         kwargs = _keywords(module, args, kwargs)
         batch = kwargs["hidden_states"].shape[0]
         if batch % GROUPS:
@@ -250,13 +286,36 @@ class _CfgParallelHook:
                 f"branches concatenated (a multiple of {GROUPS})"
             )
         half = batch // GROUPS
-        start = self.index * half
-        local = {
-            key: value[start : start + half] if _is_batched(value, batch) else value
-            for key, value in kwargs.items()
-        }
-        output = self.fn_ref.original_forward(**local)
-        return _map_tensors(output, lambda x: _GatherSequence.apply(x, 0, self.group))
+        runs = [
+            {
+                key: value[start : start + half] if _is_batched(value, batch) else value
+                for key, value in kwargs.items()
+            }
+            for start in (0, half)
+        ]
+        self.ahead = {}  # (what an interrupted step left)
+        if self.groups == TWIN_GROUPS:
+            self._check_twins_on()
+            if self.first_own is not None:  # the twins: the conditional half, changed
+                twins = self.branches.twins
+                runs += [{**runs[1], **self.first_own}, {**runs[1], **twins.changes}]
+                predicted = {twins.first: runs[2], twins.second: runs[3]}
+        # (Four groups at the first step: groups 2 and 3 repeat the halves of 0 and 1.)
+        every = self._gather(self.fn_ref.original_forward(**runs[self.index % len(runs)]))
+        if len(runs) == TWIN_GROUPS:
+            for group, (name, arguments) in enumerate(predicted.items(), start=GROUPS):
+                self.ahead[name] = (arguments, _map_tensors(every, lambda x, g=group: x[g]))
+        return _map_tensors(every, lambda x: x[:GROUPS].flatten(0, 1))
+
+    def _check_twins_on(self):
+        pipe, twins = self.pipe(), self.branches.twins
+        if pipe is not None and not (getattr(pipe, twins.first_when) and getattr(pipe, twins.when)):
+            raise RuntimeError(
+                f"enable_cfg_parallel(groups={TWIN_GROUPS}): {type(pipe).__name__} was called "
+                f"without both of its {twins.first!r} and {twins.second!r} passes ({twins.first_when}"
+                f"={getattr(pipe, twins.first_when)}, {twins.when}={getattr(pipe, twins.when)}): "
+                f"{TWIN_GROUPS} groups run its four passes a step; use groups={GROUPS}"
+            )
 
     def _separate(self, module, name, args, kwargs):
         """Group 0 runs the first branch's call, group 1 the second's; after the second, the
@@ -294,41 +353,56 @@ class _CfgParallelHook:
         return computed
 
     def _first_twin(self, module, args, kwargs):
-        """Group 0 runs this pass, group 1 the second twin (these arguments with its changes);
-        both outputs exchanged, the second kept for its call."""
+        """The even groups run this pass, the odd ones the second twin (these arguments with its
+        changes); both outputs exchanged, the second kept for its call."""
+        twins = self.branches.twins
         kwargs = _keywords(module, args, kwargs)
-        second = {**kwargs, **self.branches.twins.changes}
-        output = self.fn_ref.original_forward(**(second if self.index else kwargs))
-        both = _map_tensors(output, lambda x: _GatherSequence.apply(x.unsqueeze(0), 0, self.group))
-        self.pending = (second, _map_tensors(both, lambda x: x[1]))
-        return _map_tensors(both, lambda x: x[0])
+        if self.groups == TWIN_GROUPS:  # (seen here, run ahead from the next step)
+            self.first_own = {key: kwargs.get(key) for key in twins.first_own}
+        second = {**kwargs, **twins.changes}
+        every = self._gather(self.fn_ref.original_forward(**(second if self.index % 2 else kwargs)))
+        self.ahead[twins.second] = (second, _map_tensors(every, lambda x: x[1]))
+        return _map_tensors(every, lambda x: x[0])
 
-    def _second_twin(self, module, args, kwargs):
-        """The output the first twin's call computed for this call, its arguments checked."""
-        (predicted, output), self.pending = self.pending, None
+    def _ran_ahead(self, module, name, args, kwargs):
+        """The output a call run ahead computed for this call, its arguments checked. A first
+        twin run ahead with other arguments (four groups: other STG blocks) runs now instead."""
+        predicted, output = self.ahead.pop(name)
         kwargs = _keywords(module, args, kwargs)
-        differing = sorted(
-            key
-            for key in predicted.keys() | kwargs.keys()
-            if not _same(predicted.get(key), kwargs.get(key))
-        )
-        if differing:
-            raise RuntimeError(
-                f"enable_cfg_parallel: the {self.branches.twins.second!r} call's arguments "
-                f"{differing} differ from the {self.branches.twins.first!r} call's with "
-                f"{self.branches.twins.changes}, with which it was run ahead"
+        differing = _differing(predicted, kwargs)
+        if not differing:
+            return output
+        twins = self.branches.twins
+        if name == twins.first:
+            self.ahead.pop(twins.second, None)
+            return self._first_twin(module, (), kwargs)
+        raise RuntimeError(
+            f"enable_cfg_parallel: the {name!r} call's arguments {differing} differ from those "
+            "it was run ahead with (the "
+            + (
+                f"{twins.first!r} call's with {twins.changes})"
+                if self.groups == GROUPS
+                else f"{self.branches.batched!r} call's second half with {twins.changes})"
             )
-        return output
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and (a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)))
         )
-    return a == b
+
+
+def _differing(predicted: dict, kwargs: dict) -> list[str]:
+    """The names of the arguments that differ between two calls' (tensors: shape, dtype, device
+    and values, compared on the device with one sync for all)."""
+    differing, compared = [], []
+    for key in sorted(predicted.keys() | kwargs.keys()):
+        a, b = predicted.get(key), kwargs.get(key)
+        tensors = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
+        if all(tensors) and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device):
+            if a is not b:
+                compared.append((key, a, b))
+        elif any(tensors) or a != b:
+            differing.append(key)
+    if compared:
+        equal = torch.stack([torch.eq(a, b).all() for _, a, b in compared]).tolist()
+        differing += [key for (key, _, _), same in zip(compared, equal) if not same]
+    return sorted(differing)
 
 
 def _keywords(module, args, kwargs) -> dict:
