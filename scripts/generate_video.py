@@ -557,10 +557,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                 else f"--cfg-parallel {groups}: {world} GPUs; launch {groups} (one pass each), "
                 f"or a multiple of {groups} with --context-parallel"
             )
-        if groups == 4 and args.pipeline != "LTX2Pipeline":
+        if groups and args.context_parallel and world == groups:
+            parser.error(
+                f"{args.parallel}: {world} GPUs are one a guidance group, none left to split "
+                f"the sequence; launch a multiple of {groups} above it, or drop --context-parallel"
+            )
+        if groups == 4 and args.pipeline not in ("LTX2Pipeline", None):
             parser.error(
                 f"--cfg-parallel 4: LTX-2 only (its four passes a step); {args.model_id} is "
-                f"{args.pipeline or 'no known LTX-2 checkpoint'}: --cfg-parallel"
+                f"{args.pipeline}: --cfg-parallel"
             )
         if args.cfg_parallel and args.guidance_scale <= 1:
             parser.error(

@@ -157,9 +157,12 @@ def _hunyuan15_call(pipe, guidance_scale=3.0):
     )[0]
 
 
-def _ltx2_pipeline():
-    """generate_video.py's tiny LTX-2 (2.0) pipeline: video and audio, text connectors."""
-    return generate_video_script().build_random_pipeline("ltx-2", torch.float32, "cpu", tiny=True)
+def _ltx2_pipeline(checkpoint="ltx-2"):
+    """generate_video.py's tiny LTX-2 pipeline (2.0; "ltx-2.3": its STG perturbs the attention,
+    where 2.0's tiny config leaves STG without effect): video and audio, text connectors."""
+    return generate_video_script().build_random_pipeline(
+        checkpoint, torch.float32, "cpu", tiny=True
+    )
 
 
 def _ltx2_call(pipe, guidance_scale=3.0, stg_blocks=(1,), stg_scale=1.0):
@@ -196,6 +199,7 @@ def _ltx2_call(pipe, guidance_scale=3.0, stg_blocks=(1,), stg_scale=1.0):
 FAMILIES = {
     "ltx": (_ltx_pipeline, _ltx_call),
     "ltx2": (_ltx2_pipeline, _ltx2_call),
+    "ltx2.3": (lambda: _ltx2_pipeline("ltx-2.3"), _ltx2_call),
     "wan": (_wan_pipeline, _wan_call),
     "hunyuan15": (_hunyuan15_pipeline, _hunyuan15_call),
 }
@@ -231,13 +235,14 @@ def _case(family, ulysses, order="before", device="cpu", groups=2):
 
 
 def _ltx2_four_groups_blocks_change(device):
-    """LTX-2 on four groups called twice, the second time with STG at another block: the second
-    call's twins, run ahead with the first call's blocks, run again at the STG call; both calls
-    against stock diffusers."""
-    expected = [
-        _ltx2_call(_ltx2_pipeline().to(device), stg_blocks=blocks) for blocks in ((1,), (0,))
-    ]
-    pipe = _ltx2_pipeline().to(device)
+    """LTX-2.3 on four groups called twice, the second time with STG at another block and the
+    hooks' state kept from the first call (as after a call that raised: the pipeline resets it at
+    the end of a call): the second call's twins, run ahead with the first call's blocks, run again
+    at the STG call; both calls against stock diffusers (their STG blocks change the output)."""
+    build = FAMILIES["ltx2.3"][0]
+    expected = [_ltx2_call(build().to(device), stg_blocks=blocks) for blocks in ((1,), (0,))]
+    pipe = build().to(device)
+    pipe.maybe_free_model_hooks = lambda: None  # (keeps the hooks' state between the calls)
     ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
     enable_cfg_parallel(pipe, groups=4)
     seen = []
@@ -248,6 +253,7 @@ def _ltx2_four_groups_blocks_change(device):
     outs = [_ltx2_call(pipe, stg_blocks=blocks) for blocks in ((1,), (0,))]
     return {
         "out": max(rel_l2(out, ref) for out, ref in zip(outs, expected)),
+        "blocks_matter": rel_l2(expected[0], expected[1]),
         "latents": torch.cat(outs).tolist(),
         "seen": seen,
     }
@@ -311,7 +317,7 @@ CASES = {
         "ltx2_ulysses": lambda d: _case("ltx2", 2, device=d),
         "ltx_ulysses_inject_after": lambda d: _case("ltx", 2, "after", device=d),
         "hunyuan15_ulysses": lambda d: _case("hunyuan15", 2, device=d),
-        "ltx2_four_groups": lambda d: _case("ltx2", 1, device=d, groups=4),
+        "ltx2_four_groups": lambda d: _case("ltx2.3", 1, device=d, groups=4),
         "ltx2_four_groups_blocks_change": _ltx2_four_groups_blocks_change,
         "ltx2_four_groups_without_stg": lambda d: _ltx2_four_groups_without_stg(),
         "four_groups_ltx_video": lambda d: _four_groups_ltx_video(),
@@ -341,7 +347,7 @@ SEEN.update(hunyuan15=[[1, 32]] * STEPS, hunyuan15_ulysses=[[1, 16]] * STEPS)
 # LTX-2: the batched call, then the STG pass (group 0) or the modality pass (group 1), a step
 SEEN.update(ltx2=[[1, 8]] * 2 * STEPS, ltx2_ulysses=[[1, 4]] * 2 * STEPS)
 # LTX-2 on four groups: two passes at the first step (the twins' call not seen yet), then one; the
-# second call (other STG blocks) runs its first step's twins again at the STG call.
+# second call (other STG blocks, the state kept) runs its first step's twins again at the STG call.
 SEEN.update(ltx2_four_groups=[[1, 8]] * (STEPS + 1))
 SEEN.update(ltx2_four_groups_blocks_change=[[1, 8]] * 2 * (STEPS + 1))
 #: Injected after enable_cfg_parallel, then removed: how many modules came back (blocks, two
@@ -409,6 +415,8 @@ def test_matches_one_process_stock_on_every_rank(results, world, case):
         assert result["out"] <= TOLERANCE, f"rank {rank}: latents rel. L2 {result['out']:.3g}"
         assert result["latents"] == ranks[0][case]["latents"], f"rank {rank} differs from rank 0"
         assert result["seen"] == SEEN[case], f"rank {rank}: the last block saw {result['seen']}"
+        # (a case on other STG blocks: they must change the output, or the test could not fail)
+        assert result.get("blocks_matter", 1.0) > 100 * TOLERANCE, result.get("blocks_matter")
 
 
 @pytest.mark.parametrize("world, case", _world_cases(RAISES))
@@ -481,6 +489,11 @@ def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
         (4, [], "--cfg-parallel: 4 GPUs; launch 2 (one guidance branch each), or an even"),
         (3, ["--context-parallel", "ulysses"], "--cfg-parallel: 3 GPUs"),
         (4, ["4"], "--cfg-parallel 4: LTX-2 only (its four passes a step)"),
+        (
+            4,
+            ["4", "--model-id", "Lightricks/LTX-2", "--context-parallel", "ulysses"],
+            "4 GPUs are one a guidance group, none left to split the sequence",
+        ),
         (8, ["4"], "--cfg-parallel 4: 8 GPUs; launch 4 (one pass each), or a multiple of 4"),
     ],
     ids=[
@@ -488,6 +501,7 @@ def test_generate_video_cfg_parallel(tmp_path, world, flags, layout):
         "four_gpus_without_context_parallel",
         "odd_gpu_count",
         "four_groups_ltx_video",
+        "four_groups_four_gpus_with_context_parallel",
         "four_groups_eight_gpus_without_context_parallel",
     ],
 )

@@ -389,7 +389,7 @@ class _CfgParallelHook:
 
 def _differing(predicted: dict, kwargs: dict) -> list[str]:
     """The names of the arguments that differ between two calls' (tensors: shape, dtype, device
-    and values, compared on the device with one sync for all)."""
+    and values, NaN equal to NaN, compared on the devices with one sync for all)."""
     differing, compared = [], []
     for key in sorted(predicted.keys() | kwargs.keys()):
         a, b = predicted.get(key), kwargs.get(key)
@@ -400,9 +400,19 @@ def _differing(predicted: dict, kwargs: dict) -> list[str]:
         elif any(tensors) or a != b:
             differing.append(key)
     if compared:
-        equal = torch.stack([torch.eq(a, b).all() for _, a, b in compared]).tolist()
+        device = compared[0][1].device
+        equal = torch.stack([_equal(a, b).to(device) for _, a, b in compared]).tolist()
         differing += [key for (key, _, _), same in zip(compared, equal) if not same]
     return sorted(differing)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether two tensors of one shape hold the same values, NaN equal to NaN (a 0-dim bool
+    tensor: no sync)."""
+    same = a == b
+    if a.is_floating_point() or a.is_complex():
+        same |= torch.isnan(a) & torch.isnan(b)
+    return same.all()
 
 
 def _keywords(module, args, kwargs) -> dict:
