@@ -322,6 +322,7 @@ CASES = {
         "ltx2_four_groups_without_stg": lambda d: _ltx2_four_groups_without_stg(),
         "four_groups_ltx_video": lambda d: _four_groups_ltx_video(),
     },
+    8: {"ltx2_four_groups_ulysses": lambda d: _case("ltx2.3", 2, device=d, groups=4)},
 }
 #: Cases that must raise, with a part of the expected message.
 RAISES = {
@@ -348,7 +349,9 @@ SEEN.update(hunyuan15=[[1, 32]] * STEPS, hunyuan15_ulysses=[[1, 16]] * STEPS)
 SEEN.update(ltx2=[[1, 8]] * 2 * STEPS, ltx2_ulysses=[[1, 4]] * 2 * STEPS)
 # LTX-2 on four groups: two passes at the first step (the twins' call not seen yet), then one; the
 # second call (other STG blocks, the state kept) runs its first step's twins again at the STG call.
-SEEN.update(ltx2_four_groups=[[1, 8]] * (STEPS + 1))
+SEEN.update(
+    ltx2_four_groups=[[1, 8]] * (STEPS + 1), ltx2_four_groups_ulysses=[[1, 4]] * (STEPS + 1)
+)
 SEEN.update(ltx2_four_groups_blocks_change=[[1, 8]] * 2 * (STEPS + 1))
 #: Injected after enable_cfg_parallel, then removed: how many modules came back (blocks, two
 #: processors and fused q/k/v projections each, the model) and the hooks left on the model,
