@@ -553,6 +553,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(
                 f"--cfg-parallel: {world} GPUs; launch 2 (one guidance branch each), or an even "
                 "number with --context-parallel (each half splits the sequence)"
+                + ("; LTX-2 on 4: --cfg-parallel 4" if args.pipeline == "LTX2Pipeline" else "")
                 if groups == 2
                 else f"--cfg-parallel {groups}: {world} GPUs; launch {groups} (one pass each), "
                 f"or a multiple of {groups} with --context-parallel"
