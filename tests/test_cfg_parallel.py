@@ -259,6 +259,47 @@ def _ltx2_four_groups_blocks_change(device):
     }
 
 
+def _sharing_pipeline(pipe):
+    """Another LTXPipeline on the same transformer (as from_pipe makes)."""
+    from diffusers import LTXPipeline
+
+    return LTXPipeline(pipe.scheduler, None, None, None, pipe.transformer)
+
+
+def _ltx_taken_over(device):
+    """enable_cfg_parallel on one LTXPipeline, then a second pipeline sharing its transformer
+    calls it: a clear error (the first never ran), then enable_cfg_parallel on the second takes the
+    transformer over, and its call matches stock diffusers."""
+    expected = _ltx_call(_ltx_pipeline().to(device))
+    pipe = _ltx_pipeline().to(device)
+    ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+    enable_cfg_parallel(pipe)
+    other, seen = _sharing_pipeline(pipe), []
+    pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
+        with_kwargs=True,
+    )
+    raised = _raises(lambda: _ltx_call(other))["raised"]
+    enable_cfg_parallel(other)
+    out = _ltx_call(other)
+    return {
+        "out": rel_l2(out, expected),
+        "latents": out.flatten().tolist(),
+        "seen": seen,
+        "raised": raised,
+    }
+
+
+def _ltx_taken_over_in_another_layout():
+    pipe = _ltx_pipeline()
+    enable_cfg_parallel(pipe, _ulysses(2))
+    from diffusers import ContextParallelConfig
+
+    return _raises(
+        lambda: enable_cfg_parallel(_sharing_pipeline(pipe), ContextParallelConfig(ring_degree=2))
+    )
+
+
 def _ltx2_four_groups_without_stg():
     pipe = _ltx2_pipeline()
     enable_cfg_parallel(pipe, groups=4)
@@ -310,6 +351,7 @@ CASES = {
         "guidance_off_hunyuan15": lambda d: _guidance_off("hunyuan15"),
         "no_guidance_pipeline": lambda d: _no_guidance_pipeline(),
         "world_not_divisible": lambda d: _world_not_divisible(),
+        "ltx_taken_over": _ltx_taken_over,
     },
     4: {
         "ltx_ulysses": lambda d: _case("ltx", 2, device=d),
@@ -321,6 +363,7 @@ CASES = {
         "ltx2_four_groups_blocks_change": _ltx2_four_groups_blocks_change,
         "ltx2_four_groups_without_stg": lambda d: _ltx2_four_groups_without_stg(),
         "four_groups_ltx_video": lambda d: _four_groups_ltx_video(),
+        "taken_over_in_another_layout": lambda d: _ltx_taken_over_in_another_layout(),
     },
     8: {"ltx2_four_groups_ulysses": lambda d: _case("ltx2.3", 2, device=d, groups=4)},
 }
@@ -334,6 +377,8 @@ RAISES = {
     "ltx2_four_groups_without_stg": "enable_cfg_parallel(groups=4): LTX2Pipeline was called "
     "without both of its 'uncond_stg' and 'uncond_modality' passes (do_spatio_temporal_guidance"
     "=False, do_modality_isolation_guidance=True)",
+    "taken_over_in_another_layout": "enable_cfg_parallel: LTXPipeline.transformer runs under it "
+    "with groups=2 and ContextParallelConfig(ring_degree=1, ulysses_degree=2",
     "four_groups_ltx_video": "enable_cfg_parallel: groups=4 for LTXPipeline; 2 (the guidance "
     "branches), or 4 (the branches and the STG and modality passes) for LTX2ImageToVideoPipeline, "
     "LTX2Pipeline",
@@ -342,7 +387,7 @@ RAISES = {
 #: batch a group (Ulysses: half the tokens a rank); Wan one of the two calls a step a group.
 SEEN = {"ltx": [[1, 8]] * STEPS, "ltx_ulysses": [[1, 4]] * STEPS}
 SEEN.update(wan=SEEN["ltx"], wan_ulysses=SEEN["ltx_ulysses"], ltx_inject_after=SEEN["ltx"])
-SEEN.update(ltx_ulysses_inject_after=SEEN["ltx_ulysses"])
+SEEN.update(ltx_ulysses_inject_after=SEEN["ltx_ulysses"], ltx_taken_over=SEEN["ltx"])
 # HunyuanVideo-1.5: Wan's separate calls, 32 tokens (its patch size 1)
 SEEN.update(hunyuan15=[[1, 32]] * STEPS, hunyuan15_ulysses=[[1, 16]] * STEPS)
 # LTX-2: the batched call, then the STG pass (group 0) or the modality pass (group 1), a step
@@ -420,6 +465,8 @@ def test_matches_one_process_stock_on_every_rank(results, world, case):
         assert result["seen"] == SEEN[case], f"rank {rank}: the last block saw {result['seen']}"
         # (a case on other STG blocks: they must change the output, or the test could not fail)
         assert result.get("blocks_matter", 1.0) > 100 * TOLERANCE, result.get("blocks_matter")
+        if case == "ltx_taken_over":  # (the call before the takeover)
+            assert "the LTXPipeline it serves is not running" in result["raised"], result["raised"]
 
 
 @pytest.mark.parametrize("world, case", _world_cases(RAISES))

@@ -123,8 +123,10 @@ def enable_cfg_parallel(pipe, context_parallel=None, groups: int = GROUPS) -> No
 
     Call instead of the transformer's enable_parallelism (it calls that on each half), before or
     after inject_optimized_kernels (injected after, remove_optimized_kernels can restore the
-    model; HunyuanVideo-1.5 under context parallelism: before, its plan is ours). Every pipeline call must have guidance on (guidance_scale > 1); every rank must make
-    the same calls with the same inputs, as under context parallelism."""
+    model; HunyuanVideo-1.5 under context parallelism: before, its plan is ours). Every pipeline
+    call must have guidance on (guidance_scale > 1); every rank must make the same calls with the
+    same inputs, as under context parallelism. A pipeline sharing the transformers (from_pipe)
+    takes them over by the same call with the same layout."""
     import torch.distributed as dist
 
     name = type(pipe).__name__
@@ -162,6 +164,10 @@ def enable_cfg_parallel(pipe, context_parallel=None, groups: int = GROUPS) -> No
             f"{groups * degree}"
         )
     transformers = _transformers(pipe)
+    hooks = [_cfg_hook(transformer) for _, transformer in transformers]
+    if any(hooks):  # (a pipeline sharing the transformer, e.g. made with from_pipe)
+        _rebind(pipe, transformers, hooks, (groups, context_parallel))
+        return
     for key, transformer in transformers:
         if transformer._parallel_config is not None:
             raise RuntimeError(
@@ -183,9 +189,37 @@ def enable_cfg_parallel(pipe, context_parallel=None, groups: int = GROUPS) -> No
             config = _copy_config(context_parallel)
             config.mesh = mesh
             transformer.enable_parallelism(config=config, cp_plan=injected_plan(transformer))
-        hook = _CfgParallelHook(pipe, PIPELINES[name], mesh["cfg"], groups)
+        hook = _CfgParallelHook(pipe, PIPELINES[name], mesh["cfg"], (groups, context_parallel))
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(hook, CFG_PARALLEL_HOOK)
+
+
+def _cfg_hook(transformer):
+    """The enable_cfg_parallel hook on the transformer, or None."""
+    registry = getattr(transformer, "_diffusers_hook", None)
+    hook = registry.get_hook(CFG_PARALLEL_HOOK) if registry is not None else None
+    return hook if isinstance(hook, _CfgParallelHook) else None
+
+
+def _rebind(pipe, transformers, hooks, layout) -> None:
+    """enable_cfg_parallel on a pipeline whose transformers run under it already (through another
+    pipeline: from_pipe shares them): the hooks serve this pipeline from now on, in the layout
+    (groups, context-parallel config) they were set up with."""
+    name = type(pipe).__name__
+    for (key, _), hook in zip(transformers, hooks, strict=True):
+        if hook is None or hook.layout != layout:
+            raise RuntimeError(
+                f"enable_cfg_parallel: {name}.{key} "
+                + (
+                    "runs without it beside a transformer that runs under it"
+                    if hook is None
+                    else f"runs under it with groups={hook.layout[0]} and {hook.layout[1]}, "
+                    f"not groups={layout[0]} and {layout[1]} (a layout stays as it was set up)"
+                )
+            )
+    for hook in hooks:
+        hook.pipe, hook.branches = weakref.ref(pipe), PIPELINES[name]
+        hook.reset_state(None)
 
 
 def _transformers(pipe) -> list[tuple[str, torch.nn.Module]]:
@@ -217,14 +251,15 @@ class _CfgParallelHook:
 
     _is_stateful = True
 
-    def __init__(self, pipe, branches: Branches, cfg_mesh, groups: int):
+    def __init__(self, pipe, branches: Branches, cfg_mesh, layout: tuple):
         from diffusers.hooks.hooks import StateManager
 
         self.fn_ref = None  # set by diffusers' HookRegistry.register_hook
         self.pipe = weakref.ref(pipe)  # (the pipeline holds the transformer, which holds this)
         self.branches = branches
         self.group = cfg_mesh.get_group()
-        self.groups = groups
+        self.layout = layout  # (groups, the ContextParallelConfig given, or None)
+        self.groups = layout[0]
         self.index = cfg_mesh.get_local_rank()  # this rank's guidance group: 0 .. groups - 1
         self.state = StateManager(_NoState)
         # separate: the first call's output, for the second call
@@ -253,13 +288,13 @@ class _CfgParallelHook:
     def new_forward(self, module, *args, **kwargs):
         context = self.state._context
         name = None if context is None else context.name
-        branches, pipe = self.branches, self.pipe()
+        branches = self.branches
         if name in self.ahead:
             return self._ran_ahead(module, name, args, kwargs)
         if name == branches.batched or name in (branches.separate or ()):
-            if pipe is not None and not branches.guided(pipe):
+            if self._read(branches.guided) is False:
                 raise RuntimeError(
-                    f"enable_cfg_parallel: {type(pipe).__name__} was called with guidance off "
+                    f"enable_cfg_parallel: {type(self.pipe()).__name__} was called with guidance off "
                     f"({branches.unguided}): one branch, nothing to run in parallel; call it "
                     "with guidance_scale > 1, or on a pipeline without enable_cfg_parallel"
                 )
@@ -267,9 +302,25 @@ class _CfgParallelHook:
                 return self._batched(module, args, kwargs)
             return self._separate(module, name, args, kwargs)
         twins = branches.twins
-        if twins and name == twins.first and pipe is not None and getattr(pipe, twins.when):
+        if twins and name == twins.first and self._read(lambda p: getattr(p, twins.when)):
             return self._first_twin(module, args, kwargs)
         return self.fn_ref.original_forward(*args, **kwargs)  # (one pass, on every group)
+
+    def _read(self, read):
+        """bool(read(pipeline)) of the pipeline this hook serves (None once it is gone); a clear
+        error where it holds no such state: it never ran, so another pipeline sharing the
+        transformer (e.g. made with from_pipe) is calling it."""
+        pipe = self.pipe()
+        if pipe is None:
+            return None
+        try:
+            return bool(read(pipe))
+        except AttributeError as error:
+            raise RuntimeError(
+                f"enable_cfg_parallel: the transformer is called, but the {type(pipe).__name__} it "
+                f"serves is not running ({error}): another pipeline sharing it (from_pipe)? call "
+                "enable_cfg_parallel on that pipeline too (it takes the transformers over)"
+            ) from error
 
     def _gather(self, output):
         """Every group's output of one call, stacked along a new first dim in group order."""
@@ -309,7 +360,8 @@ class _CfgParallelHook:
 
     def _check_twins_on(self):
         pipe, twins = self.pipe(), self.branches.twins
-        if pipe is not None and not (getattr(pipe, twins.first_when) and getattr(pipe, twins.when)):
+        on = self._read(lambda p: getattr(p, twins.first_when) and getattr(p, twins.when))
+        if on is False:
             raise RuntimeError(
                 f"enable_cfg_parallel(groups={TWIN_GROUPS}): {type(pipe).__name__} was called "
                 f"without both of its {twins.first!r} and {twins.second!r} passes ({twins.first_when}"
