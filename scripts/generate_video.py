@@ -1303,9 +1303,9 @@ def parallel_layout(args) -> str:
     world = torch.distributed.get_world_size()
     if not args.cfg_parallel:
         return f"{args.context_parallel} x {world} GPUs"
-    groups = args.cfg_parallel
     if not args.context_parallel:
         return f"cfg x {world} GPUs"
+    groups = args.cfg_parallel
     return f"cfg {groups} x {args.context_parallel} {world // groups} GPUs"
 
 

@@ -205,6 +205,18 @@ FAMILIES = {
 }
 
 
+def _seen_by_last_block(model) -> list:
+    """The (batch, tokens) of each call of the model's last block, as they come (Wan's plan
+    splits the tokens at its first block)."""
+    seen = []
+    blocks = getattr(model, "blocks", None) or model.transformer_blocks
+    blocks[-1].register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
+        with_kwargs=True,
+    )
+    return seen
+
+
 def _case(family, ulysses, order="before", device="cpu", groups=2):
     """The pipeline with its transformer injected before or after enable_cfg_parallel against
     stock diffusers in this process, on `device`; the (batch, tokens) each call of the last block
@@ -219,12 +231,7 @@ def _case(family, ulysses, order="before", device="cpu", groups=2):
     enable_cfg_parallel(pipe, _ulysses(ulysses), groups=groups)
     if order == "after":
         ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
-    seen = []
-    blocks = model.blocks if family == "wan" else model.transformer_blocks
-    blocks[-1].register_forward_pre_hook(  # (Wan's plan splits the tokens at its first block)
-        lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
-        with_kwargs=True,
-    )
+    seen = _seen_by_last_block(model)
     out = call(pipe)
     result = {"out": rel_l2(out, expected), "latents": out.flatten().tolist(), "seen": seen}
     if order == "after":
@@ -245,11 +252,7 @@ def _ltx2_four_groups_blocks_change(device):
     pipe.maybe_free_model_hooks = lambda: None  # (keeps the hooks' state between the calls)
     ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
     enable_cfg_parallel(pipe, groups=4)
-    seen = []
-    pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(
-        lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
-        with_kwargs=True,
-    )
+    seen = _seen_by_last_block(pipe.transformer)
     outs = [_ltx2_call(pipe, stg_blocks=blocks) for blocks in ((1,), (0,))]
     return {
         "out": max(rel_l2(out, ref) for out, ref in zip(outs, expected)),
@@ -274,11 +277,7 @@ def _ltx_taken_over(device):
     pipe = _ltx_pipeline().to(device)
     ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
     enable_cfg_parallel(pipe)
-    other, seen = _sharing_pipeline(pipe), []
-    pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(
-        lambda _, args, kwargs: seen.append(list((args or [kwargs["hidden_states"]])[0].shape[:2])),
-        with_kwargs=True,
-    )
+    other, seen = _sharing_pipeline(pipe), _seen_by_last_block(pipe.transformer)
     raised = _raises(lambda: _ltx_call(other))["raised"]
     enable_cfg_parallel(other)
     out = _ltx_call(other)

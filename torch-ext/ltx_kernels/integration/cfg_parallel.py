@@ -8,9 +8,9 @@ isolation on, its four passes a step on four groups (e.g. one GPU each on 4 GPUs
     enable_cfg_parallel(ltx2_pipe, groups=4)  # 4 processes, one LTX-2 pass each
 
 The processes form a (cfg, ring, ulysses) device mesh: ranks [0, N) are group 0, [N, 2N) group 1,
-and so on, N the context-parallel degree. Each transformer gets diffusers' context parallelism over its own
-group (the "ring" and "ulysses" dims) and a diffusers hook, outermost, that hands each group one
-branch and exchanges the results between the two groups (the "cfg" dim), so that every rank
+and so on, N the context-parallel degree. Each transformer gets diffusers' context parallelism over
+its own group (the "ring" and "ulysses" dims) and a diffusers hook, outermost, that hands each group
+one branch and exchanges the results between the groups (the "cfg" dim), so that every rank
 returns what one GPU would and the pipeline (guidance sum, scheduler, callbacks) runs unchanged
 and identically on every rank. The branches need no communication before that exchange.
 
@@ -259,7 +259,6 @@ class _CfgParallelHook:
         self.branches = branches
         self.group = cfg_mesh.get_group()
         self.layout = layout  # (groups, the ContextParallelConfig given, or None)
-        self.groups = layout[0]
         self.index = cfg_mesh.get_local_rank()  # this rank's guidance group: 0 .. groups - 1
         self.state = StateManager(_NoState)
         # separate: the first call's output, for the second call
@@ -268,6 +267,10 @@ class _CfgParallelHook:
         self.ahead = {}
         # Four groups: the first twin's own arguments (Twins.first_own) at its last call.
         self.first_own = None
+
+    @property
+    def groups(self) -> int:
+        return self.layout[0]
 
     def initialize_hook(self, module):
         return module
@@ -348,14 +351,13 @@ class _CfgParallelHook:
         if self.groups == TWIN_GROUPS:
             self._check_twins_on()
             if self.first_own is not None:  # the twins: the conditional half, changed
-                twins = self.branches.twins
-                runs += [{**runs[1], **self.first_own}, {**runs[1], **twins.changes}]
-                predicted = {twins.first: runs[2], twins.second: runs[3]}
+                runs += [{**runs[1], **self.first_own}, {**runs[1], **self.branches.twins.changes}]
         # (Four groups at the first step: groups 2 and 3 repeat the halves of 0 and 1.)
         every = self._gather(self.fn_ref.original_forward(**runs[self.index % len(runs)]))
         if len(runs) == TWIN_GROUPS:
-            for group, (name, arguments) in enumerate(predicted.items(), start=GROUPS):
-                self.ahead[name] = (arguments, _map_tensors(every, lambda x, g=group: x[g]))
+            twins = self.branches.twins
+            for group, name in enumerate((twins.first, twins.second), start=GROUPS):
+                self.ahead[name] = (runs[group], _map_tensors(every, lambda x, g=group: x[g]))
         return _map_tensors(every, lambda x: x[:GROUPS].flatten(0, 1))
 
     def _check_twins_on(self):
