@@ -10,6 +10,11 @@
 //   /tmp/timing_main DIR       (writes each case's bf16 output to DIR/CASE.bin)
 //   /tmp/timing_change - DIR   (compares each output with DIR's: relative L2, max |diff|, and the
 //                               share of elements not bit-identical)
+// Built with -DLTX_ATTENTION_TIMELINE (the launcher's source then compiled into this file: drop
+// SRC/attention/attention.cu from the command), each 8-bit case is run once more with the
+// consumers' probes on (hopper_common.cuh: probe) in a CTA of a later wave, and prints, per
+// consumer warp, when each probe fires after its tile's top (clocks, the mean over the tiles past
+// the first three), and the tiles' period.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +26,9 @@
 #include <vector>
 
 #include "ltx_kernels.h"
+#ifdef LTX_ATTENTION_TIMELINE
+#include "attention/attention.cu"
+#endif
 
 namespace {
 
@@ -77,6 +85,42 @@ struct Case {
   const char* name;
   int64_t batch, heads, len, head_dim;
 };
+
+#ifdef LTX_ATTENTION_TIMELINE
+// Runs call() once with the probes on in CTA 3/4 of `ctas` and prints the 8-bit body's timeline.
+template <class Call>
+void print_timeline(Call call, int64_t ctas, int64_t kv_tiles) {
+  using namespace ltx::hopper;
+  const int cta = static_cast<int>(ctas * 3 / 4), off = -1;
+  cudaMemcpyToSymbol(timeline_cta, &cta, sizeof cta);
+  call();
+  cudaDeviceSynchronize();
+  cudaMemcpyToSymbol(timeline_cta, &off, sizeof off);
+  std::vector<long long> t(sizeof(timeline) / sizeof(long long));
+  cudaMemcpyFromSymbol(t.data(), timeline, t.size() * sizeof(long long));
+  const int tiles = static_cast<int>(std::min<int64_t>(kv_tiles, kTimelineTiles));
+  auto at = [&](int c, int w, int j, int e) {
+    return t[((c * 4 + w) * kTimelineTiles + j) * kProbes + e];
+  };
+  const char* names[kProbes] = {"top",      "turn held",    "PV added", "S issued",
+                                "S landed", "softmax done", "tile done"};
+  printf("  timeline of CTA %d, clocks after a tile's top (mean of tiles 3..%d):", cta, tiles - 2);
+  for (int e = 1; e < kProbes; ++e) printf(" | %s", names[e]);
+  printf(" | period\n");
+  for (int c = 0; c < ltx::hopper::CtaShape::kConsumers; ++c)
+    for (int w = 0; w < 4; ++w) {
+      double sum[kProbes + 1] = {0};
+      int n = 0;
+      for (int j = 3; j < tiles - 1; ++j, ++n) {
+        for (int e = 1; e < kProbes; ++e) sum[e] += at(c, w, j, e) - at(c, w, j, kTileTop);
+        sum[kProbes] += at(c, w, j + 1, kTileTop) - at(c, w, j, kTileTop);
+      }
+      printf("    consumer %d warp %d:", c, w);
+      for (int e = 1; e <= kProbes; ++e) printf(" %6.0f", n > 0 ? sum[e] / n : 0.0);
+      printf("\n");
+    }
+}
+#endif
 
 }  // namespace
 
@@ -195,6 +239,9 @@ int main(int argc, char** argv) {
                std::sqrt(diff2 / std::max(ref2, 1e-30)), max_diff, 100.0 * differ / got);
     }
     printf("\n");
+#ifdef LTX_ATTENTION_TIMELINE
+    if (!bf16) print_timeline(call, (S + 191) / 192 * H * B, (S + 127) / 128);
+#endif
     fflush(stdout);
     for (void* p : owned) cudaFree(p);
   }

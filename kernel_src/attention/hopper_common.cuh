@@ -89,6 +89,12 @@ __device__ __forceinline__ void set_max_registers_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
+// This thread's warpgroup (threadIdx.x / 128) through a shuffle from lane 0, which ptxas knows to
+// be uniform across the warp: a consumer's tile addresses then live in uniform registers, leaving
+// vector registers to the softmax (fewer spills; the bodies say where it measured faster).
+__device__ __forceinline__ int uniform_warpgroup() {
+  return __shfl_sync(~0u, threadIdx.x / kWarpgroup, 0);
+}
 // Named barriers over `threads` threads: sync waits for them all, arrive only counts.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -168,6 +174,15 @@ __device__ __forceinline__ uint64_t matrix_descriptor(uint32_t address, uint32_t
          static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
 }
 
+// The descriptor of the matrix `bytes` (a multiple of 16) past desc's start: one 32-bit add to the
+// low word (matrix_descriptor costs four uniform operations a wgmma, on the issue's critical
+// path). The 14-bit address field holds every shared address (< 2^18 bytes), so the sum never
+// carries into LBO.
+__device__ __forceinline__ uint64_t advance_descriptor(uint64_t desc, uint32_t bytes) {
+  const uint32_t low = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | low;
+}
+
 // 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp, subnormal results flushed to 0: probabilities below
 // 2^-126, far under any bound of the tests; exp2f adds the subnormal fix-ups to each).
 __device__ __forceinline__ float exp2_ftz(float x) {
@@ -237,6 +252,26 @@ struct CtaShape {
   static constexpr int kConsumerRegs = 160;
   static_assert(kWarpgroup * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536);
 };
+
+// A consumer's timeline, for benchmarks/attention_launcher_timing.cu built with
+// -DLTX_ATTENTION_TIMELINE (compiled out otherwise): lane 0 of each consumer warp of the CTA
+// timeline_cta records clock64() at each Probe of K/V tile j < kTimelineTiles, after the
+// registers `live` are written (so that the read is not moved above the work it ends).
+enum Probe { kTileTop, kTurnHeld, kPvAdded, kSIssued, kSLanded, kSoftmaxDone, kTileDone, kProbes };
+#ifdef LTX_ATTENTION_TIMELINE
+constexpr int kTimelineTiles = 48;
+__device__ long long timeline[CtaShape::kConsumers * 4 * kTimelineTiles * kProbes];
+__device__ int timeline_cta = -1;
+#endif
+template <class... Live>
+__device__ __forceinline__ void probe(int consumer, int j, Probe e, Live&... live) {
+#ifdef LTX_ATTENTION_TIMELINE
+  (fence_registers(live), ...);
+  const int warp = threadIdx.x / 32 % 4;
+  if (threadIdx.x % 32 == 0 && j < kTimelineTiles && static_cast<int>(blockIdx.x) == timeline_cta)
+    timeline[((consumer * 4 + warp) * kTimelineTiles + j) * kProbes + e] = clock64();
+#endif
+}
 
 // The consumers' turns to issue their GEMMs, through named barriers kFirstTurnBarrier.. (one per
 // consumer): consumer c issues its GEMMs of tile j after wait(), which completes once consumer
