@@ -12,9 +12,11 @@
 //                               share of elements not bit-identical)
 // Built with -DLTX_ATTENTION_TIMELINE (the launcher's source then compiled into this file: drop
 // SRC/attention/attention.cu from the command), each 8-bit case is run once more with the
-// consumers' probes on (hopper_common.cuh: probe) in a CTA of a later wave, and prints, per
-// consumer warp, when each probe fires after its tile's top (clocks, the mean over the tiles past
-// the first three), and the tiles' period.
+// consumers' probes on (hopper_common.cuh: probe) in CTA 3/4 of the grid (a later wave where there
+// are several), and prints, per consumer warp, when each probe fires after its tile's top (clocks,
+// the mean over the tiles past the first three: zeros below five tiles), and the tiles' period.
+// At head_dim 64 "S issued" comes before "PV added" (both GEMMs issue before the P V wait). The
+// probes change the machine code (more spills): compare timelines with timelines only.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -176,8 +176,8 @@ __device__ __forceinline__ uint64_t matrix_descriptor(uint32_t address, uint32_t
 
 // The descriptor of the matrix `bytes` (a multiple of 16) past desc's start: one 32-bit add to the
 // low word (matrix_descriptor costs four uniform operations a wgmma, on the issue's critical
-// path). The 14-bit address field holds every shared address (< 2^18 bytes), so the sum never
-// carries into LBO.
+// path). The advanced address stays inside the CTA's shared memory (< 2^18 bytes), which the
+// 14-bit address field holds, so the add changes no other field.
 __device__ __forceinline__ uint64_t advance_descriptor(uint64_t desc, uint32_t bytes) {
   const uint32_t low = static_cast<uint32_t>(desc) + (bytes >> 4);
   return (desc & 0xFFFFFFFF00000000ull) | low;
@@ -258,10 +258,10 @@ struct CtaShape {
 // timeline_cta records clock64() at each Probe of K/V tile j < kTimelineTiles, after the
 // registers `live` are written (so that the read is not moved above the work it ends).
 enum Probe { kTileTop, kTurnHeld, kPvAdded, kSIssued, kSLanded, kSoftmaxDone, kTileDone, kProbes };
-#ifdef LTX_ATTENTION_TIMELINE
+#ifdef LTX_ATTENTION_TIMELINE  // (static: each translation unit that turns it on has its own)
 constexpr int kTimelineTiles = 48;
-__device__ long long timeline[CtaShape::kConsumers * 4 * kTimelineTiles * kProbes];
-__device__ int timeline_cta = -1;
+static __device__ long long timeline[CtaShape::kConsumers * 4 * kTimelineTiles * kProbes];
+static __device__ int timeline_cta = -1;
 #endif
 template <class... Live>
 __device__ __forceinline__ void probe(int consumer, int j, Probe e, Live&... live) {

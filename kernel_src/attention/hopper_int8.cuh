@@ -202,9 +202,9 @@ __device__ __forceinline__ void gemm_pv(float (&o_tile)[kPvChannels / 2],
   }
 }
 
-// O += P V of one tile for one consumer (its turn to issue GEMMs held, the V tile landed): block
-// by block of kPvChannels channels (o's D fragment, channel block c at o[c / 2..]), each GEMM
-// waited for. P's registers are free after it.
+// O += P V of one tile for one consumer (the V tile landed; in the loop its turn to issue GEMMs
+// held, after it the last tile's without one): block by block of kPvChannels channels (o's D
+// fragment, channel block c at o[c / 2..]), each GEMM waited for. P's registers are free after it.
 template <int kHeadDim>
 __device__ __forceinline__ void accumulate_pv(float (&o)[kHeadDim / 2],
                                               const uint32_t (&p)[kBlockN / 32][4],
