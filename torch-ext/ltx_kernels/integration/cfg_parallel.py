@@ -393,7 +393,7 @@ class _CfgParallelHook:
             return _wrap(self.pending, return_dict)
         computed = self.fn_ref.original_forward(**kwargs) if self.index == 1 else None
         local = self.pending if computed is None else _sample(computed)
-        both = _GatherSequence.apply(local.unsqueeze(0), 0, self.group)  # [first, second]
+        both = self._gather(local)  # [first, second]
         first_sample, self.pending = self.pending, None
         if computed is None:
             return _wrap(both[1], return_dict)
