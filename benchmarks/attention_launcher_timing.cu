@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "ltx_kernels.h"
-#ifdef LTX_ATTENTION_TIMELINE
+#if defined(LTX_ATTENTION_TIMELINE) || defined(LTX_ATTENTION_SPANS)
 #include "attention/attention.cu"
 #endif
 
@@ -121,6 +121,78 @@ void print_timeline(Call call, int64_t ctas, int64_t kv_tiles) {
       for (int e = 1; e <= kProbes; ++e) printf(" %6.0f", n > 0 ? sum[e] / n : 0.0);
       printf("\n");
     }
+}
+#endif
+
+#ifdef LTX_ATTENTION_SPANS
+// Runs call() once with every CTA's span recorded and prints, in means over the CTAs of the later
+// waves (clocks of the CTA's SM): entry to its Q landed, the first tile, the period of a tile, the
+// last tile to the last consumer's stores, the gap on the SM to the next CTA's entry, and the
+// time the SMs sit idle at the kernel's end (global timer, us).
+template <class Call>
+void print_spans(Call call, int64_t ctas, int64_t kv_tiles) {
+  using namespace ltx::hopper;
+  const int on = 1, off = 0;
+  cudaMemcpyToSymbol(spans_on, &on, sizeof on);
+  call();
+  cudaDeviceSynchronize();
+  cudaMemcpyToSymbol(spans_on, &off, sizeof off);
+  std::vector<long long> w(kSpanCtas * kSpanWords);
+  cudaMemcpyFromSymbol(w.data(), cta_spans, w.size() * sizeof(long long));
+  const int n = static_cast<int>(std::min<int64_t>(ctas, kSpanCtas));
+  constexpr int kC = CtaShape::kConsumers;
+  auto at = [&](int cta, int word) { return w[static_cast<size_t>(cta) * kSpanWords + word]; };
+  auto con = [&](int cta, int c, int e) { return at(cta, 3 + c * (kConsumerSpans + 1) + e); };
+  auto end_clock = [&](int cta) {
+    long long e = 0;
+    for (int c = 0; c < kC; ++c) e = std::max(e, con(cta, c, kStored));
+    return e;
+  };
+  auto end_time = [&](int cta) {
+    long long e = 0;
+    for (int c = 0; c < kC; ++c) e = std::max(e, con(cta, c, kConsumerSpans));
+    return e;
+  };
+  std::vector<std::vector<int>> by_sm(1024);
+  long long t0 = at(0, 1), t1 = 0;
+  for (int i = 0; i < n; ++i) {
+    by_sm[at(i, 2) & 1023].push_back(i);
+    t0 = std::min(t0, at(i, 1));
+    t1 = std::max(t1, end_time(i));
+  }
+  double q = 0, first = 0, period = 0, tail = 0, stagger = 0, gap = 0, idle = 0, pv = 0;
+  int counted = 0, gaps = 0, sms = 0;
+  for (auto& list : by_sm) {
+    if (list.empty()) continue;
+    ++sms;
+    std::sort(list.begin(), list.end(), [&](int a, int b) { return at(a, 0) < at(b, 0); });
+    idle += (t1 - end_time(list.back())) / 1e3;
+    for (size_t k = 1; k < list.size(); ++k) {  // (the first wave's CTAs start together)
+      const int i = list[k];
+      gap += at(i, 0) - end_clock(list[k - 1]);
+      ++gaps;
+      q += con(i, 0, kQLanded) - at(i, 0);
+      first += con(i, 0, kFirstTileDone) - con(i, 0, kQLanded);
+      if (kv_tiles > 1)
+        period += double(con(i, 0, kLoopEnd) - con(i, 0, kFirstTileDone)) / (kv_tiles - 1);
+      tail += end_clock(i) - con(i, 0, kLoopEnd);
+      stagger += con(i, kC - 1, kLoopEnd) - con(i, 0, kLoopEnd);
+      pv += con(i, kC - 1, kLastPvDone) - con(i, kC - 1, kLoopEnd);
+      ++counted;
+    }
+  }
+  if (counted == 0) return;
+  q /= counted, first /= counted, period /= counted, tail /= counted, stagger /= counted;
+  pv /= counted;
+  gap /= std::max(gaps, 1), idle /= sms;
+  const double overhead = q + first - period + tail + gap;
+  printf(
+      "  spans (clocks, %d CTAs of later waves on %d SMs): entry->Q %.0f | first tile %.0f | "
+      "period %.0f | loop end->stored %.0f (last consumer's loop end +%.0f, its last P V +%.0f) | "
+      "gap to next CTA "
+      "%.0f | overhead a CTA %.0f = %.2f periods; SMs idle at the end %.1f of %.1f us\n",
+      counted, sms, q, first, period, tail, stagger, pv, gap, overhead, overhead / period, idle,
+      (t1 - t0) / 1e3);
 }
 #endif
 
@@ -243,6 +315,9 @@ int main(int argc, char** argv) {
     printf("\n");
 #ifdef LTX_ATTENTION_TIMELINE
     if (!bf16) print_timeline(call, (S + 191) / 192 * H * B, (S + 127) / 128);
+#endif
+#ifdef LTX_ATTENTION_SPANS
+    print_spans(call, (S + 191) / 192 * H * B, (S + 127) / 128);
 #endif
     fflush(stdout);
     for (void* p : owned) cudaFree(p);

@@ -273,6 +273,46 @@ __device__ __forceinline__ void probe(int consumer, int j, Probe e, Live&... liv
 #endif
 }
 
+// A CTA's span, for benchmarks/attention_launcher_timing.cu built with -DLTX_ATTENTION_SPANS
+// (compiled out otherwise): for every CTA below kSpanCtas, thread 0 records clock64() and the
+// global timer on entry and the SM's id, lane 0 of each consumer's first warp clock64() at each
+// ConsumerSpan and the global timer once its outputs are stored.
+enum ConsumerSpan { kQLanded, kFirstTileDone, kLoopEnd, kLastPvDone, kStored, kConsumerSpans };
+#ifdef LTX_ATTENTION_SPANS
+constexpr int kSpanCtas = 8192;
+constexpr int kSpanWords = 3 + CtaShape::kConsumers * (kConsumerSpans + 1);
+static __device__ long long cta_spans[kSpanCtas * kSpanWords];
+static __device__ int spans_on = 0;
+__device__ __forceinline__ long long global_timer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+__device__ __forceinline__ void span_entry() {
+#ifdef LTX_ATTENTION_SPANS
+  if (threadIdx.x == 0 && spans_on && blockIdx.x < kSpanCtas) {
+    long long* w = cta_spans + blockIdx.x * kSpanWords;
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    w[0] = clock64();
+    w[1] = global_timer();
+    w[2] = sm;
+  }
+#endif
+}
+template <class... Live>
+__device__ __forceinline__ void span(int consumer, ConsumerSpan e, Live&... live) {
+#ifdef LTX_ATTENTION_SPANS
+  (fence_registers(live), ...);
+  if (threadIdx.x % kWarpgroup == 0 && spans_on && blockIdx.x < kSpanCtas) {
+    long long* w = cta_spans + blockIdx.x * kSpanWords + 3 + consumer * (kConsumerSpans + 1);
+    w[e] = clock64();
+    if (e == kStored) w[kConsumerSpans] = global_timer();
+  }
+#endif
+}
+
 // The consumers' turns to issue their GEMMs, through named barriers kFirstTurnBarrier.. (one per
 // consumer): consumer c issues its GEMMs of tile j after wait(), which completes once consumer
 // c - 1 has issued its own of tile j and called pass() (consumer 0: the last consumer's of tile

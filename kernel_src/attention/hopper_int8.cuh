@@ -365,6 +365,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // 2-4% slower, more spills)
   const int warpgroup = kHeadDim == 64 ? uniform_warpgroup() : threadIdx.x / kWarpgroup;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  span_entry();
   init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
@@ -429,6 +430,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const Turns<kConsumers> turns(consumer);
     turns.start();
     mbarrier_wait(shared_address(&bars.q), 0);
+    span(consumer, kQLanded);
 
     // Tile 0: S only (no P V yet).
     float k_factor = k_scale[0];
@@ -449,6 +451,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     else
       softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
     quantize_probabilities(pa, s);
+    span(consumer, kFirstTileDone, pa);
 
     for (int j = 1; j < kv_tiles; ++j) {
       const int stage = j % kStages, prev = (j - 1) % kStages;
@@ -509,14 +512,24 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     }
 
     // O += P V of the last tile (its V keys past n_b zeroed first where they hold data).
+    span(consumer, kLoopEnd, pa);
     const int last = kv_tiles - 1, stage = last % kStages;
     mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
     if (tiles.zero_v_tail()) mbarrier_wait(shared_address(&bars.v_tail), 0);
     accumulate_pv<kHeadDim>(o, pa, smem + L::v(stage));
   }
 
+  if (warpgroup > 0) span(warpgroup - 1, kLastPvDone, o);
   // out = O v_scale / l, lse = m ln 2 + ln(l / 448) (natural log); a row without keys: 0, -inf.
+  // (v_scale is read into registers first: out may alias it for all the compiler knows, so a load
+  // between the stores would wait for the store before it, one L2 round trip each, 4-6 us a CTA)
   const float* const v_scale = p.v_scale + (int64_t{b} * p.heads + h) * kHeadDim;
+  float v_factor[kHeadDim / 4];  // channels nd * 8 + 2t and + 1
+#pragma unroll
+  for (int nd = 0; nd < kHeadDim / 8; ++nd) {
+    v_factor[2 * nd] = v_scale[nd * 8 + 2 * t];
+    v_factor[2 * nd + 1] = v_scale[nd * 8 + 2 * t + 1];
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float sum = group_reduce(l[r], 4);
@@ -525,15 +538,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     if (query >= p.q_len) continue;
     T* const out_row = p.out.row(b, query, h);
 #pragma unroll
-    for (int nd = 0; nd < kHeadDim / 8; ++nd) {
-      const int d = nd * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(out_row + d) = flash_mma::round_pair<T>(
-          o[4 * nd + 2 * r] * inv * v_scale[d], o[4 * nd + 2 * r + 1] * inv * v_scale[d + 1]);
-    }
+    for (int nd = 0; nd < kHeadDim / 8; ++nd)
+      *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * t) =
+          flash_mma::round_pair<T>(o[4 * nd + 2 * r] * inv * v_factor[2 * nd],
+                                   o[4 * nd + 2 * r + 1] * inv * v_factor[2 * nd + 1]);
     if (p.lse != nullptr && t == 0)
       p.lse[(b * p.heads + h) * p.q_len + query] =
           sum > 0.f ? m[r] * kLn2 + logf(sum) - kLnPScale : -INFINITY;
   }
+  if (warpgroup > 0) span(warpgroup - 1, kStored);
 #else
   __trap();  // built without sm_90a machine code: the launcher never runs this body there
 #endif

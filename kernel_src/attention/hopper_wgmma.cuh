@@ -301,6 +301,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int q_first = tile.q_first, h = tile.h, b = tile.b;
   const int warpgroup = uniform_warpgroup();  // (no spills at either head_dim: 3-5% faster)
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  span_entry();
   init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
@@ -373,6 +374,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const Turns<kConsumers> turns(consumer);
     turns.start();
     mbarrier_wait(shared_address(&bars.q), 0);
+    span(consumer, kQLanded);
 
     // Tile 0: S only (no P V yet).
     mbarrier_wait(shared_address(&bars.k_full[0]), 0);
@@ -390,6 +392,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     else
       softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
     round_probabilities<T>(pr, s);
+    span(consumer, kFirstTileDone, pr);
 
     for (int j = 1; j < kv_tiles; ++j) {
       const int stage = j % kStages, prev = (j - 1) % kStages;
@@ -436,6 +439,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     }
 
     // O += P V of the last tile (its V rows past n_b zeroed first where they hold data).
+    span(consumer, kLoopEnd, pr);
     const int last = kv_tiles - 1, stage = last % kStages;
     mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
     if (tiles.zero_v_tail()) mbarrier_wait(shared_address(&bars.v_tail), 0);
@@ -447,7 +451,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     fence_registers(pr);
   }
 
-  // out = O / l, lse = m ln 2 + ln l (natural log); a row without keys: 0 and -inf.
+  if (warpgroup > 0) span(warpgroup - 1, kLastPvDone, o);
+    // out = O / l, lse = m ln 2 + ln l (natural log); a row without keys: 0 and -inf.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float sum = group_reduce(l[r], 4);
@@ -462,6 +467,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     if (p.lse != nullptr && t == 0)
       p.lse[(b * p.heads + h) * p.q_len + query] = sum > 0.f ? m[r] * kLn2 + logf(sum) : -INFINITY;
   }
+  if (warpgroup > 0) span(warpgroup - 1, kStored);
 #else
   __trap();  // built without sm_90a machine code: the launcher never picks this body there
 #endif
