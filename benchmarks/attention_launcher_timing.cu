@@ -12,11 +12,14 @@
 //                               share of elements not bit-identical)
 // Built with -DLTX_ATTENTION_TIMELINE (the launcher's source then compiled into this file: drop
 // SRC/attention/attention.cu from the command), each 8-bit case is run once more with the
-// consumers' probes on (hopper_common.cuh: probe) in CTA 3/4 of the grid (a later wave where there
-// are several), and prints, per consumer warp, when each probe fires after its tile's top (clocks,
-// the mean over the tiles past the first three: zeros below five tiles), and the tiles' period.
-// At head_dim 64 "S issued" comes before "PV added" (both GEMMs issue before the P V wait). The
-// probes change the machine code (more spills): compare timelines with timelines only.
+// consumers' probes on (hopper_common.cuh: probe) in work tile 3/4 of the grid's (a later one of
+// its CTA where there are several), and prints, per consumer warp, when each probe fires after
+// its tile's top (clocks, the mean over the tiles past the first three: zeros below five tiles),
+// and the tiles' period. At head_dim 64 "S issued" comes before "PV added" (both GEMMs issue
+// before the P V wait). The probes change the machine code (more spills): compare timelines with
+// timelines only. Built with -DLTX_ATTENTION_SPANS instead (the same way), each case (both
+// bodies) is run once more with every work tile's span recorded (hopper_common.cuh: span) and
+// prints their means (print_spans).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -89,15 +92,16 @@ struct Case {
 };
 
 #ifdef LTX_ATTENTION_TIMELINE
-// Runs call() once with the probes on in CTA 3/4 of `ctas` and prints the 8-bit body's timeline.
+// Runs call() once with the probes on in work tile 3/4 of `tiles` and prints the 8-bit body's
+// timeline.
 template <class Call>
-void print_timeline(Call call, int64_t ctas, int64_t kv_tiles) {
+void print_timeline(Call call, int64_t tiles_total, int64_t kv_tiles) {
   using namespace ltx::hopper;
-  const int cta = static_cast<int>(ctas * 3 / 4), off = -1;
-  cudaMemcpyToSymbol(timeline_cta, &cta, sizeof cta);
+  const long long tile = tiles_total * 3 / 4, off = -1;
+  cudaMemcpyToSymbol(timeline_tile, &tile, sizeof tile);
   call();
   cudaDeviceSynchronize();
-  cudaMemcpyToSymbol(timeline_cta, &off, sizeof off);
+  cudaMemcpyToSymbol(timeline_tile, &off, sizeof off);
   std::vector<long long> t(sizeof(timeline) / sizeof(long long));
   cudaMemcpyFromSymbol(t.data(), timeline, t.size() * sizeof(long long));
   const int tiles = static_cast<int>(std::min<int64_t>(kv_tiles, kTimelineTiles));
@@ -106,7 +110,8 @@ void print_timeline(Call call, int64_t ctas, int64_t kv_tiles) {
   };
   const char* names[kProbes] = {"top",      "turn held",    "PV added", "S issued",
                                 "S landed", "softmax done", "tile done"};
-  printf("  timeline of CTA %d, clocks after a tile's top (mean of tiles 3..%d):", cta, tiles - 2);
+  printf("  timeline of work tile %lld, clocks after a tile's top (mean of tiles 3..%d):", tile,
+         tiles - 2);
   for (int e = 1; e < kProbes; ++e) printf(" | %s", names[e]);
   printf(" | period\n");
   for (int c = 0; c < ltx::hopper::CtaShape::kConsumers; ++c)
@@ -125,74 +130,60 @@ void print_timeline(Call call, int64_t ctas, int64_t kv_tiles) {
 #endif
 
 #ifdef LTX_ATTENTION_SPANS
-// Runs call() once with every CTA's span recorded and prints, in means over the CTAs of the later
-// waves (clocks of the CTA's SM): entry to its Q landed, the first tile, the period of a tile, the
-// last tile to the last consumer's stores, the gap on the SM to the next CTA's entry, and the
-// time the SMs sit idle at the kernel's end (global timer, us).
+// Runs call() once with every work tile's span recorded and prints means over the work tiles past
+// each SM's first (clocks of the SM): consumer 0's wait for its Q tile, its first K/V tile, the
+// period of a K/V tile, its last tile to the last consumer's stores, and the cycle of a work tile
+// (consumer 0's start to its start of the next on the SM) beyond its K/V tiles' periods.
 template <class Call>
-void print_spans(Call call, int64_t ctas, int64_t kv_tiles) {
+void print_spans(Call call, int64_t tiles, int64_t kv_tiles) {
   using namespace ltx::hopper;
   const int on = 1, off = 0;
   cudaMemcpyToSymbol(spans_on, &on, sizeof on);
   call();
   cudaDeviceSynchronize();
   cudaMemcpyToSymbol(spans_on, &off, sizeof off);
-  std::vector<long long> w(kSpanCtas * kSpanWords);
-  cudaMemcpyFromSymbol(w.data(), cta_spans, w.size() * sizeof(long long));
-  const int n = static_cast<int>(std::min<int64_t>(ctas, kSpanCtas));
+  std::vector<long long> words(kSpanTiles * kSpanWords);
+  cudaMemcpyFromSymbol(words.data(), tile_spans, words.size() * sizeof(long long));
+  const int n = static_cast<int>(std::min<int64_t>(tiles, kSpanTiles));
   constexpr int kC = CtaShape::kConsumers;
-  auto at = [&](int cta, int word) { return w[static_cast<size_t>(cta) * kSpanWords + word]; };
-  auto con = [&](int cta, int c, int e) { return at(cta, 3 + c * (kConsumerSpans + 1) + e); };
-  auto end_clock = [&](int cta) {
+  auto at = [&](int w, int c, int e) { return words[size_t(w) * kSpanWords + 2 + c * kSpans + e]; };
+  auto stored = [&](int w) {
     long long e = 0;
-    for (int c = 0; c < kC; ++c) e = std::max(e, con(cta, c, kStored));
-    return e;
-  };
-  auto end_time = [&](int cta) {
-    long long e = 0;
-    for (int c = 0; c < kC; ++c) e = std::max(e, con(cta, c, kConsumerSpans));
+    for (int c = 0; c < kC; ++c) e = std::max(e, at(w, c, kStored));
     return e;
   };
   std::vector<std::vector<int>> by_sm(1024);
-  long long t0 = at(0, 1), t1 = 0;
-  for (int i = 0; i < n; ++i) {
-    by_sm[at(i, 2) & 1023].push_back(i);
-    t0 = std::min(t0, at(i, 1));
-    t1 = std::max(t1, end_time(i));
-  }
-  double q = 0, first = 0, period = 0, tail = 0, stagger = 0, gap = 0, idle = 0, pv = 0;
-  int counted = 0, gaps = 0, sms = 0;
+  for (int w = 0; w < n; ++w) by_sm[words[size_t(w) * kSpanWords] & 1023].push_back(w);
+  double q = 0, first = 0, period = 0, tail = 0, stagger = 0, pv = 0, extra = 0;
+  int counted = 0, cycles = 0;
   for (auto& list : by_sm) {
-    if (list.empty()) continue;
-    ++sms;
-    std::sort(list.begin(), list.end(), [&](int a, int b) { return at(a, 0) < at(b, 0); });
-    idle += (t1 - end_time(list.back())) / 1e3;
-    for (size_t k = 1; k < list.size(); ++k) {  // (the first wave's CTAs start together)
-      const int i = list[k];
-      gap += at(i, 0) - end_clock(list[k - 1]);
-      ++gaps;
-      q += con(i, 0, kQLanded) - at(i, 0);
-      first += con(i, 0, kFirstTileDone) - con(i, 0, kQLanded);
-      if (kv_tiles > 1)
-        period += double(con(i, 0, kLoopEnd) - con(i, 0, kFirstTileDone)) / (kv_tiles - 1);
-      tail += end_clock(i) - con(i, 0, kLoopEnd);
-      stagger += con(i, kC - 1, kLoopEnd) - con(i, 0, kLoopEnd);
-      pv += con(i, kC - 1, kLastPvDone) - con(i, kC - 1, kLoopEnd);
+    std::sort(list.begin(), list.end(),
+              [&](int a, int b) { return at(a, 0, kStart) < at(b, 0, kStart); });
+    for (size_t k = 1; k < list.size(); ++k) {
+      const int w = list[k];
+      const double tile_period =
+          kv_tiles > 1 ? double(at(w, 0, kLoopEnd) - at(w, 0, kFirstTileDone)) / (kv_tiles - 1) : 0;
+      q += at(w, 0, kQLanded) - at(w, 0, kStart);
+      first += at(w, 0, kFirstTileDone) - at(w, 0, kQLanded);
+      period += tile_period;
+      tail += stored(w) - at(w, 0, kLoopEnd);
+      stagger += at(w, kC - 1, kLoopEnd) - at(w, 0, kLoopEnd);
+      pv += at(w, kC - 1, kLastPvDone) - at(w, kC - 1, kLoopEnd);
       ++counted;
+      if (k + 1 < list.size()) {
+        extra += at(list[k + 1], 0, kStart) - at(w, 0, kStart) - kv_tiles * tile_period;
+        ++cycles;
+      }
     }
   }
   if (counted == 0) return;
   q /= counted, first /= counted, period /= counted, tail /= counted, stagger /= counted;
-  pv /= counted;
-  gap /= std::max(gaps, 1), idle /= sms;
-  const double overhead = q + first - period + tail + gap;
+  pv /= counted, extra /= std::max(cycles, 1);
   printf(
-      "  spans (clocks, %d CTAs of later waves on %d SMs): entry->Q %.0f | first tile %.0f | "
-      "period %.0f | loop end->stored %.0f (last consumer's loop end +%.0f, its last P V +%.0f) | "
-      "gap to next CTA "
-      "%.0f | overhead a CTA %.0f = %.2f periods; SMs idle at the end %.1f of %.1f us\n",
-      counted, sms, q, first, period, tail, stagger, pv, gap, overhead, overhead / period, idle,
-      (t1 - t0) / 1e3);
+      "  spans (clocks, %d work tiles past each SM's first): Q wait %.0f | first tile %.0f | "
+      "period %.0f | loop end->stored %.0f (last consumer's loop end +%.0f, its last P V "
+      "+%.0f) | a work tile's cycle beyond its tiles' periods %.0f = %.2f periods\n",
+      counted, q, first, period, tail, stagger, pv, extra, extra / period);
 }
 #endif
 

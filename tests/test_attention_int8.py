@@ -489,6 +489,23 @@ def test_writes_every_output_element():
     assert torch.isfinite(out).all()
 
 
+# Key lengths of a batch whose work tiles outnumber the SMs several times over: each persistent
+# CTA runs work tiles of several lengths in a row (none, one key, partial tiles with a zeroed V
+# tail, whole ones), its K/V ring, Q tiles and turns going on across them.
+PERSISTENT_LENGTHS = [0, 1, 64, 65, 129, 130, 0, 200, 77, 256]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_work_tiles_of_several_lengths_per_cta(head_dim):
+    batch, q_len, heads = len(PERSISTENT_LENGTHS), 600, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert math.ceil(q_len / 192) * heads * batch > 4 * sms
+    operands = make_operands(batch, q_len, 256, heads, head_dim, "cuda")
+    key_lengths = torch.tensor(PERSISTENT_LENGTHS, device="cuda")
+    check(operands, key_lengths, what=f"hd{head_dim}")
+
+
 # analogs of the models' lengths (2688, 32760, 49290: not multiples of 128), batch and heads
 LARGE = [(1, 2688, 2, 64), (1, 8064, 1, 64), (1, 32760, 1, 128), (1, 49290, 1, 128)]
 

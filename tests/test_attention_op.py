@@ -465,6 +465,24 @@ def test_writes_every_output_element():
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
+# Key lengths of a batch whose work tiles outnumber the SMs several times over: each persistent
+# CTA runs work tiles of several lengths in a row (none, one key, partial tiles with a zeroed V
+# tail, whole ones), its K/V ring, Q tiles and turns going on across them.
+PERSISTENT_LENGTHS = [0, 1, 64, 65, 129, 130, 0, 200, 77, 256]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_work_tiles_of_several_lengths_per_cta(head_dim, dtype):
+    batch, q_len, heads = len(PERSISTENT_LENGTHS), 600, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert math.ceil(q_len / 192) * heads * batch > 4 * sms
+    q, k, v = make_qkv(batch, q_len, 256, heads, head_dim, dtype, "cuda")
+    key_lengths = torch.tensor(PERSISTENT_LENGTHS, device="cuda")
+    check_attention(q, k, v, key_lengths, what=f"{dtype} hd{head_dim}")
+
+
 LARGE = {
     # (batch, seq, heads, head_dim, key lengths): LTX-Video's and FLUX's shapes, fewer heads
     "ltx_hd64": (2, 2688, 4, 64, None),

@@ -9,20 +9,41 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../device/launch.cuh"  // sm_count
+
 namespace ltx {
 namespace hopper {
 
 constexpr int kWarpgroup = 128;  // threads
 
+// A CTA of one producer warpgroup and three consumer warpgroups of 64 query rows each (the wgmma's
+// M): its queries, threads and the registers setmaxnreg gives each kind of warpgroup, 128 *
+// (producer + 3 * consumer) <= the SM's 64K (160 a consumer, as FlashAttention-3's three-consumer
+// kernels). Both bodies take this shape at both head dims (at head_dim 128 three ran 3-16% faster
+// than two consumers of 240 registers each on an H100, benchmarks/NOTES.md).
+struct CtaShape {
+  static constexpr int kConsumers = 3;
+  static constexpr int kBlockM = kConsumers * 64;
+  static constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = 160;
+  static_assert(kWarpgroup * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536);
+};
+
 // The CTA's mbarriers (static shared memory) in both bodies' pipeline.
 template <int kStages>
 struct Barriers {
-  uint64_t q;                 // the Q tiles landed (TMA bytes)
-  uint64_t k_full[kStages];   // stage's K tile landed (TMA bytes)
-  uint64_t v_full[kStages];   // stage's V tile landed (TMA bytes)
+  uint64_t q_full[CtaShape::kConsumers];  // consumer c's Q tile landed (TMA bytes)
+  uint64_t
+      q_empty[CtaShape::kConsumers];  // consumer c's S GEMMs of its work tile are done (a warp)
+  uint64_t k_full[kStages];           // stage's K tile landed (TMA bytes)
+  uint64_t v_full[kStages];           // stage's V tile landed (TMA bytes)
   uint64_t k_empty[kStages];  // every consumer's S GEMM read the stage's K tile (one per warp)
   uint64_t v_empty[kStages];  // every consumer's P V GEMM read the stage's V tile (one per warp)
-  uint64_t v_tail;            // the last V tile's data past n_b is zeroed (32 arrivals; KeyTiles)
+  // A work tile's last V tile past n_b is zeroed (32 arrivals; KeyTiles), zeroings alternating
+  // between the two: the producer completes the next zeroing of one only after every consumer
+  // has passed its wait on the last (Ring).
+  uint64_t v_tail[2];
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -203,124 +224,160 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
   }
 }
 
+// Stores one output row that the 4 threads t of a quad hold, thread t the channels 8 nd + 2t and
+// 8 nd + 2t + 1 as pairs[nd] (two T in a register), if `store`. Where the row is 16-byte aligned
+// it goes out in 16-byte chunks: a 4 x 4 transpose within the quad (two shuffle steps) gives
+// thread t the whole chunk of block 4 G + t of each group G of four blocks; otherwise pair by
+// pair. Every lane of the warp calls it (the shuffles), each quad with its own row.
+template <typename T, int kPairs>
+__device__ __forceinline__ void store_quad_row(T* out_row, bool store,
+                                               const uint32_t (&pairs)[kPairs], int t) {
+  static_assert(kPairs % 4 == 0, "whole groups of four 8-channel blocks");
+  const bool aligned = (reinterpret_cast<uintptr_t>(out_row) & 15) == 0;
+  const bool hi = t & 2, odd = t & 1;
+#pragma unroll
+  for (int group = 0; group < kPairs / 4; ++group) {
+    uint32_t x[4] = {pairs[4 * group], pairs[4 * group + 1], pairs[4 * group + 2],
+                     pairs[4 * group + 3]};
+    // lanes t and t ^ 2 swap their 2 x 2 blocks off the diagonal
+    uint32_t a0 = hi ? x[0] : x[2], a1 = hi ? x[1] : x[3];
+    a0 = __shfl_xor_sync(~0u, a0, 2);
+    a1 = __shfl_xor_sync(~0u, a1, 2);
+    if (hi)
+      x[0] = a0, x[1] = a1;
+    else
+      x[2] = a0, x[3] = a1;
+    // lanes t and t ^ 1 swap the off-diagonal elements of each 2 x 2 block
+    uint32_t b0 = odd ? x[0] : x[1], b1 = odd ? x[2] : x[3];
+    b0 = __shfl_xor_sync(~0u, b0, 1);
+    b1 = __shfl_xor_sync(~0u, b1, 1);
+    if (odd)
+      x[0] = b0, x[2] = b1;
+    else
+      x[1] = b0, x[3] = b1;
+    if (store && aligned)
+      *reinterpret_cast<uint4*>(out_row + (4 * group + t) * 8) = make_uint4(x[0], x[1], x[2], x[3]);
+  }
+  if (store && !aligned) {
+#pragma unroll
+    for (int nd = 0; nd < kPairs; ++nd)
+      *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * t) = pairs[nd];
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
-// The kernel skeleton both bodies share: which tile a CTA attends, its barriers, its K/V tiles,
-// the producer's loop and the zeroing of the last V tile's keys past the attended ones.
+// The kernel skeleton both bodies share: a persistent CTA's work tiles, its barriers, its K/V
+// tiles, the producer's loop and the zeroing of the last V tile's keys past the attended ones.
 // ------------------------------------------------------------------------------------------------
-// A CTA's query tile (its first row), head and batch element: query tiles vary fastest.
+// A work tile's query tile (its first row), head and batch element.
 struct CtaTile {
   int q_first, h, b;
 };
 
+// The work of the grid's CTAs: `total` work tiles (query tiles vary fastest, then heads, then
+// batch elements), CTA i taking i, i + gridDim.x, ... (a grid of one CTA an SM at most: a CTA's
+// next tile loads while its consumers finish the last one, where a CTA a tile paid its start,
+// the loads' first latency and the consumers' staggered ends each time, 3-4 tile periods).
 template <int kBlockM>
-__device__ __forceinline__ CtaTile cta_tile(int64_t q_len, int64_t heads) {
-  const int64_t q_tiles = (q_len + kBlockM - 1) / kBlockM;
-  const int64_t cta = blockIdx.x;
-  return {static_cast<int>(cta % q_tiles * kBlockM), static_cast<int>(cta / q_tiles % heads),
-          static_cast<int>(cta / q_tiles / heads)};
-}
+struct WorkTiles {
+  int64_t q_tiles, heads, total;
+  __device__ __forceinline__ WorkTiles(int64_t q_len, int64_t heads_, int64_t batch)
+      : q_tiles((q_len + kBlockM - 1) / kBlockM), heads(heads_), total(q_tiles * heads_ * batch) {}
+  __device__ __forceinline__ CtaTile operator[](int64_t w) const {
+    return {static_cast<int>(w % q_tiles * kBlockM), static_cast<int>(w / q_tiles % heads),
+            static_cast<int>(w / q_tiles / heads)};
+  }
+  // Whether a tile after w of this CTA attends keys (keys(b): batch element b's attended keys).
+  template <class Keys>
+  __device__ __forceinline__ bool more_after(int64_t w, Keys keys) const {
+    for (w += gridDim.x; w < total; w += gridDim.x)
+      if (keys((*this)[w].b) > 0) return true;
+    return false;
+  }
+};
 
 // Thread 0 initializes the CTA's barriers (the K/V stages' "empty" barriers take one arrival per
-// consumer warp), then every thread waits for it.
+// consumer warp, a consumer's Q "empty" one per warp of it), then every thread waits for it.
 template <int kStages>
 __device__ __forceinline__ void init_barriers(Barriers<kStages>& bars, int consumers) {
   if (threadIdx.x == 0) {
-    mbarrier_init(shared_address(&bars.q), 1);
+    for (int c = 0; c < consumers; ++c) {
+      mbarrier_init(shared_address(&bars.q_full[c]), 1);
+      mbarrier_init(shared_address(&bars.q_empty[c]), 4);
+    }
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(shared_address(&bars.k_full[s]), 1);
       mbarrier_init(shared_address(&bars.v_full[s]), 1);
       mbarrier_init(shared_address(&bars.k_empty[s]), consumers * 4);
       mbarrier_init(shared_address(&bars.v_empty[s]), consumers * 4);
     }
-    mbarrier_init(shared_address(&bars.v_tail), 32);
+    mbarrier_init(shared_address(&bars.v_tail[0]), 32);
+    mbarrier_init(shared_address(&bars.v_tail[1]), 32);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async_shared();
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
 }
 
-// A CTA of one producer warpgroup and three consumer warpgroups of 64 query rows each (the wgmma's
-// M): its queries, threads and the registers setmaxnreg gives each kind of warpgroup, 128 *
-// (producer + 3 * consumer) <= the SM's 64K (160 a consumer, as FlashAttention-3's three-consumer
-// kernels). Both bodies take this shape at both head dims (at head_dim 128 three ran 3-16% faster
-// than two consumers of 240 registers each on an H100, benchmarks/NOTES.md).
-struct CtaShape {
-  static constexpr int kConsumers = 3;
-  static constexpr int kBlockM = kConsumers * 64;
-  static constexpr int kThreads = (1 + kConsumers) * kWarpgroup;
-  static constexpr int kProducerRegs = 32;
-  static constexpr int kConsumerRegs = 160;
-  static_assert(kWarpgroup * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536);
-};
-
 // A consumer's timeline, for benchmarks/attention_launcher_timing.cu built with
-// -DLTX_ATTENTION_TIMELINE (compiled out otherwise): lane 0 of each consumer warp of the CTA
-// timeline_cta records clock64() at each Probe of K/V tile j < kTimelineTiles, after the
+// -DLTX_ATTENTION_TIMELINE (compiled out otherwise): lane 0 of each consumer warp records
+// clock64() at each Probe of K/V tile j < kTimelineTiles of work tile timeline_tile, after the
 // registers `live` are written (so that the read is not moved above the work it ends).
 enum Probe { kTileTop, kTurnHeld, kPvAdded, kSIssued, kSLanded, kSoftmaxDone, kTileDone, kProbes };
 #ifdef LTX_ATTENTION_TIMELINE  // (static: each translation unit that turns it on has its own)
 constexpr int kTimelineTiles = 48;
 static __device__ long long timeline[CtaShape::kConsumers * 4 * kTimelineTiles * kProbes];
-static __device__ int timeline_cta = -1;
+static __device__ long long timeline_tile = -1;
 #endif
 template <class... Live>
-__device__ __forceinline__ void probe(int consumer, int j, Probe e, Live&... live) {
+__device__ __forceinline__ void probe(int64_t w, int consumer, int j, Probe e, Live&... live) {
 #ifdef LTX_ATTENTION_TIMELINE
   (fence_registers(live), ...);
   const int warp = threadIdx.x / 32 % 4;
-  if (threadIdx.x % 32 == 0 && j < kTimelineTiles && static_cast<int>(blockIdx.x) == timeline_cta)
+  if (threadIdx.x % 32 == 0 && j < kTimelineTiles && w == timeline_tile)
     timeline[((consumer * 4 + warp) * kTimelineTiles + j) * kProbes + e] = clock64();
 #endif
 }
 
-// A CTA's span, for benchmarks/attention_launcher_timing.cu built with -DLTX_ATTENTION_SPANS
-// (compiled out otherwise): for every CTA below kSpanCtas, thread 0 records clock64() and the
-// global timer on entry and the SM's id, lane 0 of each consumer's first warp clock64() at each
-// ConsumerSpan and the global timer once its outputs are stored.
-enum ConsumerSpan { kQLanded, kFirstTileDone, kLoopEnd, kLastPvDone, kStored, kConsumerSpans };
+// A work tile's span, for benchmarks/attention_launcher_timing.cu built with
+// -DLTX_ATTENTION_SPANS (compiled out otherwise): for every work tile below kSpanTiles, lane 0 of
+// each consumer's first warp records clock64() at each Span (kStart also the SM's id and the
+// global timer).
+enum Span { kStart, kQLanded, kFirstTileDone, kLoopEnd, kLastPvDone, kStored, kSpans };
 #ifdef LTX_ATTENTION_SPANS
-constexpr int kSpanCtas = 8192;
-constexpr int kSpanWords = 3 + CtaShape::kConsumers * (kConsumerSpans + 1);
-static __device__ long long cta_spans[kSpanCtas * kSpanWords];
+constexpr int kSpanTiles = 8192;
+constexpr int kSpanWords = 2 + CtaShape::kConsumers * kSpans;
+static __device__ long long tile_spans[kSpanTiles * kSpanWords];
 static __device__ int spans_on = 0;
-__device__ __forceinline__ long long global_timer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 #endif
-__device__ __forceinline__ void span_entry() {
-#ifdef LTX_ATTENTION_SPANS
-  if (threadIdx.x == 0 && spans_on && blockIdx.x < kSpanCtas) {
-    long long* w = cta_spans + blockIdx.x * kSpanWords;
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    w[0] = clock64();
-    w[1] = global_timer();
-    w[2] = sm;
-  }
-#endif
-}
 template <class... Live>
-__device__ __forceinline__ void span(int consumer, ConsumerSpan e, Live&... live) {
+__device__ __forceinline__ void span(int64_t w, int consumer, Span e, Live&... live) {
 #ifdef LTX_ATTENTION_SPANS
   (fence_registers(live), ...);
-  if (threadIdx.x % kWarpgroup == 0 && spans_on && blockIdx.x < kSpanCtas) {
-    long long* w = cta_spans + blockIdx.x * kSpanWords + 3 + consumer * (kConsumerSpans + 1);
-    w[e] = clock64();
-    if (e == kStored) w[kConsumerSpans] = global_timer();
+  if (threadIdx.x % kWarpgroup == 0 && spans_on && w < kSpanTiles) {
+    long long* words = tile_spans + w * kSpanWords;
+    words[2 + consumer * kSpans + e] = clock64();
+    if (e == kStart && consumer == 0) {
+      unsigned sm;
+      long long now;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      words[0] = sm;
+      words[1] = now;
+    }
   }
 #endif
 }
 
 // The consumers' turns to issue their GEMMs, through named barriers kFirstTurnBarrier.. (one per
-// consumer): consumer c issues its GEMMs of tile j after wait(), which completes once consumer
-// c - 1 has issued its own of tile j and called pass() (consumer 0: the last consumer's of tile
-// j - 1, or for tile 0 the last consumer's start()), so one consumer's softmax runs beside the
-// others' GEMMs (a ring of CtaShape's three; two would ping-pong). Each consumer waits `tiles`
-// times and receives as many arrivals: the last consumer skips its pass of the last tile (consumer
-// 0 has no next turn), so no barrier is left with pending arrivals. A barrier counts the 128
-// threads that wait on it and the 128 of the consumer before, which arrive.
+// consumer): consumer c issues its GEMMs of a K/V tile after wait(), which completes once consumer
+// c - 1 has issued its own of that tile and called pass() (consumer 0: the last consumer's of the
+// tile before, or for the CTA's first the last consumer's start()), so one consumer's softmax
+// runs beside the others' GEMMs (a ring of CtaShape's three; two would ping-pong). The ring runs
+// on across a CTA's work tiles. Each consumer waits as many times as it receives arrivals: the
+// last consumer skips its pass of the CTA's last K/V tile (consumer 0 has no next turn), so no
+// barrier is left with pending arrivals. A barrier counts the 128 threads that wait on it and the
+// 128 of the consumer before, which arrive.
 constexpr int kFirstTurnBarrier = 1;  // (named barrier 0 is __syncthreads')
 
 template <int kConsumers>
@@ -336,13 +393,13 @@ struct Turns {
     if (last) named_barrier_arrive(next, kThreads);
   }
   __device__ __forceinline__ void wait() const { named_barrier_sync(mine, kThreads); }
-  __device__ __forceinline__ void pass(int j, int tiles) const {
-    if (!(last && j == tiles - 1)) named_barrier_arrive(next, kThreads);
+  __device__ __forceinline__ void pass(bool ctas_last_tile) const {
+    if (!(last && ctas_last_tile)) named_barrier_arrive(next, kThreads);
   }
 };
 
-// The K/V tiles of kBlockN keys a CTA attends, for `keys` attended keys of V tiles whose data
-// ends at `v_end` (kv_len; the 8-bit body's v8: kv_len rounded up to 16 columns).
+// The K/V tiles of kBlockN keys a work tile attends, for `keys` attended keys of V tiles whose
+// data ends at `v_end` (kv_len; the 8-bit body's v8: kv_len rounded up to 16 columns).
 struct KeyTiles {
   int count;       // tiles attended
   int last_valid;  // attended keys of the last tile
@@ -358,20 +415,58 @@ __device__ __forceinline__ KeyTiles key_tiles(int keys, int64_t v_end) {
           static_cast<int>(end - (count - 1) * int64_t{kBlockN})};
 }
 
-// The producer's loop (one thread): the Q tiles (load_q(bar), q_bytes), then K and V tile j into
-// stage j % kStages (load_k / load_v(stage, j, bar), k_bytes / v_bytes each). A stage's K tile
-// j - kStages is free once every consumer's S GEMM of it is done (early in their iteration
-// j - kStages), its V tile once their P V GEMMs are (one iteration later): separate barriers, so
-// K tile j loads while the P V GEMM of tile j - kStages runs.
+// Where a CTA stands in its pipeline across work tiles; the producer and each consumer keep
+// their own, advanced alike after each work tile with keys: K/V tile j of the current work tile
+// is the CTA's tile first + j, in stage (first + j) % kStages, its stage's use (first + j) /
+// kStages; q_use counts the work tiles with keys before (the Q barriers' phases), tail_use those
+// whose last V tile was zeroed (v_tail[tail_use % 2], phase tail_use / 2).
+template <int kStages>
+struct Ring {
+  int first = 0, q_use = 0, tail_use = 0;
+  __device__ __forceinline__ int stage(int j) const { return (first + j) % kStages; }
+  __device__ __forceinline__ uint32_t parity(int j) const { return ((first + j) / kStages) & 1; }
+  __device__ __forceinline__ void advance(const KeyTiles& tiles) {
+    first += tiles.count;
+    ++q_use;
+    tail_use += tiles.zero_v_tail();
+  }
+};
+
+// A consumer's waits and releases on the barriers of its Q tile and of the zeroed V tail.
+template <int kStages>
+__device__ __forceinline__ void wait_q(Barriers<kStages>& bars, int consumer,
+                                       const Ring<kStages>& ring) {
+  mbarrier_wait(shared_address(&bars.q_full[consumer]), ring.q_use & 1);
+}
+template <int kStages>
+__device__ __forceinline__ void release_q(Barriers<kStages>& bars, int consumer, int lane) {
+  __syncwarp();
+  if (lane == 0) mbarrier_arrive(shared_address(&bars.q_empty[consumer]));
+}
+template <int kStages>
+__device__ __forceinline__ void wait_v_tail(Barriers<kStages>& bars, const Ring<kStages>& ring) {
+  mbarrier_wait(shared_address(&bars.v_tail[ring.tail_use & 1]), (ring.tail_use >> 1) & 1);
+}
+
+// The producer's loop over a work tile (one thread): each consumer's Q tile once that consumer's
+// S GEMMs of the work tile before are done (load_q(c, bar), q_bytes), then K and V tile j into
+// stage ring.stage(j) (load_k / load_v(stage, j, bar), k_bytes / v_bytes each). A stage's K tile
+// is free once every consumer's S GEMM of the tile kStages before is done (early in their
+// iteration), its V tile once their P V GEMMs are (one iteration later): separate barriers, so a K
+// tile loads while the P V GEMM of the tile kStages before runs.
 template <int kStages, class LoadQ, class LoadK, class LoadV>
-__device__ __forceinline__ void produce(Barriers<kStages>& bars, int tiles, uint32_t q_bytes,
-                                        uint32_t k_bytes, uint32_t v_bytes, LoadQ load_q,
-                                        LoadK load_k, LoadV load_v) {
-  const uint32_t q_bar = shared_address(&bars.q);
-  mbarrier_arrive_expect_tx(q_bar, q_bytes);
-  load_q(q_bar);
+__device__ __forceinline__ void produce(Barriers<kStages>& bars, const Ring<kStages>& ring,
+                                        int tiles, uint32_t q_bytes, uint32_t k_bytes,
+                                        uint32_t v_bytes, LoadQ load_q, LoadK load_k,
+                                        LoadV load_v) {
+  for (int c = 0; c < CtaShape::kConsumers; ++c) {
+    const uint32_t q_bar = shared_address(&bars.q_full[c]);
+    if (ring.q_use > 0) mbarrier_wait(shared_address(&bars.q_empty[c]), (ring.q_use - 1) & 1);
+    mbarrier_arrive_expect_tx(q_bar, q_bytes);
+    load_q(c, q_bar);
+  }
   for (int j = 0; j < tiles; ++j) {
-    const int stage = j % kStages, use = j / kStages;
+    const int stage = ring.stage(j), use = (ring.first + j) / kStages;
     const uint32_t k_bar = shared_address(&bars.k_full[stage]);
     const uint32_t v_bar = shared_address(&bars.v_full[stage]);
     if (use > 0) mbarrier_wait(shared_address(&bars.k_empty[stage]), (use - 1) & 1);
@@ -383,23 +478,32 @@ __device__ __forceinline__ void produce(Barriers<kStages>& bars, int tiles, uint
   }
 }
 
-// The producer warp's zeroing of the last V tile's keys past the attended ones, where they hold
-// data: once the tile has landed, zero(stage) by the 32 lanes, then a fence so that the consumers'
-// wgmma sees the zeros, and one arrival a lane on v_tail (the consumers wait for it).
+// The producer warp's zeroing of a work tile's last V tile's keys past the attended ones, where
+// they hold data: once the tile has landed, zero(stage) by the 32 lanes, then a fence so that the
+// consumers' wgmma sees the zeros, and one arrival a lane on v_tail[ring.tail_use % 2] (the
+// consumers wait for it: wait_v_tail).
 template <int kStages, class Zero>
-__device__ __forceinline__ void zero_last_v_tile(Barriers<kStages>& bars, const KeyTiles& tiles,
-                                                 Zero zero) {
+__device__ __forceinline__ void zero_last_v_tile(Barriers<kStages>& bars, const Ring<kStages>& ring,
+                                                 const KeyTiles& tiles, Zero zero) {
   if (!tiles.zero_v_tail()) return;
-  const int last = tiles.count - 1, stage = last % kStages;
-  mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
+  const int last = tiles.count - 1, stage = ring.stage(last);
+  mbarrier_wait(shared_address(&bars.v_full[stage]), ring.parity(last));
   zero(stage);
   fence_proxy_async_shared();
-  mbarrier_arrive(shared_address(&bars.v_tail));
+  mbarrier_arrive(shared_address(&bars.v_tail[ring.tail_use & 1]));
 }
 
 // ------------------------------------------------------------------------------------------------
 // Host side.
 // ------------------------------------------------------------------------------------------------
+// The persistent grid of a call (WorkTiles): one CTA an SM, fewer where there are fewer work
+// tiles.
+template <int kBlockM, class Params>
+dim3 persistent_grid(const Params& p) {
+  const int64_t tiles = (p.q_len + kBlockM - 1) / kBlockM * p.heads * p.batch;
+  return dim3(static_cast<unsigned>(tiles < sm_count() ? tiles : sm_count()));
+}
+
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
                                  const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,

@@ -358,195 +358,221 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
-  // This CTA's query tile, head and batch element (query tiles vary fastest).
-  const CtaTile tile = cta_tile<S::kBlockM>(p.q_len, p.heads);
-  const int q_first = tile.q_first, h = tile.h, b = tile.b;
+  const WorkTiles<S::kBlockM> work(p.q_len, p.heads, p.batch);
   // (uniform_warpgroup at head_dim 64: no spills, against 64 bytes without it; at 128 it measured
   // 2-4% slower, more spills)
   const int warpgroup = kHeadDim == 64 ? uniform_warpgroup() : threadIdx.x / kWarpgroup;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-  span_entry();
   init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  // (the V tiles' data ends at column v_columns: the last tile zeroes up to it)
-  const KeyTiles tiles = key_tiles<kBlockN>(static_cast<int>(p.attended_keys(b)), p.v_columns);
-  const int kv_tiles = tiles.count, last_valid = tiles.last_valid;
+  // A work tile's K/V tiles (the V tiles' data ends at column v_columns: the last tile zeroes up
+  // to it).
+  auto keys = [&](int b) { return static_cast<int>(p.attended_keys(b)); };
+  auto key_tiles_of = [&](int b) { return key_tiles<kBlockN>(keys(b), p.v_columns); };
+  Ring<kStages> ring;
 
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<S::kProducerRegs>();
-    if (warp != 0 || kv_tiles == 0) return;
+    if (warp != 0) return;
     if (lane == 0) {
       prefetch_tensor_map(maps.q);
       prefetch_tensor_map(maps.k);
       prefetch_tensor_map(maps.v);
-      produce(
-          bars, kv_tiles, kConsumers * L::kQBytes, L::kKBytes, L::kVBytes,
-          [&](uint32_t bar) {
-            for (int c = 0; c < kConsumers; ++c)
-              tma_load_4d(smem + L::q(c), maps.q, 0, h, q_first + c * kConsumerRows, b, bar);
-          },
-          [&](int stage, int j, uint32_t bar) {
-            tma_load_4d(smem + L::k(stage), maps.k, 0, h, j * kBlockN, b, bar);
-          },
-          [&](int stage, int j, uint32_t bar) {
-            tma_load_4d(smem + L::v(stage), maps.v, j * kBlockN, 0, h, b, bar);
-          });
     }
-    __syncwarp();
-    // the columns of the last V tile's keys [last_valid, 128): zeros
-    zero_last_v_tile(bars, tiles, [&](int stage) {
-      zero_v_keys<kHeadDim>(smem + L::v(stage), last_valid, lane);
-    });
+    for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
+      const CtaTile tile = work[w];
+      const KeyTiles tiles = key_tiles_of(tile.b);
+      if (tiles.count == 0) continue;
+      if (lane == 0)
+        produce(
+            bars, ring, tiles.count, L::kQBytes, L::kKBytes, L::kVBytes,
+            [&](int c, uint32_t bar) {
+              tma_load_4d(smem + L::q(c), maps.q, 0, tile.h, tile.q_first + c * kConsumerRows,
+                          tile.b, bar);
+            },
+            [&](int stage, int j, uint32_t bar) {
+              tma_load_4d(smem + L::k(stage), maps.k, 0, tile.h, j * kBlockN, tile.b, bar);
+            },
+            [&](int stage, int j, uint32_t bar) {
+              tma_load_4d(smem + L::v(stage), maps.v, j * kBlockN, 0, tile.h, tile.b, bar);
+            });
+      __syncwarp();
+      // the columns of the last V tile's keys [last_valid, 128): zeros
+      zero_last_v_tile(bars, ring, tiles, [&](int stage) {
+        zero_v_keys<kHeadDim>(smem + L::v(stage), tiles.last_valid, lane);
+      });
+      ring.advance(tiles);
+    }
     return;
   }
 
-  // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss).
+  // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss) of each work tile.
   set_max_registers_inc<S::kConsumerRegs>();
   const int consumer = warpgroup - 1;
   const int g = lane / 4, t = lane % 4;
-  const int row0 = q_first + consumer * kConsumerRows + warp * 16 + g;
-  float o[kHeadDim / 2];
+  const uint32_t q_tile = smem + L::q(consumer);
+  // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns).
+  const Turns<kConsumers> turns(consumer);
+  for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
+    const CtaTile tile = work[w];
+    const KeyTiles tiles = key_tiles_of(tile.b);
+    const int kv_tiles = tiles.count, last_valid = tiles.last_valid, h = tile.h, b = tile.b;
+    const int row0 = tile.q_first + consumer * kConsumerRows + warp * 16 + g;
+    span(w, consumer, kStart);
+    float o[kHeadDim / 2];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
-  float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum (x 448)
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
+    float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum (x 448)
 
-  if (kv_tiles > 0) {
-    float q_factor[2];  // q_scale * scale * log2(e) of rows g and g + 8 (0 past q_len)
+    if (kv_tiles > 0) {
+      // whether this work tile's last K/V tile is the CTA's last turn
+      const bool ctas_last = !work.more_after(w, keys);
+      // q_scale * scale * log2(e) of rows g and g + 8 (0 past q_len); q_scale alone until tile 0's
+      // S GEMM has landed, so that the loads' latency passes under it
+      float q_factor[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t query = row0 + 8 * r;
-      q_factor[r] =
-          query < p.q_len ? p.q_scale[(b * p.q_len + query) * p.heads + h] * p.scale_log2 : 0.f;
-    }
-    const float* const k_scale = p.k_scale + (int64_t{b} * p.heads + h) * p.key_blocks;
-    int32_t s[kBlockN / 2];        // (written by each S GEMM's first k-step)
-    uint32_t pa[kBlockN / 32][4];  // P of the tile whose P V GEMM is next
-    float alpha[2], factor[2];
-    const uint32_t q_tile = smem + L::q(consumer);
-    // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns).
-    const Turns<kConsumers> turns(consumer);
-    turns.start();
-    mbarrier_wait(shared_address(&bars.q), 0);
-    span(consumer, kQLanded);
-
-    // Tile 0: S only (no P V yet).
-    float k_factor = k_scale[0];
-    mbarrier_wait(shared_address(&bars.k_full[0]), 0);
-    turns.wait();
-    wgmma_fence();
-    gemm_qk<kHeadDim>(s, q_tile, smem + L::k(0));
-    wgmma_commit();
-    turns.pass(0, kv_tiles);
-    wgmma_wait<0>();
-    fence_registers(s);
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[0]));  // K tile 0 is read
-    factor[0] = q_factor[0] * k_factor;
-    factor[1] = q_factor[1] * k_factor;
-    if (kv_tiles == 1 && last_valid < kBlockN)
-      softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
-    else
-      softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
-    quantize_probabilities(pa, s);
-    span(consumer, kFirstTileDone, pa);
-
-    for (int j = 1; j < kv_tiles; ++j) {
-      const int stage = j % kStages, prev = (j - 1) % kStages;
-      k_factor = k_scale[j];  // (read while the GEMMs run)
-      probe(consumer, j, kTileTop);
-      mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
-      mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
-      const uint32_t v_prev = smem + L::v(prev), k_tile = smem + L::k(stage);
-      auto release_v = [&] {  // once the P V GEMM of tile j - 1 is done: P and its V tile are free
-        fence_registers(pa);
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
-      };
-      turns.wait();
-      probe(consumer, j, kTurnHeld);
-      if constexpr (kHeadDim == kPvChannels) {
-        // The P V GEMM of tile j - 1 and the S GEMM of tile j back to back (O_tile, P and S fit
-        // beside O at head_dim 64): O_tile is added into O while the S GEMM runs.
-        float o_tile[kPvChannels / 2];
-        wgmma_fence();
-        gemm_pv(o_tile, pa, v_prev);
-        wgmma_commit();
-        gemm_qk<kHeadDim>(s, q_tile, k_tile);
-        wgmma_commit();
-        turns.pass(j, kv_tiles);
-        probe(consumer, j, kSIssued);
-        wgmma_wait<1>();  // (groups complete in order: the P V GEMM)
-        fence_registers(o_tile);
-        release_v();
-#pragma unroll
-        for (int i = 0; i < kPvChannels / 2; ++i) o[i] += o_tile[i];
-        probe(consumer, j, kPvAdded, o);
-      } else {
-        accumulate_pv<kHeadDim>(o, pa, v_prev);  // O += P V of tile j - 1
-        release_v();
-        probe(consumer, j, kPvAdded, o);
-        wgmma_fence();
-        gemm_qk<kHeadDim>(s, q_tile, k_tile);  // S of tile j
-        wgmma_commit();
-        turns.pass(j, kv_tiles);
-        probe(consumer, j, kSIssued);
+      for (int r = 0; r < 2; ++r) {
+        const int64_t query = row0 + 8 * r;
+        q_factor[r] = query < p.q_len ? p.q_scale[(b * p.q_len + query) * p.heads + h] : 0.f;
       }
+      const float* const k_scale = p.k_scale + (int64_t{b} * p.heads + h) * p.key_blocks;
+      int32_t s[kBlockN / 2];        // (written by each S GEMM's first k-step)
+      uint32_t pa[kBlockN / 32][4];  // P of the tile whose P V GEMM is next
+      float alpha[2], factor[2];
+      if (ring.q_use == 0) turns.start();
+      wait_q(bars, consumer, ring);
+      span(w, consumer, kQLanded);
+
+      // Tile 0: S only (no P V yet).
+      float k_factor = k_scale[0];
+      mbarrier_wait(shared_address(&bars.k_full[ring.stage(0)]), ring.parity(0));
+      turns.wait();
+      wgmma_fence();
+      gemm_qk<kHeadDim>(s, q_tile, smem + L::k(ring.stage(0)));
+      wgmma_commit();
+      turns.pass(ctas_last && kv_tiles == 1);
       wgmma_wait<0>();
       fence_registers(s);
-      probe(consumer, j, kSLanded);
+      if (kv_tiles == 1) release_q(bars, consumer, lane);  // the work tile's S GEMMs are done
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));  // K tile j is read
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[ring.stage(0)]));  // K read
+      q_factor[0] *= p.scale_log2;
+      q_factor[1] *= p.scale_log2;
       factor[0] = q_factor[0] * k_factor;
       factor[1] = q_factor[1] * k_factor;
-      if (j == kv_tiles - 1 && last_valid < kBlockN)
+      if (kv_tiles == 1 && last_valid < kBlockN)
         softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
       else
         softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
-      probe(consumer, j, kSoftmaxDone, s);
-      rescale_o<kHeadDim>(o, alpha);  // to m of tile j
       quantize_probabilities(pa, s);
-      probe(consumer, j, kTileDone, pa);
+      span(w, consumer, kFirstTileDone, pa);
+
+      for (int j = 1; j < kv_tiles; ++j) {
+        const int stage = ring.stage(j), prev = ring.stage(j - 1);
+        k_factor = k_scale[j];  // (read while the GEMMs run)
+        probe(w, consumer, j, kTileTop);
+        mbarrier_wait(shared_address(&bars.k_full[stage]), ring.parity(j));
+        mbarrier_wait(shared_address(&bars.v_full[prev]), ring.parity(j - 1));
+        const uint32_t v_prev = smem + L::v(prev), k_tile = smem + L::k(stage);
+        auto release_v =
+            [&] {  // once the P V GEMM of tile j - 1 is done: P and its V tile are free
+              fence_registers(pa);
+              __syncwarp();
+              if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
+            };
+        const bool last_turn = ctas_last && j == kv_tiles - 1;
+        turns.wait();
+        probe(w, consumer, j, kTurnHeld);
+        if constexpr (kHeadDim == kPvChannels) {
+          // The P V GEMM of tile j - 1 and the S GEMM of tile j back to back (O_tile, P and S fit
+          // beside O at head_dim 64): O_tile is added into O while the S GEMM runs.
+          float o_tile[kPvChannels / 2];
+          wgmma_fence();
+          gemm_pv(o_tile, pa, v_prev);
+          wgmma_commit();
+          gemm_qk<kHeadDim>(s, q_tile, k_tile);
+          wgmma_commit();
+          turns.pass(last_turn);
+          probe(w, consumer, j, kSIssued);
+          wgmma_wait<1>();  // (groups complete in order: the P V GEMM)
+          fence_registers(o_tile);
+          release_v();
+#pragma unroll
+          for (int i = 0; i < kPvChannels / 2; ++i) o[i] += o_tile[i];
+          probe(w, consumer, j, kPvAdded, o);
+        } else {
+          accumulate_pv<kHeadDim>(o, pa, v_prev);  // O += P V of tile j - 1
+          release_v();
+          probe(w, consumer, j, kPvAdded, o);
+          wgmma_fence();
+          gemm_qk<kHeadDim>(s, q_tile, k_tile);  // S of tile j
+          wgmma_commit();
+          turns.pass(last_turn);
+          probe(w, consumer, j, kSIssued);
+        }
+        wgmma_wait<0>();
+        fence_registers(s);
+        probe(w, consumer, j, kSLanded);
+        if (j == kv_tiles - 1) release_q(bars, consumer, lane);  // the work tile's S GEMMs are done
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));  // K tile j is read
+        factor[0] = q_factor[0] * k_factor;
+        factor[1] = q_factor[1] * k_factor;
+        if (j == kv_tiles - 1 && last_valid < kBlockN)
+          softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
+        else
+          softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
+        probe(w, consumer, j, kSoftmaxDone, s);
+        rescale_o<kHeadDim>(o, alpha);  // to m of tile j
+        quantize_probabilities(pa, s);
+        probe(w, consumer, j, kTileDone, pa);
+      }
+
+      // O += P V of the last tile (its V keys past n_b zeroed first where they hold data).
+      span(w, consumer, kLoopEnd, pa);
+      const int stage = ring.stage(kv_tiles - 1);
+      mbarrier_wait(shared_address(&bars.v_full[stage]), ring.parity(kv_tiles - 1));
+      if (tiles.zero_v_tail()) wait_v_tail(bars, ring);
+      accumulate_pv<kHeadDim>(o, pa, smem + L::v(stage));
+      fence_registers(pa);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[stage]));  // for the next tile
+      ring.advance(tiles);
     }
+    span(w, consumer, kLastPvDone, o);
 
-    // O += P V of the last tile (its V keys past n_b zeroed first where they hold data).
-    span(consumer, kLoopEnd, pa);
-    const int last = kv_tiles - 1, stage = last % kStages;
-    mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
-    if (tiles.zero_v_tail()) mbarrier_wait(shared_address(&bars.v_tail), 0);
-    accumulate_pv<kHeadDim>(o, pa, smem + L::v(stage));
-  }
-
-  if (warpgroup > 0) span(warpgroup - 1, kLastPvDone, o);
-  // out = O v_scale / l, lse = m ln 2 + ln(l / 448) (natural log); a row without keys: 0, -inf.
-  // (v_scale is read into registers first: out may alias it for all the compiler knows, so a load
-  // between the stores would wait for the store before it, one L2 round trip each, 4-6 us a CTA)
-  const float* const v_scale = p.v_scale + (int64_t{b} * p.heads + h) * kHeadDim;
-  float v_factor[kHeadDim / 4];  // channels nd * 8 + 2t and + 1
+    // out = O v_scale / l, lse = m ln 2 + ln(l / 448) (natural log); a row without keys: 0, -inf.
+    // (v_scale is read into registers first: out may alias it for all the compiler knows, so a
+    // load between the stores would wait for the store before it, one L2 round trip each, 4-6 us a
+    // CTA)
+    const float* const v_scale = p.v_scale + (int64_t{b} * p.heads + h) * kHeadDim;
+    float v_factor[kHeadDim / 4];  // channels nd * 8 + 2t and + 1
 #pragma unroll
-  for (int nd = 0; nd < kHeadDim / 8; ++nd) {
-    v_factor[2 * nd] = v_scale[nd * 8 + 2 * t];
-    v_factor[2 * nd + 1] = v_scale[nd * 8 + 2 * t + 1];
-  }
+    for (int nd = 0; nd < kHeadDim / 8; ++nd) {
+      v_factor[2 * nd] = v_scale[nd * 8 + 2 * t];
+      v_factor[2 * nd + 1] = v_scale[nd * 8 + 2 * t + 1];
+    }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = group_reduce(l[r], 4);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int64_t query = row0 + 8 * r;
-    if (query >= p.q_len) continue;
-    T* const out_row = p.out.row(b, query, h);
+    for (int r = 0; r < 2; ++r) {
+      const float sum = group_reduce(l[r], 4);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int64_t query = row0 + 8 * r;
+      uint32_t pairs[kHeadDim / 8];
 #pragma unroll
-    for (int nd = 0; nd < kHeadDim / 8; ++nd)
-      *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * t) =
-          flash_mma::round_pair<T>(o[4 * nd + 2 * r] * inv * v_factor[2 * nd],
-                                   o[4 * nd + 2 * r + 1] * inv * v_factor[2 * nd + 1]);
-    if (p.lse != nullptr && t == 0)
-      p.lse[(b * p.heads + h) * p.q_len + query] =
-          sum > 0.f ? m[r] * kLn2 + logf(sum) - kLnPScale : -INFINITY;
+      for (int nd = 0; nd < kHeadDim / 8; ++nd)
+        pairs[nd] = flash_mma::round_pair<T>(o[4 * nd + 2 * r] * inv * v_factor[2 * nd],
+                                             o[4 * nd + 2 * r + 1] * inv * v_factor[2 * nd + 1]);
+      store_quad_row(p.out.row(b, query < p.q_len ? query : 0, h), query < p.q_len, pairs, t);
+      if (query >= p.q_len) continue;
+      if (p.lse != nullptr && t == 0)
+        p.lse[(b * p.heads + h) * p.q_len + query] =
+            sum > 0.f ? m[r] * kLn2 + logf(sum) - kLnPScale : -INFINITY;
+    }
+    span(w, consumer, kStored);
   }
-  if (warpgroup > 0) span(warpgroup - 1, kStored);
 #else
   __trap();  // built without sm_90a machine code: the launcher never runs this body there
 #endif
@@ -601,18 +627,16 @@ bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
                       CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// Runs the kernel over every (query tile, head, batch element) with the maps from takes():
-// LTX_ERR_INVALID_ARGUMENT when they exceed a grid's INT32_MAX blocks.
+// Runs the kernel's persistent CTAs over every (query tile, head, batch element) with the maps
+// from takes().
 template <typename T, int kHeadDim>
 int run(const AttentionInt8Params<T>& p, const TensorMaps& maps, cudaStream_t stream) {
   constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
-  const int64_t ctas = ceil_div(p.q_len, Shape::kBlockM) * p.heads * p.batch;
-  if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   const cudaError_t err =
       cudaFuncSetAttribute(attention_int8_kernel<T, kHeadDim>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (err != cudaSuccess) return static_cast<int>(err);
-  return launch(attention_int8_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)),
+  return launch(attention_int8_kernel<T, kHeadDim>, persistent_grid<Shape::kBlockM>(p),
                 dim3(Shape::kThreads), kSmem, stream, maps, p);
 }
 

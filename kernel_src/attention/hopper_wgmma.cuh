@@ -296,178 +296,196 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
-  // This CTA's query tile, head and batch element (query tiles vary fastest, as in flash_mma).
-  const CtaTile tile = cta_tile<S::kBlockM>(p.q_len, p.heads);
-  const int q_first = tile.q_first, h = tile.h, b = tile.b;
+  const WorkTiles<S::kBlockM> work(p.q_len, p.heads, p.batch);
   const int warpgroup = uniform_warpgroup();  // (no spills at either head_dim: 3-5% faster)
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-  span_entry();
   init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
   allow_dependent_grids();
-  const KeyTiles tiles = key_tiles<kBlockN>(static_cast<int>(p.attended_keys(b)), p.kv_len);
-  const int kv_tiles = tiles.count, last_valid = tiles.last_valid;
+  auto keys = [&](int b) { return static_cast<int>(p.attended_keys(b)); };
+  auto key_tiles_of = [&](int b) { return key_tiles<kBlockN>(keys(b), p.kv_len); };
+  Ring<kStages> ring;
 
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<S::kProducerRegs>();
-    if (warp != 0 || kv_tiles == 0) return;
+    if (warp != 0) return;
     if (lane == 0) {
       prefetch_tensor_map(maps.q);
       prefetch_tensor_map(maps.k);
       prefetch_tensor_map(maps.v);
-      produce(
-          bars, kv_tiles, kConsumers * L::kQBytes, kTileBytes, kTileBytes,
-          [&](uint32_t bar) {
-            for (int c = 0; c < kConsumers; ++c)
+    }
+    for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
+      const CtaTile tile = work[w];
+      const KeyTiles tiles = key_tiles_of(tile.b);
+      if (tiles.count == 0) continue;
+      if (lane == 0)
+        produce(
+            bars, ring, tiles.count, L::kQBytes, kTileBytes, kTileBytes,
+            [&](int c, uint32_t bar) {
               for (int panel = 0; panel < L::kPanels; ++panel)
                 tma_load_4d(smem + L::q(c) + panel * L::kQPanelBytes, maps.q, panel * kPanelElems,
-                            h, q_first + c * kConsumerRows, b, bar);
-          },
-          [&](int stage, int j, uint32_t bar) {
-            for (int panel = 0; panel < L::kPanels; ++panel)
-              tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k,
-                          panel * kPanelElems, h, j * kBlockN, b, bar);
-          },
-          [&](int stage, int j, uint32_t bar) {
-            for (int panel = 0; panel < L::kPanels; ++panel)
-              tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v,
-                          panel * kPanelElems, h, j * kBlockN, b, bar);
-          });
+                            tile.h, tile.q_first + c * kConsumerRows, tile.b, bar);
+            },
+            [&](int stage, int j, uint32_t bar) {
+              for (int panel = 0; panel < L::kPanels; ++panel)
+                tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k,
+                            panel * kPanelElems, tile.h, j * kBlockN, tile.b, bar);
+            },
+            [&](int stage, int j, uint32_t bar) {
+              for (int panel = 0; panel < L::kPanels; ++panel)
+                tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v,
+                            panel * kPanelElems, tile.h, j * kBlockN, tile.b, bar);
+            });
+      __syncwarp();
+      // the last V tile's rows [last_valid, zero_end): zeros (whole 128-byte rows of every panel:
+      // the swizzle permutes chunks within a row only)
+      zero_last_v_tile(bars, ring, tiles, [&](int stage) {
+        const int chunks_per_row = kRowBytes / 16, rows = tiles.zero_end - tiles.last_valid;
+        for (int c = lane; c < L::kPanels * rows * chunks_per_row; c += 32) {
+          const int panel = c / (rows * chunks_per_row), rest = c % (rows * chunks_per_row);
+          const uint32_t at = smem + L::v(stage) + panel * L::kKvPanelBytes +
+                              (tiles.last_valid + rest / chunks_per_row) * kRowBytes +
+                              rest % chunks_per_row * 16;
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at), "r"(0u) : "memory");
+        }
+      });
+      ring.advance(tiles);
     }
-    __syncwarp();
-    // the last V tile's rows [last_valid, zero_end): zeros (whole 128-byte rows of every panel:
-    // the swizzle permutes chunks within a row only)
-    zero_last_v_tile(bars, tiles, [&](int stage) {
-      const int chunks_per_row = kRowBytes / 16, rows = tiles.zero_end - last_valid;
-      for (int c = lane; c < L::kPanels * rows * chunks_per_row; c += 32) {
-        const int panel = c / (rows * chunks_per_row), rest = c % (rows * chunks_per_row);
-        const uint32_t at = smem + L::v(stage) + panel * L::kKvPanelBytes +
-                            (last_valid + rest / chunks_per_row) * kRowBytes +
-                            rest % chunks_per_row * 16;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at), "r"(0u) : "memory");
-      }
-    });
     return;
   }
 
-  // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss).
+  // A consumer: rows 16 warp + g and 16 warp + g + 8 of its 64 (see wgmma_ss) of each work tile.
   set_max_registers_inc<S::kConsumerRegs>();
   const int consumer = warpgroup - 1;
   const int g = lane / 4, t = lane % 4;
-  const int row0 = q_first + consumer * kConsumerRows + warp * 16 + g;
-  float o[kHeadDim / 2];
+  const uint32_t q_tile = smem + L::q(consumer);
+  // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns), so one's softmax
+  // runs beside the others' GEMMs.
+  const Turns<kConsumers> turns(consumer);
+  for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
+    const CtaTile tile = work[w];
+    const KeyTiles tiles = key_tiles_of(tile.b);
+    const int kv_tiles = tiles.count, last_valid = tiles.last_valid, h = tile.h, b = tile.b;
+    const int row0 = tile.q_first + consumer * kConsumerRows + warp * 16 + g;
+    span(w, consumer, kStart);
+    float o[kHeadDim / 2];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
-  float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
+    float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum
 
-  if (kv_tiles > 0) {
-    float s[kBlockN / 2];
+    if (kv_tiles > 0) {
+      // whether this work tile's last K/V tile is the CTA's last turn
+      const bool ctas_last = !work.more_after(w, keys);
+      float s[kBlockN / 2];
 #pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
-    uint32_t pr[kBlockN / 16][4];  // P of the tile whose P V GEMM is next
-    float alpha[2];
-    const uint32_t q_tile = smem + L::q(consumer);
-    // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns), so one's softmax
-    // runs beside the others' GEMMs.
-    const Turns<kConsumers> turns(consumer);
-    turns.start();
-    mbarrier_wait(shared_address(&bars.q), 0);
-    span(consumer, kQLanded);
+      for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
+      uint32_t pr[kBlockN / 16][4];  // P of the tile whose P V GEMM is next
+      float alpha[2];
+      if (ring.q_use == 0) turns.start();
+      wait_q(bars, consumer, ring);
+      span(w, consumer, kQLanded);
 
-    // Tile 0: S only (no P V yet).
-    mbarrier_wait(shared_address(&bars.k_full[0]), 0);
-    turns.wait();
-    wgmma_fence();
-    gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(0));
-    wgmma_commit();
-    turns.pass(0, kv_tiles);
-    wgmma_wait<0>();
-    fence_registers(s);
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[0]));  // K tile 0 is read
-    if (kv_tiles == 1 && last_valid < kBlockN)
-      softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
-    else
-      softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
-    round_probabilities<T>(pr, s);
-    span(consumer, kFirstTileDone, pr);
-
-    for (int j = 1; j < kv_tiles; ++j) {
-      const int stage = j % kStages, prev = (j - 1) % kStages;
-      mbarrier_wait(shared_address(&bars.k_full[stage]), (j / kStages) & 1);
-      mbarrier_wait(shared_address(&bars.v_full[prev]), ((j - 1) / kStages) & 1);
-      // Once the P V GEMM is done: O, pr and V tile j - 1's stage are free.
-      auto release_v = [&] {
-        fence_registers(o);
-        fence_registers(pr);
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
-      };
+      // Tile 0: S only (no P V yet).
+      mbarrier_wait(shared_address(&bars.k_full[ring.stage(0)]), ring.parity(0));
       turns.wait();
       wgmma_fence();
-      if constexpr (kSerialGemms) {
-        gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
-        wgmma_commit();
-        wgmma_wait<0>();
-        release_v();
-        wgmma_fence();
-        gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
-        wgmma_commit();
-      } else {
-        gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
-        wgmma_commit();
-        gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
-        wgmma_commit();
-      }
-      turns.pass(j, kv_tiles);
-      wgmma_wait<kSerialGemms ? 0 : 1>();  // S has landed (K tile j is read)
+      gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(ring.stage(0)));
+      wgmma_commit();
+      turns.pass(ctas_last && kv_tiles == 1);
+      wgmma_wait<0>();
       fence_registers(s);
+      if (kv_tiles == 1) release_q(bars, consumer, lane);  // the work tile's S GEMMs are done
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));
-      if (j == kv_tiles - 1 && last_valid < kBlockN)
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[ring.stage(0)]));  // K read
+      if (kv_tiles == 1 && last_valid < kBlockN)
         softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
       else
         softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
-      if constexpr (!kSerialGemms) {
-        wgmma_wait<0>();  // the P V GEMM (it ran beside the softmax)
-        release_v();
-      }
-      rescale_o<kHeadDim>(o, alpha);
       round_probabilities<T>(pr, s);
+      span(w, consumer, kFirstTileDone, pr);
+
+      for (int j = 1; j < kv_tiles; ++j) {
+        const int stage = ring.stage(j), prev = ring.stage(j - 1);
+        mbarrier_wait(shared_address(&bars.k_full[stage]), ring.parity(j));
+        mbarrier_wait(shared_address(&bars.v_full[prev]), ring.parity(j - 1));
+        // Once the P V GEMM is done: O, pr and V tile j - 1's stage are free.
+        auto release_v = [&] {
+          fence_registers(o);
+          fence_registers(pr);
+          __syncwarp();
+          if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[prev]));
+        };
+        turns.wait();
+        wgmma_fence();
+        if constexpr (kSerialGemms) {
+          gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
+          wgmma_commit();
+          wgmma_wait<0>();
+          release_v();
+          wgmma_fence();
+          gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
+          wgmma_commit();
+        } else {
+          gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
+          wgmma_commit();
+          gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
+          wgmma_commit();
+        }
+        turns.pass(ctas_last && j == kv_tiles - 1);
+        wgmma_wait<kSerialGemms ? 0 : 1>();  // S has landed (K tile j is read)
+        fence_registers(s);
+        if (j == kv_tiles - 1) release_q(bars, consumer, lane);  // the work tile's S GEMMs are done
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));
+        if (j == kv_tiles - 1 && last_valid < kBlockN)
+          softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
+        else
+          softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
+        if constexpr (!kSerialGemms) {
+          wgmma_wait<0>();  // the P V GEMM (it ran beside the softmax)
+          release_v();
+        }
+        rescale_o<kHeadDim>(o, alpha);
+        round_probabilities<T>(pr, s);
+      }
+
+      // O += P V of the last tile (its V rows past n_b zeroed first where they hold data).
+      span(w, consumer, kLoopEnd, pr);
+      const int stage = ring.stage(kv_tiles - 1);
+      mbarrier_wait(shared_address(&bars.v_full[stage]), ring.parity(kv_tiles - 1));
+      if (tiles.zero_v_tail()) wait_v_tail(bars, ring);
+      wgmma_fence();
+      gemm_pv<T, kHeadDim>(o, pr, smem + L::v(stage));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_registers(pr);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(shared_address(&bars.v_empty[stage]));  // for the next tile
+      ring.advance(tiles);
     }
+    span(w, consumer, kLastPvDone, o);
 
-    // O += P V of the last tile (its V rows past n_b zeroed first where they hold data).
-    span(consumer, kLoopEnd, pr);
-    const int last = kv_tiles - 1, stage = last % kStages;
-    mbarrier_wait(shared_address(&bars.v_full[stage]), (last / kStages) & 1);
-    if (tiles.zero_v_tail()) mbarrier_wait(shared_address(&bars.v_tail), 0);
-    wgmma_fence();
-    gemm_pv<T, kHeadDim>(o, pr, smem + L::v(stage));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(o);
-    fence_registers(pr);
-  }
-
-  if (warpgroup > 0) span(warpgroup - 1, kLastPvDone, o);
     // out = O / l, lse = m ln 2 + ln l (natural log); a row without keys: 0 and -inf.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = group_reduce(l[r], 4);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int64_t query = row0 + 8 * r;
-    if (query >= p.q_len) continue;
-    T* const out_row = p.out.row(b, query, h);
+    for (int r = 0; r < 2; ++r) {
+      const float sum = group_reduce(l[r], 4);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int64_t query = row0 + 8 * r;
+      uint32_t pairs[kHeadDim / 8];
 #pragma unroll
-    for (int nd = 0; nd < kHeadDim / 8; ++nd)
-      *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * t) =
-          flash_mma::round_pair<T>(o[4 * nd + 2 * r] * inv, o[4 * nd + 2 * r + 1] * inv);
-    if (p.lse != nullptr && t == 0)
-      p.lse[(b * p.heads + h) * p.q_len + query] = sum > 0.f ? m[r] * kLn2 + logf(sum) : -INFINITY;
+      for (int nd = 0; nd < kHeadDim / 8; ++nd)
+        pairs[nd] = flash_mma::round_pair<T>(o[4 * nd + 2 * r] * inv, o[4 * nd + 2 * r + 1] * inv);
+      store_quad_row(p.out.row(b, query < p.q_len ? query : 0, h), query < p.q_len, pairs, t);
+      if (query >= p.q_len) continue;
+      if (p.lse != nullptr && t == 0)
+        p.lse[(b * p.heads + h) * p.q_len + query] =
+            sum > 0.f ? m[r] * kLn2 + logf(sum) : -INFINITY;
+    }
+    span(w, consumer, kStored);
   }
-  if (warpgroup > 0) span(warpgroup - 1, kStored);
 #else
   __trap();  // built without sm_90a machine code: the launcher never picks this body there
 #endif
@@ -520,18 +538,16 @@ bool takes(const AttentionParams<T>& p, TensorMaps* maps) {
          encode_operand<T>(&maps->v, p.v, p.batch, p.kv_len, p.heads, kHeadDim, kBlockN);
 }
 
-// Runs the kernel over every (query tile, head, batch element) with the maps from takes():
-// LTX_ERR_INVALID_ARGUMENT when they exceed a grid's INT32_MAX blocks.
+// Runs the kernel's persistent CTAs over every (query tile, head, batch element) with the maps
+// from takes().
 template <typename T, int kHeadDim>
 int run(const AttentionParams<T>& p, const TensorMaps& maps, cudaStream_t stream) {
   constexpr size_t kSmem = Smem<kHeadDim>::kBytes + kAtomBytes;  // (+ the alignment slack)
-  const int64_t ctas = ceil_div(p.q_len, Shape::kBlockM) * p.heads * p.batch;
-  if (ctas > INT32_MAX) return LTX_ERR_INVALID_ARGUMENT;
   const cudaError_t err =
       cudaFuncSetAttribute(attention_kernel<T, kHeadDim>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (err != cudaSuccess) return static_cast<int>(err);
-  return launch(attention_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(ctas)),
+  return launch(attention_kernel<T, kHeadDim>, persistent_grid<Shape::kBlockM>(p),
                 dim3(Shape::kThreads), kSmem, stream, maps, p);
 }
 
