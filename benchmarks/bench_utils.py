@@ -199,7 +199,13 @@ def torchao_fp8_rowwise(model: torch.nn.Module):
     (`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on
     every bf16 nn.Linear, the only ones PerRow takes). torchao replaces the weights; the bf16 ones
     wait on the CPU and come back on exit. Raises ImportError naming torchao when it is not
-    installed."""
+    installed. torchao's recommended Inductor settings (its default set_inductor_config=True:
+    coordinate-descent autotuning, which took more than 4 minutes on LTX-2's and
+    HunyuanVideo-1.5's blocks on an H100) hold while the block runs and are undone on exit: torchao
+    leaves them on for the whole process, where they would change every compiled column after
+    this one."""
+    import torch._inductor.config as inductor_config
+
     try:
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,
@@ -214,6 +220,7 @@ def torchao_fp8_rowwise(model: torch.nn.Module):
 
     originals = {name: (m, m.weight) for name, m in model.named_modules() if bf16_linear(m)}
     device = next(iter(originals.values()))[1].device
+    inductor_settings = inductor_config.get_config_copy()
     quantize_(
         model,
         Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
@@ -224,6 +231,7 @@ def torchao_fp8_rowwise(model: torch.nn.Module):
     try:
         yield model
     finally:
+        inductor_config.load_config(inductor_settings)
         for module, weight in originals.values():
             weight.data = weight.data.to(device)
             module.weight = weight

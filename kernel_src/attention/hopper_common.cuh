@@ -224,37 +224,37 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
   }
 }
 
+// Lanes t and t ^ kMask swap two of their four registers: the lane with `upper` set sends x[u0]
+// and x[u1] and takes its partner's in their place, the other does the same with x[l0], x[l1].
+template <int kMask>
+__device__ __forceinline__ void swap_pair(uint32_t (&x)[4], bool upper, int u0, int u1, int l0,
+                                          int l1) {
+  uint32_t s0 = upper ? x[u0] : x[l0], s1 = upper ? x[u1] : x[l1];
+  s0 = __shfl_xor_sync(~0u, s0, kMask);
+  s1 = __shfl_xor_sync(~0u, s1, kMask);
+  if (upper)
+    x[u0] = s0, x[u1] = s1;
+  else
+    x[l0] = s0, x[l1] = s1;
+}
+
 // Stores one output row that the 4 threads t of a quad hold, thread t the channels 8 nd + 2t and
 // 8 nd + 2t + 1 as pairs[nd] (two T in a register), if `store`. Where the row is 16-byte aligned
-// it goes out in 16-byte chunks: a 4 x 4 transpose within the quad (two shuffle steps) gives
-// thread t the whole chunk of block 4 G + t of each group G of four blocks; otherwise pair by
-// pair. Every lane of the warp calls it (the shuffles), each quad with its own row.
+// it goes out in 16-byte chunks: a 4 x 4 transpose within the quad (lanes t ^ 2 swap the 2 x 2
+// blocks off the diagonal, then lanes t ^ 1 the off-diagonal elements of each block) gives thread
+// t the whole chunk of block 4 G + t of each group G of four blocks; otherwise pair by pair.
+// Every lane of the warp calls it (the shuffles), each quad with its own row.
 template <typename T, int kPairs>
 __device__ __forceinline__ void store_quad_row(T* out_row, bool store,
                                                const uint32_t (&pairs)[kPairs], int t) {
   static_assert(kPairs % 4 == 0, "whole groups of four 8-channel blocks");
   const bool aligned = (reinterpret_cast<uintptr_t>(out_row) & 15) == 0;
-  const bool hi = t & 2, odd = t & 1;
 #pragma unroll
   for (int group = 0; group < kPairs / 4; ++group) {
     uint32_t x[4] = {pairs[4 * group], pairs[4 * group + 1], pairs[4 * group + 2],
                      pairs[4 * group + 3]};
-    // lanes t and t ^ 2 swap their 2 x 2 blocks off the diagonal
-    uint32_t a0 = hi ? x[0] : x[2], a1 = hi ? x[1] : x[3];
-    a0 = __shfl_xor_sync(~0u, a0, 2);
-    a1 = __shfl_xor_sync(~0u, a1, 2);
-    if (hi)
-      x[0] = a0, x[1] = a1;
-    else
-      x[2] = a0, x[3] = a1;
-    // lanes t and t ^ 1 swap the off-diagonal elements of each 2 x 2 block
-    uint32_t b0 = odd ? x[0] : x[1], b1 = odd ? x[2] : x[3];
-    b0 = __shfl_xor_sync(~0u, b0, 1);
-    b1 = __shfl_xor_sync(~0u, b1, 1);
-    if (odd)
-      x[0] = b0, x[2] = b1;
-    else
-      x[1] = b0, x[3] = b1;
+    swap_pair<2>(x, t & 2, 0, 1, 2, 3);
+    swap_pair<1>(x, t & 1, 0, 2, 1, 3);
     if (store && aligned)
       *reinterpret_cast<uint4*>(out_row + (4 * group + t) * 8) = make_uint4(x[0], x[1], x[2], x[3]);
   }
