@@ -1,7 +1,8 @@
 // 8-bit attention kernel body for Hopper (sm_90a): ltx_attention_int8_cuda's formula
-// (ltx_kernels.h) in the pipeline of hopper_wgmma.cuh (read its file comment first): a TMA
-// producer warpgroup filling a ring of K/V stages, three consumer warpgroups of 64 query rows each
-// (Shape) taking turns to issue their GEMMs, online softmax in exp2.
+// (ltx_kernels.h) in the pipeline of hopper_wgmma.cuh (read its file comment first): persistent
+// CTAs over work tiles, a TMA producer warpgroup filling a ring of K/V stages, three consumer
+// warpgroups of 64 query rows each (Shape) taking turns to issue their GEMMs, online softmax in
+// exp2.
 // What differs (SageAttention2's scheme, see ../shared/research/fp8-and-attention.md):
 // - S = Q8 K8^T with wgmma s32.s8.s8 (exact integer scores), converted to fp32 and scaled in the
 //   softmax's FMA by factor = q_scale[row] * k_scale[tile] * scale * log2(e): one factor per row
@@ -27,7 +28,7 @@
 //   softmax overlaps the other consumers' GEMMs.
 // - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
 //   (rescale_o in hopper_common.cuh).
-// - out = O v_scale / l per channel; lse = m ln 2 + ln(l / 448).
+// - out = O v_scale / l per channel (16-byte chunks: store_quad_row); lse = m ln 2 + ln(l / 448).
 // Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
 // head_dim rows of 128 keys (128 bytes, 128-byte swizzle). The columns of the last tile's keys

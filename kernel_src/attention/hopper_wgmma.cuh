@@ -2,14 +2,17 @@
 // inline PTX, behind the same launcher and AttentionParams as flash_mma.cuh (which stays the body
 // for what this one does not take: see attention.cu). It computes ltx_attention_cuda's formula
 // (ltx_kernels.h) with the algorithm of flash_mma.cuh (online softmax in base 2, P rounded to T):
-// - One CTA per (tile of queries, head, batch element): a producer warpgroup and three consumer
-//   warpgroups of 64 query rows each (192 queries: Shape). Warpgroup 0 is the producer: it gives up
-//   registers (setmaxnreg) and one thread issues TMA copies (cp.async.bulk.tensor) of the Q tile
-//   and of K and V tiles of 128 keys into a ring of kStages shared-memory stages, each completing
-//   an mbarrier by its byte count (expect-tx); the consumers release a stage's K tile when their S
-//   GEMM of it is done and its V tile after the P V GEMM, so the next K tile loads during the P V
-//   GEMM of the tile before (one release per stage made K wait for it, a bubble per tile at kStages
-//   = 2). The consumers' registers are raised with setmaxnreg.
+// - Persistent CTAs, one an SM, each looping over work tiles (a tile of queries, head, batch
+//   element: hopper_common.cuh's WorkTiles): a producer warpgroup and three consumer warpgroups of
+//   64 query rows each (192 queries: Shape). Warpgroup 0 is the producer: it gives up registers
+//   (setmaxnreg) and one thread issues TMA copies (cp.async.bulk.tensor) of each consumer's Q tile
+//   (once that consumer's S GEMMs of the work tile before are done) and of K and V tiles of 128
+//   keys into a ring of kStages shared-memory stages that runs on across work tiles (Ring), each
+//   completing an mbarrier by its byte count (expect-tx); the consumers release a stage's K tile
+//   when their S GEMM of it is done and its V tile after the P V GEMM, so the next K tile loads
+//   during the P V GEMM of the tile before (one release per stage made K wait for it, a bubble per
+//   tile at kStages = 2), and the next work tile's first tiles load while they finish the last
+//   one. The consumers' registers are raised with setmaxnreg.
 // - Per key tile a consumer computes S = Q K^T with wgmma (both operands in shared memory), the
 //   online softmax on S in registers, and O += P V with wgmma, P (rounded to T) in registers as
 //   the A operand: the fp32 accumulator layout of S is the A-fragment layout of P. At head_dim 64
@@ -22,7 +25,8 @@
 // - Keys past the batch element's n_b: the K/V tiles stop at ceil(n_b / 128); in the last tile
 //   the scores of keys >= n_b are -inf, and V's rows in [n_b, kv_len) are zeroed in shared memory
 //   by the producer before use (0 * NaN would be NaN; rows past kv_len are TMA's zero fill).
-// - out = O / l rounded to T; lse = m ln 2 + ln l. No keys (n_b = 0): out 0, lse -inf.
+// - out = O / l rounded to T, stored in 16-byte chunks (store_quad_row); lse = m ln 2 + ln l. No
+//   keys (n_b = 0): out 0, lse -inf.
 // Shared-memory tiles (all 1024-byte aligned): a tile of R rows of head_dim elements is head_dim /
 // 64 "panels", each R rows of 128 bytes (64 elements) in the 128-byte swizzle (16-byte chunk c of
 // row r stored at chunk c ^ (r % 8)): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a box
