@@ -41,8 +41,11 @@ struct Barriers {
   uint64_t k_empty[kStages];  // every consumer's S GEMM read the stage's K tile (one per warp)
   uint64_t v_empty[kStages];  // every consumer's P V GEMM read the stage's V tile (one per warp)
   // A work tile's last V tile past n_b is zeroed (32 arrivals; KeyTiles), zeroings alternating
-  // between the two: the producer completes the next zeroing of one only after every consumer
-  // has passed its wait on the last (Ring).
+  // between the two (Ring). One would not do: a consumer releases its Q tile (after its last S
+  // GEMM) before it waits on its work tile's zeroing, so the producer could go on and complete
+  // the next zeroing first. With two, a barrier's next zeroing comes after the producer's q_empty
+  // waits of a work tile with keys in between, which each consumer releases only after the
+  // epilogue in which it waited on this barrier.
   uint64_t v_tail[2];
 };
 

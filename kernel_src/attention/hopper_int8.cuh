@@ -604,7 +604,8 @@ inline bool encode_codes(CUtensorMap* map, const void* data, const int64_t (&dim
 
 // Whether this body takes the call: a compute capability 9.x device (9.0, the sm_90a machine
 // code's, is the only one), sizes within int32 (TMA's coordinates) and operands the tensor-map
-// encoder takes; then the maps (left unencoded without keys: the kernel reads none).
+// encoder takes; then the maps (left zeroed without keys: the kernel reads none through them, its
+// producer only prefetches them).
 template <typename T, int kHeadDim>
 bool takes(const AttentionInt8Params<T>& p, TensorMaps* maps) {
   if (device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9) return false;  // (9.0 only)
