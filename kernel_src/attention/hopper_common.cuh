@@ -33,11 +33,10 @@ struct CtaShape {
 // The CTA's mbarriers (static shared memory) in both bodies' pipeline.
 template <int kStages>
 struct Barriers {
-  uint64_t q_full[CtaShape::kConsumers];  // consumer c's Q tile landed (TMA bytes)
-  uint64_t
-      q_empty[CtaShape::kConsumers];  // consumer c's S GEMMs of its work tile are done (a warp)
-  uint64_t k_full[kStages];           // stage's K tile landed (TMA bytes)
-  uint64_t v_full[kStages];           // stage's V tile landed (TMA bytes)
+  uint64_t q_full[CtaShape::kConsumers];   // consumer c's Q tile landed (TMA bytes)
+  uint64_t q_empty[CtaShape::kConsumers];  // consumer c's last S GEMM is done (one per warp)
+  uint64_t k_full[kStages];                // stage's K tile landed (TMA bytes)
+  uint64_t v_full[kStages];                // stage's V tile landed (TMA bytes)
   uint64_t k_empty[kStages];  // every consumer's S GEMM read the stage's K tile (one per warp)
   uint64_t v_empty[kStages];  // every consumer's P V GEMM read the stage's V tile (one per warp)
   // A work tile's last V tile past n_b is zeroed (32 arrivals; KeyTiles), zeroings alternating
@@ -285,7 +284,10 @@ template <int kBlockM>
 struct WorkTiles {
   int64_t q_tiles, heads, total;
   __device__ __forceinline__ WorkTiles(int64_t q_len, int64_t heads_, int64_t batch)
-      : q_tiles((q_len + kBlockM - 1) / kBlockM), heads(heads_), total(q_tiles * heads_ * batch) {}
+      : q_tiles(query_tiles(q_len)), heads(heads_), total(q_tiles * heads_ * batch) {}
+  __host__ __device__ static int64_t query_tiles(int64_t q_len) {
+    return (q_len + kBlockM - 1) / kBlockM;
+  }
   __device__ __forceinline__ CtaTile operator[](int64_t w) const {
     return {static_cast<int>(w % q_tiles * kBlockM), static_cast<int>(w / q_tiles % heads),
             static_cast<int>(w / q_tiles / heads)};
@@ -503,7 +505,7 @@ __device__ __forceinline__ void zero_last_v_tile(Barriers<kStages>& bars, const 
 // tiles.
 template <int kBlockM, class Params>
 dim3 persistent_grid(const Params& p) {
-  const int64_t tiles = (p.q_len + kBlockM - 1) / kBlockM * p.heads * p.batch;
+  const int64_t tiles = WorkTiles<kBlockM>::query_tiles(p.q_len) * p.heads * p.batch;
   return dim3(static_cast<unsigned>(tiles < sm_count() ? tiles : sm_count()));
 }
 
