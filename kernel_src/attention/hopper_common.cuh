@@ -97,6 +97,11 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
 }
 
+// Four copies of `word` to the 16 bytes at shared address `at`.
+__device__ __forceinline__ void fill_shared16(uint32_t at, uint32_t word) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at), "r"(word) : "memory");
+}
+
 // Generic-proxy writes to shared memory made visible to the async proxy (TMA, wgmma).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -214,15 +219,17 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// O (a consumer's [64 x head_dim] D fragment: rows g and g + 8 in o[i] with (i % 4) / 2 = 0, 1)
-// rescaled to the tile's new max, alpha[r] = exp2(m_old - m_new) of row r. At head_dim 128 only
-// where some row of the warp has a new max (a vote: x * 1 = x, so skipping alpha = 1 leaves O bit
-// for bit; 2-6% faster there on an H100); at 64 always (the vote measured a loss of up to 1%).
-template <int kHeadDim>
-__device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float (&alpha)[2]) {
+// O (a consumer's [64 x N] D fragment, N = head_dim or more: rows g and g + 8 in o[i] with
+// (i % 4) / 2 = 0, 1) rescaled to the tile's new max, alpha[r] = exp2(m_old - m_new) of row r. At
+// head_dim 128 only where some row of the warp has a new max (a vote: x * 1 = x, so skipping
+// alpha = 1 leaves O bit for bit; 2-6% faster there on an H100); at 64 always (the vote measured a
+// loss of up to 1%).
+template <int kHeadDim, int N>
+__device__ __forceinline__ void rescale_o(float (&o)[N], const float (&alpha)[2]) {
+  static_assert(N >= kHeadDim / 2);
   if (kHeadDim == 64 || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+    for (int i = 0; i < N; ++i) o[i] *= alpha[(i % 4) / 2];
   }
 }
 
@@ -496,6 +503,35 @@ __device__ __forceinline__ void zero_last_v_tile(Barriers<kStages>& bars, const 
   zero(stage);
   fence_proxy_async_shared();
   mbarrier_arrive(shared_address(&bars.v_tail[ring.tail_use & 1]));
+}
+
+// The producer warp's loop over the CTA's work tiles (work[w], w = blockIdx.x, + gridDim.x, ...)
+// that have keys (tiles_of(b): batch element b's KeyTiles): lane 0 issues each one's loads
+// (produce: load_q(tile, c, bar), load_k / load_v(tile, stage, j, bar)), then the warp zeroes the
+// last V tile's keys past the attended ones where they hold data (zero_last_v_tile: zero(tiles,
+// stage)). Its Ring runs on across the work tiles as each consumer's does.
+template <int kBlockM, int kStages, class TilesOf, class LoadQ, class LoadK, class LoadV,
+          class Zero>
+__device__ __forceinline__ void produce_work(Barriers<kStages>& bars,
+                                             const WorkTiles<kBlockM>& work, TilesOf tiles_of,
+                                             int lane, uint32_t q_bytes, uint32_t k_bytes,
+                                             uint32_t v_bytes, LoadQ load_q, LoadK load_k,
+                                             LoadV load_v, Zero zero) {
+  Ring<kStages> ring;
+  for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
+    const CtaTile tile = work[w];
+    const KeyTiles tiles = tiles_of(tile.b);
+    if (tiles.count == 0) continue;
+    if (lane == 0)
+      produce(
+          bars, ring, tiles.count, q_bytes, k_bytes, v_bytes,
+          [&](int c, uint32_t bar) { load_q(tile, c, bar); },
+          [&](int stage, int j, uint32_t bar) { load_k(tile, stage, j, bar); },
+          [&](int stage, int j, uint32_t bar) { load_v(tile, stage, j, bar); });
+    __syncwarp();
+    zero_last_v_tile(bars, ring, tiles, [&](int stage) { zero(tiles, stage); });
+    ring.advance(tiles);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -9,32 +9,37 @@
 //   per tile (a K/V tile is the 128 keys of one k_scale). An unmasked tile's row max comes from
 //   the integer scores (max, or min for a negative factor) times the factor.
 // - P is computed times 448 (exp2(x - m + log2 448): e4m3's largest value, so probabilities down
-//   to 2^-9 / 448 keep a code) and rounded to e4m3; l sums the same unrounded values, so the 448
-//   cancels in O / l. A thread's S accumulators hold keys {2t, 2t+1, 2t+8, 2t+9} of each 16 and
-//   its 8-bit A fragment wants columns {4t..4t+3} of P: v8 stores each group of 16 keys in that
-//   order (ltx_attention_v_column), so the columns are the thread's own keys and
-//   quantize_probabilities only converts (no shuffles).
+//   to 2^-9 / 448 keep a code) and rounded to e4m3. l is the row sum of the rounded P, computed
+//   by the tensor cores: a V tile carries a row of ones after its channels (kSumRows), so
+//   out = P8 V / P8 1 is an exact convex combination of V's rows (and lse the log of the same
+//   sum) and the softmax adds nothing up (64 FADDs less a tile a thread: 8-bit +5-6% at head_dim
+//   64, +1% at 128 on an H100). The 448 cancels in O / l. A thread's S accumulators hold keys {2t,
+//   2t+1, 2t+8, 2t+9} of each 16 and its 8-bit A fragment wants columns {4t..4t+3} of P: v8 stores
+//   each group of 16 keys in that order (ltx_attention_v_column), so the columns are the thread's
+//   own keys and quantize_probabilities only converts (no shuffles).
 // - O_tile = P8 V8 with wgmma f32.e4m3.e4m3 (B = V^T: v8 is stored transposed, keys contiguous,
 //   the K-major layout fp8 wgmma requires) into a fresh accumulator (scale_d = 0), added to the
 //   fp32 O in registers once per tile: Hopper's FP8 tensor-core accumulation is narrower than
 //   fp32, so it never sums more than one tile (128 keys). In its turn a consumer issues the P V
-//   GEMM of tile j - 1 and the S GEMM of tile j. At head_dim 128 the P V GEMM runs in two blocks
-//   of 64 channels, each waited for and added into O before the S GEMM issues: O_tile holds 32
-//   registers and is dead, with P, once S is live, so O, S and the rest about fit a consumer's
-//   160 registers (three consumers; ptxas keeps a few scalars and two of O's elements in local
-//   memory, about 110 bytes). At head_dim 64 (O: 32 registers) O_tile, P and S fit at once: both
-//   GEMMs issue back to back and O_tile is added while the S GEMM runs (6-8% faster than serial
-//   on an H100, with uniform_warpgroup keeping it free of spills; without it, no faster). The
-//   softmax overlaps the other consumers' GEMMs.
+//   GEMM of tile j - 1 and the S GEMM of tile j (at head_dim 64 one m64n72 GEMM: 64 channels and
+//   the sum rows). At head_dim 128 the P V GEMM runs in two blocks of 64 channels (the second
+//   with the sum rows' m64n8 GEMM beside it), each waited for and added into O before the S GEMM
+//   issues: O_tile holds 32 registers and is dead, with P, once S is live, so O, S and the rest
+//   about fit a consumer's 160 registers (three consumers; ptxas keeps a few scalars and two of O's
+//   elements in local memory, about 110 bytes). At head_dim 64 (O: 32 registers) O_tile, P and S
+//   fit at once: both GEMMs issue back to back and O_tile is added while the S GEMM runs (6-8%
+//   faster than serial on an H100, with uniform_warpgroup keeping it free of spills; without it, no
+//   faster). The softmax overlaps the other consumers' GEMMs.
 // - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
 //   (rescale_o in hopper_common.cuh).
 // - out = O v_scale / l per channel (16-byte chunks: store_quad_row); lse = m ln 2 + ln(l / 448).
 // Shared-memory tiles (1024-byte aligned): Q and K tiles are rows of head_dim int8 (128 bytes in
 // the 128-byte swizzle at head_dim 128, 64 bytes in the 64-byte swizzle at 64); a V tile is
-// head_dim rows of 128 keys (128 bytes, 128-byte swizzle). The columns of the last tile's keys
-// from n_b up to v_columns (kv_len rounded up to 16) are zeroed in shared memory by the producer
-// before use (ltx_attention_v_column); the V map spans kv_len rounded up to 16 columns (a group's
-// keys below kv_len may lie at columns past it), the K map kv_len keys: past them, TMA's zero fill.
+// head_dim rows of 128 keys (128 bytes, 128-byte swizzle), followed by its 8 sum rows (written once
+// at the CTA's start; TMA fills the head_dim rows only). The columns of the last tile's keys from
+// n_b up to v_columns (kv_len rounded up to 16) are zeroed in shared memory by the producer before
+// use (ltx_attention_v_column); the V map spans kv_len rounded up to 16 columns (a group's keys
+// below kv_len may lie at columns past it), the K map kv_len keys: past them, TMA's zero fill.
 #pragma once
 
 #include <cuda.h>
@@ -66,6 +71,12 @@ constexpr int kVRowBytes = kBlockN;  // a V tile row: 128 keys of one channel
 // only write their accumulators, so neither O_tile nor S holds registers outside its GEMM).
 using Shape = CtaShape;
 constexpr int kPvChannels = 64;  // channels of a P V GEMM block (O_tile: 32 registers)
+// The rows a V tile carries after its channels: a row of ones (e4m3 1.0), then seven of zeros
+// (wgmma's N steps by 8), so that O's column head_dim is P's row sum l (file comment).
+constexpr int kSumRows = 8;
+template <int kHeadDim>
+constexpr int kOColumns = kHeadDim + kSumRows;  // O's columns: the channels, then the sum rows'
+constexpr uint32_t kE4m3Ones = 0x38383838u;     // four e4m3 1.0
 constexpr float kLog2PScale = 8.80735492205760410745f;  // log2(448): P is computed times 448
 constexpr float kLnPScale = 6.10479323241498348998f;    // ln(448)
 constexpr float kLn2 = 0.693147180559945309f;
@@ -79,7 +90,8 @@ struct Smem {
   static constexpr int kStages = 4;
   static constexpr int kQBytes = kConsumerRows * kHeadDim;  // one consumer's Q tile
   static constexpr int kKBytes = kBlockN * kHeadDim;        // a K tile: 128 rows of head_dim
-  static constexpr int kVBytes = kHeadDim * kVRowBytes;     // a V tile: head_dim rows of 128 keys
+  static constexpr int kVBytes = kOColumns<kHeadDim> * kVRowBytes;  // a V tile (+ sum rows)
+  static constexpr int kVLoadBytes = kHeadDim * kVRowBytes;  // its head_dim rows: what TMA writes
   static constexpr int kBytes = kConsumers * kQBytes + kStages * (kKBytes + kVBytes);
   // Q and K rows are head_dim bytes: the swizzle of that width, 8 rows per core block (SBO).
   static constexpr Swizzle kQkSwizzle = kHeadDim == 128 ? kSwizzle128B : kSwizzle64B;
@@ -128,7 +140,7 @@ __device__ __forceinline__ void wgmma_s8_ss(int32_t (&d)[64], uint64_t a, uint64
 template <int N, bool kAccumulate>
 __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t (&a)[4],
                                               uint64_t b) {
-  static_assert(N == 64 || N == 128);
+  static_assert(N == 8 || N == 64 || N == 72 || N == 128);
 #define LTX_WGMMA_E4M3_64                                                             \
   "{ .reg .pred p; setp.ne.b32 p, %37, 0;"                                            \
   "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "                             \
@@ -143,8 +155,29 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t 
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
   "{%64, %65, %66, %67}, %68, p, 1, 1; }"
+#define LTX_WGMMA_E4M3_72                                                            \
+  "{ .reg .pred p; setp.ne.b32 p, %41, 0;"                                           \
+  "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 "                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "          \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35}, "                                                            \
+  "{%36, %37, %38, %39}, %40, p, 1, 1; }"
+#define LTX_WGMMA_E4M3_8                                                   \
+  "{ .reg .pred p; setp.ne.b32 p, %9, 0;"                                  \
+  "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, " \
+  "{%4, %5, %6, %7}, %8, p, 1, 1; }"
+#define LTX_D4(C, d) C(d[0]), C(d[1]), C(d[2]), C(d[3])
+#define LTX_D36(C, d) LTX_D32(C, d), C(d[32]), C(d[33]), C(d[34]), C(d[35])
 #define LTX_E4M3_A "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
-  if constexpr (N == 64 && kAccumulate)
+  if constexpr (N == 8 && kAccumulate)
+    asm volatile(LTX_WGMMA_E4M3_8 : LTX_D4("+f", d) : LTX_E4M3_A, "r"(1));
+  else if constexpr (N == 8)
+    asm volatile(LTX_WGMMA_E4M3_8 : LTX_D4("=f", d) : LTX_E4M3_A, "r"(0));
+  else if constexpr (N == 72 && kAccumulate)
+    asm volatile(LTX_WGMMA_E4M3_72 : LTX_D36("+f", d) : LTX_E4M3_A, "r"(1));
+  else if constexpr (N == 72)
+    asm volatile(LTX_WGMMA_E4M3_72 : LTX_D36("=f", d) : LTX_E4M3_A, "r"(0));
+  else if constexpr (N == 64 && kAccumulate)
     asm volatile(LTX_WGMMA_E4M3_64 : LTX_D32("+f", d) : LTX_E4M3_A, "r"(1));
   else if constexpr (N == 64)
     asm volatile(LTX_WGMMA_E4M3_64 : LTX_D32("=f", d) : LTX_E4M3_A, "r"(0));
@@ -155,6 +188,10 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t 
 #undef LTX_E4M3_A
 #undef LTX_WGMMA_E4M3_128
 #undef LTX_WGMMA_E4M3_64
+#undef LTX_WGMMA_E4M3_72
+#undef LTX_WGMMA_E4M3_8
+#undef LTX_D36
+#undef LTX_D4
 }
 
 // The descriptor of a Q or K tile (rows of head_dim int8, K-major, see matrix_descriptor).
@@ -186,54 +223,66 @@ __device__ __forceinline__ uint64_t v_descriptor(uint32_t tile) {
   return matrix_descriptor(tile, 16, 8 * kVRowBytes);
 }
 
-// O_tile = P V for one consumer and kPvChannels channels: P [64 x 128 keys] from registers (p[kk]:
-// keys 32 kk..32 kk + 31), V^T [channels x 128 keys] from the V tile's row of the block's first
-// channel (v_rows), step kk at byte 32 kk of each row. The first step overwrites o_tile
+// O_tile = P V for one consumer and N of O's columns: P [64 x 128 keys] from registers (p[kk]:
+// keys 32 kk..32 kk + 31), V^T [N rows x 128 keys] from the V tile's row of the block's first
+// column (v_rows), step kk at byte 32 kk of each row. The first step overwrites o_tile
 // (scale_d = 0).
-__device__ __forceinline__ void gemm_pv(float (&o_tile)[kPvChannels / 2],
+template <int N>
+__device__ __forceinline__ void gemm_pv(float (&o_tile)[N / 2],
                                         const uint32_t (&p)[kBlockN / 32][4], uint32_t v_rows) {
   const uint64_t v = v_descriptor(v_rows);
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) {
     const uint64_t b = advance_descriptor(v, 32 * kk);
     if (kk == 0)
-      wgmma_e4m3_rs<kPvChannels, false>(o_tile, p[kk], b);
+      wgmma_e4m3_rs<N, false>(o_tile, p[kk], b);
     else
-      wgmma_e4m3_rs<kPvChannels, true>(o_tile, p[kk], b);
+      wgmma_e4m3_rs<N, true>(o_tile, p[kk], b);
   }
 }
 
 // O += P V of one tile for one consumer (the V tile landed; in the loop its turn to issue GEMMs
-// held, after it the last tile's without one): block by block of kPvChannels channels (o's D
-// fragment, channel block c at o[c / 2..]), each GEMM waited for. P's registers are free after it.
+// held, after it the last tile's without one), o's D fragment of kOColumns columns: at head_dim 64
+// one m64n72 GEMM (the channels and the sum rows); at 128 blocks of kPvChannels channels (block c
+// at o[c / 2..]), each waited for and added into O, the last with the sum rows' m64n8 GEMM beside
+// it (o[kHeadDim / 2..]). P's registers are free after it.
 template <int kHeadDim>
-__device__ __forceinline__ void accumulate_pv(float (&o)[kHeadDim / 2],
+__device__ __forceinline__ void accumulate_pv(float (&o)[kOColumns<kHeadDim> / 2],
                                               const uint32_t (&p)[kBlockN / 32][4],
                                               uint32_t v_tile) {
-  float o_tile[kPvChannels / 2];  // (written by each GEMM's first k-step)
+  constexpr int kBlock = kHeadDim == 64 ? kOColumns<kHeadDim> : kPvChannels;
+  constexpr bool kSumApart = kBlock == kPvChannels;  // the sum rows in a GEMM of their own
 #pragma unroll
-  for (int c = 0; c < kHeadDim; c += kPvChannels) {
+  for (int c = 0; c < kHeadDim; c += kBlock) {
+    const bool with_sum = kSumApart && c + kBlock == kHeadDim;
+    float o_tile[kBlock / 2], l_tile[kSumRows / 2];  // (written by each GEMM's first k-step)
     wgmma_fence();
-    gemm_pv(o_tile, p, v_tile + c * kVRowBytes);
+    gemm_pv<kBlock>(o_tile, p, v_tile + c * kVRowBytes);
+    if (with_sum) gemm_pv<kSumRows>(l_tile, p, v_tile + kHeadDim * kVRowBytes);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(o_tile);
 #pragma unroll
-    for (int i = 0; i < kPvChannels / 2; ++i) o[c / 2 + i] += o_tile[i];
+    for (int i = 0; i < kBlock / 2; ++i) o[c / 2 + i] += o_tile[i];
+    if (with_sum) {
+      fence_registers(l_tile);
+#pragma unroll
+      for (int i = 0; i < kSumRows / 2; ++i) o[kHeadDim / 2 + i] += l_tile[i];
+    }
   }
 }
 
 // Online softmax over one tile's integer scores s = q8.k8 (this thread's part of rows g and g + 8,
 // see wgmma_ss in hopper_wgmma.cuh), factor[r] = q_scale * k_scale * scale * log2(e) of row r:
 // each row's new base-2 max m, alpha = exp2(m_old - m_new), s = 448 exp2(s factor - m_new) in
-// place (as fp32 bits), l = alpha l + this thread's part of the row sum. An unmasked tile takes
+// place (as fp32 bits); the row sums come from the P V GEMM (kSumRows). An unmasked tile takes
 // the max from the integer scores (the min for a negative factor), so each score costs one
 // conversion, one FMA and one EX2; the last tile (kMask) scales first and sets keys at or past
 // `valid` to -inf. A row whose max is still -inf takes its probabilities against 0.
 template <bool kMask>
 __device__ __forceinline__ void softmax_tile(int32_t (&s)[kBlockN / 2], float (&m)[2],
-                                             float (&l)[2], float (&alpha)[2],
-                                             const float (&factor)[2], int valid, int t) {
+                                             float (&alpha)[2], const float (&factor)[2], int valid,
+                                             int t) {
   float tile_max[2] = {-INFINITY, -INFINITY};
   if (kMask) {
 #pragma unroll
@@ -262,7 +311,7 @@ __device__ __forceinline__ void softmax_tile(int32_t (&s)[kBlockN / 2], float (&
       tile_max[r] = static_cast<float>(extreme) * factor[r];
     }
   }
-  float base[2], sum[2] = {0.f, 0.f};
+  float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float m_new = fmaxf(m[r], group_reduce(tile_max[r], 4, NanMax{}));
@@ -277,10 +326,7 @@ __device__ __forceinline__ void softmax_tile(int32_t (&s)[kBlockN / 2], float (&
     const float x = kMask ? __int_as_float(s[i]) : static_cast<float>(s[i]);
     const float p = exp2_ftz(fmaf(x, kMask ? 1.f : factor[r], -base[r]));
     s[i] = __float_as_int(p);
-    sum[r] += p;
   }
-  l[0] = alpha[0] * l[0] + sum[0];
-  l[1] = alpha[1] * l[1] + sum[1];
 }
 
 // Four floats as e4m3 codes in one register, k0 in the lowest byte (rounded to nearest, saturated
@@ -364,6 +410,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // 2-4% slower, more spills)
   const int warpgroup = kHeadDim == 64 ? uniform_warpgroup() : threadIdx.x / kWarpgroup;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  {  // each stage's sum rows: ones, then zeros
+    constexpr int kChunks = kSumRows * kVRowBytes / 16;
+    for (int i = threadIdx.x; i < kStages * kChunks; i += blockDim.x) {
+      const int stage = i / kChunks, chunk = i % kChunks;
+      fill_shared16(smem + L::v(stage) + kHeadDim * kVRowBytes + chunk * 16,
+                    chunk < kVRowBytes / 16 ? kE4m3Ones : 0u);
+    }
+    fence_proxy_async_shared();  // (the GEMMs read them through the async proxy)
+  }
   init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
@@ -372,8 +427,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // to it).
   auto keys = [&](int b) { return static_cast<int>(p.attended_keys(b)); };
   auto key_tiles_of = [&](int b) { return key_tiles<kBlockN>(keys(b), p.v_columns); };
-  Ring<kStages> ring;
-
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<S::kProducerRegs>();
     if (warp != 0) return;
@@ -382,30 +435,21 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       prefetch_tensor_map(maps.k);
       prefetch_tensor_map(maps.v);
     }
-    for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
-      const CtaTile tile = work[w];
-      const KeyTiles tiles = key_tiles_of(tile.b);
-      if (tiles.count == 0) continue;
-      if (lane == 0)
-        produce(
-            bars, ring, tiles.count, L::kQBytes, L::kKBytes, L::kVBytes,
-            [&](int c, uint32_t bar) {
-              tma_load_4d(smem + L::q(c), maps.q, 0, tile.h, tile.q_first + c * kConsumerRows,
-                          tile.b, bar);
-            },
-            [&](int stage, int j, uint32_t bar) {
-              tma_load_4d(smem + L::k(stage), maps.k, 0, tile.h, j * kBlockN, tile.b, bar);
-            },
-            [&](int stage, int j, uint32_t bar) {
-              tma_load_4d(smem + L::v(stage), maps.v, j * kBlockN, 0, tile.h, tile.b, bar);
-            });
-      __syncwarp();
-      // the columns of the last V tile's keys [last_valid, 128): zeros
-      zero_last_v_tile(bars, ring, tiles, [&](int stage) {
-        zero_v_keys<kHeadDim>(smem + L::v(stage), tiles.last_valid, lane);
-      });
-      ring.advance(tiles);
-    }
+    produce_work(
+        bars, work, key_tiles_of, lane, L::kQBytes, L::kKBytes, L::kVLoadBytes,
+        [&](const CtaTile& tile, int c, uint32_t bar) {
+          tma_load_4d(smem + L::q(c), maps.q, 0, tile.h, tile.q_first + c * kConsumerRows, tile.b,
+                      bar);
+        },
+        [&](const CtaTile& tile, int stage, int j, uint32_t bar) {
+          tma_load_4d(smem + L::k(stage), maps.k, 0, tile.h, j * kBlockN, tile.b, bar);
+        },
+        [&](const CtaTile& tile, int stage, int j, uint32_t bar) {
+          tma_load_4d(smem + L::v(stage), maps.v, j * kBlockN, 0, tile.h, tile.b, bar);
+        },
+        [&](const KeyTiles& tiles, int stage) {  // its columns of keys [last_valid, 128): zeros
+          zero_v_keys<kHeadDim>(smem + L::v(stage), tiles.last_valid, lane);
+        });
     return;
   }
 
@@ -416,17 +460,17 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const uint32_t q_tile = smem + L::q(consumer);
   // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns).
   const Turns<kConsumers> turns(consumer);
+  Ring<kStages> ring;
   for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
     const CtaTile tile = work[w];
     const KeyTiles tiles = key_tiles_of(tile.b);
     const int kv_tiles = tiles.count, last_valid = tiles.last_valid, h = tile.h, b = tile.b;
     const int row0 = tile.q_first + consumer * kConsumerRows + warp * 16 + g;
     span(w, consumer, kStart);
-    float o[kHeadDim / 2];
+    float o[kOColumns<kHeadDim> / 2];  // (l x 448 of row g + 8 r: o[kHeadDim / 2 + 2 r], t = 0)
 #pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    for (int i = 0; i < kOColumns<kHeadDim> / 2; ++i) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
-    float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum (x 448)
 
     if (kv_tiles > 0) {
       // whether this work tile's last K/V tile is the CTA's last turn
@@ -465,9 +509,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       factor[0] = q_factor[0] * k_factor;
       factor[1] = q_factor[1] * k_factor;
       if (kv_tiles == 1 && last_valid < kBlockN)
-        softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
+        softmax_tile<true>(s, m, alpha, factor, last_valid, t);
       else
-        softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
+        softmax_tile<false>(s, m, alpha, factor, kBlockN, t);
       quantize_probabilities(pa, s);
       span(w, consumer, kFirstTileDone, pa);
 
@@ -490,9 +534,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         if constexpr (kHeadDim == kPvChannels) {
           // The P V GEMM of tile j - 1 and the S GEMM of tile j back to back (O_tile, P and S fit
           // beside O at head_dim 64): O_tile is added into O while the S GEMM runs.
-          float o_tile[kPvChannels / 2];
+          float o_tile[kOColumns<kHeadDim> / 2];
           wgmma_fence();
-          gemm_pv(o_tile, pa, v_prev);
+          gemm_pv<kOColumns<kHeadDim>>(o_tile, pa, v_prev);
           wgmma_commit();
           gemm_qk<kHeadDim>(s, q_tile, k_tile);
           wgmma_commit();
@@ -502,7 +546,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
           fence_registers(o_tile);
           release_v();
 #pragma unroll
-          for (int i = 0; i < kPvChannels / 2; ++i) o[i] += o_tile[i];
+          for (int i = 0; i < kOColumns<kHeadDim> / 2; ++i) o[i] += o_tile[i];
           probe(w, consumer, j, kPvAdded, o);
         } else {
           accumulate_pv<kHeadDim>(o, pa, v_prev);  // O += P V of tile j - 1
@@ -523,11 +567,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         factor[0] = q_factor[0] * k_factor;
         factor[1] = q_factor[1] * k_factor;
         if (j == kv_tiles - 1 && last_valid < kBlockN)
-          softmax_tile<true>(s, m, l, alpha, factor, last_valid, t);
+          softmax_tile<true>(s, m, alpha, factor, last_valid, t);
         else
-          softmax_tile<false>(s, m, l, alpha, factor, kBlockN, t);
+          softmax_tile<false>(s, m, alpha, factor, kBlockN, t);
         probe(w, consumer, j, kSoftmaxDone, s);
-        rescale_o<kHeadDim>(o, alpha);  // to m of tile j
+        rescale_o<kHeadDim>(o, alpha);  // to m of tile j (l with it)
         quantize_probabilities(pa, s);
         probe(w, consumer, j, kTileDone, pa);
       }
@@ -558,7 +602,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float sum = group_reduce(l[r], 4);
+      // (O's sum columns: lane t holds column head_dim + 2t, zero but for t = 0)
+      const float sum = group_reduce(o[kHeadDim / 2 + 2 * r], 4);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int64_t query = row0 + 8 * r;
       uint32_t pairs[kHeadDim / 8];

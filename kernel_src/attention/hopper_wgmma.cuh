@@ -309,8 +309,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   allow_dependent_grids();
   auto keys = [&](int b) { return static_cast<int>(p.attended_keys(b)); };
   auto key_tiles_of = [&](int b) { return key_tiles<kBlockN>(keys(b), p.kv_len); };
-  Ring<kStages> ring;
-
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<S::kProducerRegs>();
     if (warp != 0) return;
@@ -319,43 +317,35 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       prefetch_tensor_map(maps.k);
       prefetch_tensor_map(maps.v);
     }
-    for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
-      const CtaTile tile = work[w];
-      const KeyTiles tiles = key_tiles_of(tile.b);
-      if (tiles.count == 0) continue;
-      if (lane == 0)
-        produce(
-            bars, ring, tiles.count, L::kQBytes, kTileBytes, kTileBytes,
-            [&](int c, uint32_t bar) {
-              for (int panel = 0; panel < L::kPanels; ++panel)
-                tma_load_4d(smem + L::q(c) + panel * L::kQPanelBytes, maps.q, panel * kPanelElems,
-                            tile.h, tile.q_first + c * kConsumerRows, tile.b, bar);
-            },
-            [&](int stage, int j, uint32_t bar) {
-              for (int panel = 0; panel < L::kPanels; ++panel)
-                tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k,
-                            panel * kPanelElems, tile.h, j * kBlockN, tile.b, bar);
-            },
-            [&](int stage, int j, uint32_t bar) {
-              for (int panel = 0; panel < L::kPanels; ++panel)
-                tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v,
-                            panel * kPanelElems, tile.h, j * kBlockN, tile.b, bar);
-            });
-      __syncwarp();
-      // the last V tile's rows [last_valid, zero_end): zeros (whole 128-byte rows of every panel:
-      // the swizzle permutes chunks within a row only)
-      zero_last_v_tile(bars, ring, tiles, [&](int stage) {
-        const int chunks_per_row = kRowBytes / 16, rows = tiles.zero_end - tiles.last_valid;
-        for (int c = lane; c < L::kPanels * rows * chunks_per_row; c += 32) {
-          const int panel = c / (rows * chunks_per_row), rest = c % (rows * chunks_per_row);
-          const uint32_t at = smem + L::v(stage) + panel * L::kKvPanelBytes +
+    produce_work(
+        bars, work, key_tiles_of, lane, L::kQBytes, kTileBytes, kTileBytes,
+        [&](const CtaTile& tile, int c, uint32_t bar) {
+          for (int panel = 0; panel < L::kPanels; ++panel)
+            tma_load_4d(smem + L::q(c) + panel * L::kQPanelBytes, maps.q, panel * kPanelElems,
+                        tile.h, tile.q_first + c * kConsumerRows, tile.b, bar);
+        },
+        [&](const CtaTile& tile, int stage, int j, uint32_t bar) {
+          for (int panel = 0; panel < L::kPanels; ++panel)
+            tma_load_4d(smem + L::k(stage) + panel * L::kKvPanelBytes, maps.k, panel * kPanelElems,
+                        tile.h, j * kBlockN, tile.b, bar);
+        },
+        [&](const CtaTile& tile, int stage, int j, uint32_t bar) {
+          for (int panel = 0; panel < L::kPanels; ++panel)
+            tma_load_4d(smem + L::v(stage) + panel * L::kKvPanelBytes, maps.v, panel * kPanelElems,
+                        tile.h, j * kBlockN, tile.b, bar);
+        },
+        // its rows [last_valid, zero_end): zeros (whole 128-byte rows of every panel: the swizzle
+        // permutes chunks within a row only)
+        [&](const KeyTiles& tiles, int stage) {
+          const int chunks_per_row = kRowBytes / 16, rows = tiles.zero_end - tiles.last_valid;
+          for (int c = lane; c < L::kPanels * rows * chunks_per_row; c += 32) {
+            const int panel = c / (rows * chunks_per_row), rest = c % (rows * chunks_per_row);
+            fill_shared16(smem + L::v(stage) + panel * L::kKvPanelBytes +
                               (tiles.last_valid + rest / chunks_per_row) * kRowBytes +
-                              rest % chunks_per_row * 16;
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at), "r"(0u) : "memory");
-        }
-      });
-      ring.advance(tiles);
-    }
+                              rest % chunks_per_row * 16,
+                          0u);
+          }
+        });
     return;
   }
 
@@ -367,6 +357,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // The consumers take turns issuing their GEMMs (hopper_common.cuh: Turns), so one's softmax
   // runs beside the others' GEMMs.
   const Turns<kConsumers> turns(consumer);
+  Ring<kStages> ring;
   for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
     const CtaTile tile = work[w];
     const KeyTiles tiles = key_tiles_of(tile.b);
