@@ -471,7 +471,8 @@ int ltx_attention_cpu(const ltx_attention_args_t* args, int64_t row_begin, int64
  * The CUDA launcher takes T float16 or bfloat16, head_dim 64 or 128 (ltx_attention_cuda_takes_*),
  * a compute capability 9.0 device, and q8, k8, v8 rows at 16-byte boundaries (ltx_rows_aligned);
  * it computes q8.k8 exactly in int32 on tensor cores, scales the scores in fp32, rounds the
- * probabilities times 448 to e4m3 before p.v8 (fp32 accumulation), out = O v_scale / l. The C
+ * probabilities times 448 to e4m3 before p.v8 (fp32 accumulation), l the row sum of the same
+ * rounded probabilities (tensor cores), out = O v_scale / l, lse from that l. The C
  * twin takes T float32, float16, bfloat16 or float64 and any head_dim, computes in double and
  * rounds out once.
  */

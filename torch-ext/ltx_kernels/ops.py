@@ -321,7 +321,8 @@ def attention_int8(
     Returns out [B, Sq, H, D] in out_dtype (bfloat16 or float16; the CPU backend also float32 and
     float64). CUDA: compute capability 9.0 only, D 64 or 128, 16-byte aligned rows; the scores are
     exact integer dot products scaled in fp32, the probabilities (times 448) rounded to e4m3 before
-    p.v (fp32 accumulation, promoted every 128 keys). CPU: any D, computed in double and rounded
+    p.v (fp32 accumulation, promoted every 128 keys), the row sums (out's divisor and lse's) of the
+    same rounded probabilities. CPU: any D, computed in double and rounded
     once. No backward: differentiating it raises."""
     out, lse = _library().attention_int8(
         q8,
