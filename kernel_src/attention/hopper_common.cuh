@@ -97,9 +97,10 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
 }
 
-// Four copies of `word` to the 16 bytes at shared address `at`.
-__device__ __forceinline__ void fill_shared16(uint32_t at, uint32_t word) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at), "r"(word) : "memory");
+// The 16 bytes at shared address `at`: `first`, then three copies of `rest`.
+__device__ __forceinline__ void store_shared16(uint32_t at, uint32_t first, uint32_t rest) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %2, %2};" ::"r"(at), "r"(first), "r"(rest)
+               : "memory");
 }
 
 // Generic-proxy writes to shared memory made visible to the async proxy (TMA, wgmma).

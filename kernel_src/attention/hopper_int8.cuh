@@ -414,8 +414,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr int kChunks = kSumRows * kVRowBytes / 16;
     for (int i = threadIdx.x; i < kStages * kChunks; i += blockDim.x) {
       const int stage = i / kChunks, chunk = i % kChunks;
-      fill_shared16(smem + L::v(stage) + kHeadDim * kVRowBytes + chunk * 16,
-                    chunk < kVRowBytes / 16 ? kE4m3Ones : 0u);
+      const uint32_t word = chunk < kVRowBytes / 16 ? kE4m3Ones : 0u;
+      store_shared16(smem + L::v(stage) + kHeadDim * kVRowBytes + chunk * 16, word, word);
     }
     fence_proxy_async_shared();  // (the GEMMs read them through the async proxy)
   }

@@ -22,6 +22,9 @@
 //   issuing (Turns: named barriers in a ring), so one's softmax overlaps the others' GEMMs.
 // - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
 //   (rescale_o in hopper_common.cuh).
+// - l: at head_dim 64 the P V GEMM's (m64n72: a ones panel gives O a column of P's row sums, so
+//   out is a convex combination of V's rows with the same rounded P), at 128 the softmax's sum of
+//   the unrounded P (kOColumns).
 // - Keys past the batch element's n_b: the K/V tiles stop at ceil(n_b / 128); in the last tile
 //   the scores of keys >= n_b are -inf, and V's rows in [n_b, kv_len) are zeroed in shared memory
 //   by the producer before use (0 * NaN would be NaN; rows past kv_len are TMA's zero fill).
@@ -62,8 +65,17 @@ constexpr int kAtomBytes = 1024;   // 8 rows of 128 bytes: the 128-byte swizzle'
 // 1x40x32760 10-14% faster than two on an H100.
 using Shape = CtaShape;
 
+// O's columns: at head_dim 64 the channels and 8 more, whose first is P's row sum l, from the P V
+// GEMM over the ones panel (gemm_pv: column 64 of every key row 1, the rest 0): the softmax adds
+// nothing up (64 FADDs less a tile a thread, +3% on an H100). At 128 the softmax sums (not tried
+// there: O's 4 more registers, and an N = 136 GEMM reading a panel past each stage's V tile).
+template <int kHeadDim>
+constexpr bool kSumsInGemm = kHeadDim == 64;
+template <int kHeadDim>
+constexpr int kOColumns = kHeadDim + (kSumsInGemm<kHeadDim> ? 8 : 0);
+
 // Shared memory of a CTA (byte offsets from a 1024-byte aligned base): each consumer's Q tile,
-// then kStages K tiles, then kStages V tiles.
+// then kStages K tiles, then kStages V tiles, then at head_dim 64 the ones panel (one K/V panel).
 template <int kHeadDim>
 struct Smem {
   static constexpr int kConsumers = Shape::kConsumers;
@@ -73,7 +85,8 @@ struct Smem {
   static constexpr int kKvPanelBytes = kBlockN * kRowBytes;
   static constexpr int kQBytes = kPanels * kQPanelBytes;    // one consumer's Q tile
   static constexpr int kKvBytes = kPanels * kKvPanelBytes;  // one K or V tile
-  static constexpr int kBytes = kConsumers * kQBytes + 2 * kStages * kKvBytes;
+  static constexpr int kOnesBytes = kSumsInGemm<kHeadDim> ? kKvPanelBytes : 0;  // ones panel
+  static constexpr int kBytes = kConsumers * kQBytes + 2 * kStages * kKvBytes + kOnesBytes;
   __host__ __device__ static constexpr uint32_t q(int consumer) { return consumer * kQBytes; }
   __host__ __device__ static constexpr uint32_t k(int stage) {
     return kConsumers * kQBytes + stage * kKvBytes;
@@ -81,6 +94,7 @@ struct Smem {
   __host__ __device__ static constexpr uint32_t v(int stage) {
     return k(kStages) + stage * kKvBytes;
   }
+  __host__ __device__ static constexpr uint32_t ones() { return v(kStages); }
   static_assert(kQPanelBytes % kAtomBytes == 0 && kKvPanelBytes % kAtomBytes == 0);
 };
 
@@ -128,6 +142,20 @@ __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 64>(float (&d)[32], cons
 }
 
 template <>
+__device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 72>(float (&d)[36], const uint32_t (&a)[4],
+                                                            uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %41, 0;"
+      "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35}, "
+      "{%36, %37, %38, %39}, %40, p, 1, 1, 1; }"
+      : LTX_D32("+f", d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+template <>
 __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 128>(float (&d)[64], const uint32_t (&a)[4],
                                                              uint64_t b, int scale_d) {
   asm volatile(
@@ -171,6 +199,20 @@ __device__ __forceinline__ void wgmma_rs<__half, 64>(float (&d)[32], const uint3
 }
 
 template <>
+__device__ __forceinline__ void wgmma_rs<__half, 72>(float (&d)[36], const uint32_t (&a)[4],
+                                                     uint64_t b, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %41, 0;"
+      "wgmma.mma_async.sync.aligned.m64n72k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35}, "
+      "{%36, %37, %38, %39}, %40, p, 1, 1, 1; }"
+      : LTX_D32("+f", d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+template <>
 __device__ __forceinline__ void wgmma_rs<__half, 128>(float (&d)[64], const uint32_t (&a)[4],
                                                       uint64_t b, int scale_d) {
   asm volatile(
@@ -209,26 +251,31 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kBlockN / 2], uint32_t q_tile
 // O += P V for one consumer: P [64 x 128 keys] from registers (p[kb]: keys 16 kb..16 kb + 15), V
 // [128 keys x head_dim] MN-major: step kb starts at key row 16 kb (byte 2048 kb of each panel),
 // 8-key groups 1024 bytes apart (SBO), 64-column groups a panel apart (LBO).
+// At head_dim 64 too (m64n72): its columns 64-71, the second 64-column group, come from the ones
+// panel (LBO: from this stage's V tile to it), so O's column 64 is P's row sum l.
 template <typename T, int kHeadDim>
-__device__ __forceinline__ void gemm_pv(float (&o)[kHeadDim / 2],
-                                        const uint32_t (&p)[kBlockN / 16][4], uint32_t v_tile) {
+__device__ __forceinline__ void gemm_pv(float (&o)[kOColumns<kHeadDim> / 2],
+                                        const uint32_t (&p)[kBlockN / 16][4], uint32_t v_tile,
+                                        uint32_t ones) {
   using L = Smem<kHeadDim>;
-  const uint64_t v = matrix_descriptor(v_tile, L::kKvPanelBytes, kAtomBytes);
+  const uint64_t v = matrix_descriptor(
+      v_tile, kSumsInGemm<kHeadDim> ? ones - v_tile : L::kKvPanelBytes, kAtomBytes);
 #pragma unroll
   for (int kb = 0; kb < kBlockN / 16; ++kb) {
     const uint64_t b = advance_descriptor(v, kb * 16 * kRowBytes);
-    wgmma_rs<T, kHeadDim>(o, p[kb], b, 1);
+    wgmma_rs<T, kOColumns<kHeadDim>>(o, p[kb], b, 1);
   }
 }
 
 // Online softmax over one tile's raw scores s = q.k (this thread's part of rows g and g + 8, see
 // wgmma_ss): each row's new base-2 max m over its quad of 4 lanes, alpha = exp2(m_old - m_new)
-// (what O and l are rescaled by), s = exp2(s scale_log2 - m_new) in place, l = alpha l + this
-// thread's part of the row sum. A tile without masked keys takes the max of the raw scores (of
-// their negations for a negative scale) and scales it once per row, so each score costs one FMA
-// and one EX2; the last tile (kMask) scales first and sets keys at or past `valid` to -inf. As
-// flash_mma.cuh: a row whose max is still -inf takes its probabilities against 0.
-template <bool kMask>
+// (what O and l are rescaled by), s = exp2(s scale_log2 - m_new) in place, and with kSum l = alpha
+// l + this thread's part of the row sum (without, the P V GEMM sums: kOColumns). A tile without
+// masked keys takes the max of the raw scores (of their negations for a negative scale) and scales
+// it once per row, so each score costs one FMA and one EX2; the last tile (kMask) scales first and
+// sets keys at or past `valid` to -inf. As flash_mma.cuh: a row whose max is still -inf takes its
+// probabilities against 0.
+template <bool kMask, bool kSum>
 __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], float scale_log2, int valid,
                                              int t) {
@@ -266,10 +313,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&m)
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; ++i) {
     s[i] = exp2_ftz(fmaf(s[i], factor, -base[(i % 4) / 2]));
-    sum[(i % 4) / 2] += s[i];
+    if (kSum) sum[(i % 4) / 2] += s[i];
   }
-  l[0] = alpha[0] * l[0] + sum[0];
-  l[1] = alpha[1] * l[1] + sum[1];
+  if (kSum) {
+    l[0] = alpha[0] * l[0] + sum[0];
+    l[1] = alpha[1] * l[1] + sum[1];
+  }
 }
 
 // P rounded to T as the A fragments of O += P V: S's column blocks 2 kb and 2 kb + 1 (8 keys each)
@@ -303,6 +352,14 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const WorkTiles<S::kBlockM> work(p.q_len, p.heads, p.batch);
   const int warpgroup = uniform_warpgroup();  // (no spills at either head_dim: 3-5% faster)
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  if constexpr (kSumsInGemm<kHeadDim>) {
+    // The ones panel: key row r's (128 bytes, 128-byte swizzle) chunk 0, stored at chunk r % 8,
+    // holds T 1 in its first element; every other element 0.
+    const uint32_t one = std::is_same<T, __half>::value ? 0x3C00u : 0x3F80u;
+    for (int i = threadIdx.x; i < L::kOnesBytes / 16; i += blockDim.x)
+      store_shared16(smem + L::ones() + i * 16, i % 8 == i / 8 % 8 ? one : 0u, 0u);
+    fence_proxy_async_shared();  // (the GEMMs read it through the async proxy)
+  }
   init_barriers(bars, kConsumers);
 
   wait_for_prior_grids();
@@ -340,10 +397,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
           const int chunks_per_row = kRowBytes / 16, rows = tiles.zero_end - tiles.last_valid;
           for (int c = lane; c < L::kPanels * rows * chunks_per_row; c += 32) {
             const int panel = c / (rows * chunks_per_row), rest = c % (rows * chunks_per_row);
-            fill_shared16(smem + L::v(stage) + panel * L::kKvPanelBytes +
-                              (tiles.last_valid + rest / chunks_per_row) * kRowBytes +
-                              rest % chunks_per_row * 16,
-                          0u);
+            store_shared16(smem + L::v(stage) + panel * L::kKvPanelBytes +
+                               (tiles.last_valid + rest / chunks_per_row) * kRowBytes +
+                               rest % chunks_per_row * 16,
+                           0u, 0u);
           }
         });
     return;
@@ -364,11 +421,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int kv_tiles = tiles.count, last_valid = tiles.last_valid, h = tile.h, b = tile.b;
     const int row0 = tile.q_first + consumer * kConsumerRows + warp * 16 + g;
     span(w, consumer, kStart);
-    float o[kHeadDim / 2];
+    float o[kOColumns<kHeadDim> / 2];
 #pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    for (int i = 0; i < kOColumns<kHeadDim> / 2; ++i) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY};  // running max of each row's base-2 scores
-    float l[2] = {0.f, 0.f};              // this thread's part of each row's running sum
+    float l[2] = {0.f, 0.f};  // at head_dim 128 this thread's part of each row's running sum
 
     if (kv_tiles > 0) {
       // whether this work tile's last K/V tile is the CTA's last turn
@@ -395,9 +452,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       __syncwarp();
       if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[ring.stage(0)]));  // K read
       if (kv_tiles == 1 && last_valid < kBlockN)
-        softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
+        softmax_tile<true, !kSumsInGemm<kHeadDim>>(s, m, l, alpha, p.scale_log2, last_valid, t);
       else
-        softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
+        softmax_tile<false, !kSumsInGemm<kHeadDim>>(s, m, l, alpha, p.scale_log2, kBlockN, t);
       round_probabilities<T>(pr, s);
       span(w, consumer, kFirstTileDone, pr);
 
@@ -415,7 +472,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         turns.wait();
         wgmma_fence();
         if constexpr (kSerialGemms) {
-          gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
+          gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev),
+                               smem + L::ones());  // O += P V of tile j - 1
           wgmma_commit();
           wgmma_wait<0>();
           release_v();
@@ -425,7 +483,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         } else {
           gemm_qk<T, kHeadDim>(s, q_tile, smem + L::k(stage));  // S of tile j
           wgmma_commit();
-          gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev));  // O += P V of tile j - 1
+          gemm_pv<T, kHeadDim>(o, pr, smem + L::v(prev),
+                               smem + L::ones());  // O += P V of tile j - 1
           wgmma_commit();
         }
         turns.pass(ctas_last && j == kv_tiles - 1);
@@ -435,9 +494,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         __syncwarp();
         if (lane == 0) mbarrier_arrive(shared_address(&bars.k_empty[stage]));
         if (j == kv_tiles - 1 && last_valid < kBlockN)
-          softmax_tile<true>(s, m, l, alpha, p.scale_log2, last_valid, t);
+          softmax_tile<true, !kSumsInGemm<kHeadDim>>(s, m, l, alpha, p.scale_log2, last_valid, t);
         else
-          softmax_tile<false>(s, m, l, alpha, p.scale_log2, kBlockN, t);
+          softmax_tile<false, !kSumsInGemm<kHeadDim>>(s, m, l, alpha, p.scale_log2, kBlockN, t);
         if constexpr (!kSerialGemms) {
           wgmma_wait<0>();  // the P V GEMM (it ran beside the softmax)
           release_v();
@@ -452,7 +511,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       mbarrier_wait(shared_address(&bars.v_full[stage]), ring.parity(kv_tiles - 1));
       if (tiles.zero_v_tail()) wait_v_tail(bars, ring);
       wgmma_fence();
-      gemm_pv<T, kHeadDim>(o, pr, smem + L::v(stage));
+      gemm_pv<T, kHeadDim>(o, pr, smem + L::v(stage), smem + L::ones());
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(o);
@@ -466,7 +525,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     // out = O / l, lse = m ln 2 + ln l (natural log); a row without keys: 0 and -inf.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float sum = group_reduce(l[r], 4);
+      // (O's column 64 at head_dim 64: lane t holds column 64 + 2t, zero but for t = 0)
+      const float sum = group_reduce(kSumsInGemm<kHeadDim> ? o[kHeadDim / 2 + 2 * r] : l[r], 4);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int64_t query = row0 + 8 * r;
       uint32_t pairs[kHeadDim / 8];
