@@ -93,7 +93,7 @@ LTX_ATTENTION_HEAD_DIMS = (64, 128)
 #: Where attention="auto" attends with our op: CUDA compute capability -> ((head_dim, tokens), ...):
 #: at that head_dim, calls of at least `tokens` queries and keys, where ltx_kernels.attention
 #: measured faster than cuDNN's SDPA, the default backend (benchmarks/benchmark_attention.py,
-#: 2026-11-27, the persistent bodies on three H100 80GB HBM3 and an H200: head_dim 128 1.03-1.08x
+#: 2026-11-27, the persistent bodies on four H100 80GB HBM3 and an H200: head_dim 128 0.98-1.08x
 #: at 2x32x6144 (LTX-2; cuDNN's own rate moves 7-9% between machines there), 1.19-1.20x at
 #: 1x40x32760 (Wan 2.1 14B) and 1x16x49290 (HunyuanVideo-1.5), 0.96-1.01x at 1x24x4608 (FLUX.1:
 #: not listed); head_dim 64 1.01-1.08x at 2x32x8064 (LTX-Video 2B, 161 frames; 0.95x on one H100
