@@ -141,19 +141,27 @@ __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 64>(float (&d)[32], cons
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
+// m64n72 (head_dim 64 and the ones panel's columns: kOColumns), the two types' instructions.
+#define LTX_WGMMA_RS_72(TYPE)                                                       \
+  asm volatile(                                                                     \
+      "{ .reg .pred p; setp.ne.b32 p, %41, 0;"                                      \
+      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TYPE "." TYPE                   \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "    \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, " \
+      "%31, %32, %33, %34, %35}, {%36, %37, %38, %39}, %40, p, 1, 1, 1; }"          \
+      : LTX_D32("+f", d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])        \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 template <>
 __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 72>(float (&d)[36], const uint32_t (&a)[4],
                                                             uint64_t b, int scale_d) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %41, 0;"
-      "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35}, "
-      "{%36, %37, %38, %39}, %40, p, 1, 1, 1; }"
-      : LTX_D32("+f", d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+  LTX_WGMMA_RS_72("bf16");
 }
+template <>
+__device__ __forceinline__ void wgmma_rs<__half, 72>(float (&d)[36], const uint32_t (&a)[4],
+                                                     uint64_t b, int scale_d) {
+  LTX_WGMMA_RS_72("f16");
+}
+#undef LTX_WGMMA_RS_72
 
 template <>
 __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 128>(float (&d)[64], const uint32_t (&a)[4],
@@ -195,20 +203,6 @@ __device__ __forceinline__ void wgmma_rs<__half, 64>(float (&d)[32], const uint3
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
       : LTX_D32("+f", d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs<__half, 72>(float (&d)[36], const uint32_t (&a)[4],
-                                                     uint64_t b, int scale_d) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %41, 0;"
-      "wgmma.mma_async.sync.aligned.m64n72k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35}, "
-      "{%36, %37, %38, %39}, %40, p, 1, 1, 1; }"
-      : LTX_D32("+f", d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
