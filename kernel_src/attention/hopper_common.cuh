@@ -220,11 +220,11 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// O (a consumer's [64 x N] D fragment, N = head_dim or more: rows g and g + 8 in o[i] with
-// (i % 4) / 2 = 0, 1) rescaled to the tile's new max, alpha[r] = exp2(m_old - m_new) of row r. At
-// head_dim 128 only where some row of the warp has a new max (a vote: x * 1 = x, so skipping
-// alpha = 1 leaves O bit for bit; 2-6% faster there on an H100); at 64 always (the vote measured a
-// loss of up to 1%).
+// O (a consumer's D fragment of 64 rows and 2 N >= head_dim columns, N registers: rows g and g + 8
+// in o[i] with (i % 4) / 2 = 0, 1) rescaled to the tile's new max, alpha[r] = exp2(m_old - m_new)
+// of row r. At head_dim 128 only where some row of the warp has a new max (a vote: x * 1 = x, so
+// skipping alpha = 1 leaves O bit for bit; 2-6% faster there on an H100); at 64 always (the vote
+// measured a loss of up to 1%).
 template <int kHeadDim, int N>
 __device__ __forceinline__ void rescale_o(float (&o)[N], const float (&alpha)[2]) {
   static_assert(N >= kHeadDim / 2);

@@ -11,12 +11,13 @@
 // - P is computed times 448 (exp2(x - m + log2 448): e4m3's largest value, so probabilities down
 //   to 2^-9 / 448 keep a code) and rounded to e4m3. l is the row sum of the rounded P, computed
 //   by the tensor cores: a V tile carries a row of ones after its channels (kSumRows), so
-//   out = P8 V / P8 1 is an exact convex combination of V's rows (and lse the log of the same
-//   sum) and the softmax adds nothing up (64 FADDs less a tile a thread: 8-bit +5-6% at head_dim
-//   64, +1% at 128 on an H100). The 448 cancels in O / l. A thread's S accumulators hold keys {2t,
-//   2t+1, 2t+8, 2t+9} of each 16 and its 8-bit A fragment wants columns {4t..4t+3} of P: v8 stores
-//   each group of 16 keys in that order (ltx_attention_v_column), so the columns are the thread's
-//   own keys and quantize_probabilities only converts (no shuffles).
+//   out = P8 V / P8 1 is a convex combination of V's rows up to the tensor cores' accumulation
+//   (and lse the log of the same sum) and the softmax adds nothing up (64 FADDs less a tile a
+//   thread: 8-bit +5-6% at head_dim 64, +1% at 128 on an H100). The 448 cancels in O / l. A
+//   thread's S accumulators hold keys {2t, 2t+1, 2t+8, 2t+9} of each 16 and its 8-bit A fragment
+//   wants columns {4t..4t+3} of P: v8 stores each group of 16 keys in that order
+//   (ltx_attention_v_column), so the columns are the thread's own keys and quantize_probabilities
+//   only converts (no shuffles).
 // - O_tile = P8 V8 with wgmma f32.e4m3.e4m3 (B = V^T: v8 is stored transposed, keys contiguous,
 //   the K-major layout fp8 wgmma requires) into a fresh accumulator (scale_d = 0), added to the
 //   fp32 O in registers once per tile: Hopper's FP8 tensor-core accumulation is narrower than
@@ -28,8 +29,9 @@
 //   about fit a consumer's 160 registers (three consumers; ptxas keeps a few scalars and two of O's
 //   elements in local memory, about 110 bytes). At head_dim 64 (O: 32 registers) O_tile, P and S
 //   fit at once: both GEMMs issue back to back and O_tile is added while the S GEMM runs (6-8%
-//   faster than serial on an H100, with uniform_warpgroup keeping it free of spills; without it, no
-//   faster). The softmax overlaps the other consumers' GEMMs.
+//   faster than serial on an H100, with uniform_warpgroup keeping it free of spills but for 4 bytes
+//   since O holds l's columns; without it, no faster). The softmax overlaps the other consumers'
+//   GEMMs.
 // - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
 //   (rescale_o in hopper_common.cuh).
 // - out = O v_scale / l per channel (16-byte chunks: store_quad_row); lse = m ln 2 + ln(l / 448).
