@@ -437,7 +437,8 @@ template <int kStages>
 struct Ring {
   int first = 0, q_use = 0, tail_use = 0;
   __device__ __forceinline__ int stage(int j) const { return (first + j) % kStages; }
-  __device__ __forceinline__ uint32_t parity(int j) const { return ((first + j) / kStages) & 1; }
+  __device__ __forceinline__ int use(int j) const { return (first + j) / kStages; }
+  __device__ __forceinline__ uint32_t parity(int j) const { return use(j) & 1; }
   __device__ __forceinline__ void advance(const KeyTiles& tiles) {
     first += tiles.count;
     ++q_use;
@@ -479,7 +480,7 @@ __device__ __forceinline__ void produce(Barriers<kStages>& bars, const Ring<kSta
     load_q(c, q_bar);
   }
   for (int j = 0; j < tiles; ++j) {
-    const int stage = ring.stage(j), use = (ring.first + j) / kStages;
+    const int stage = ring.stage(j), use = ring.use(j);
     const uint32_t k_bar = shared_address(&bars.k_full[stage]);
     const uint32_t v_bar = shared_address(&bars.v_full[stage]);
     if (use > 0) mbarrier_wait(shared_address(&bars.k_empty[stage]), (use - 1) & 1);
