@@ -2,8 +2,10 @@
 // BF16=1 in the environment, ltx_attention_cuda in bf16, at benchmark_attention.py's six cases and
 // two odd shapes, on operands from a fixed hash (the same in every build). Each case: one call,
 // then 30 timed calls (CUDA events around each, L2 flushed by a 256 MiB memset before each), the
-// median and TF/s (4 B H S^2 D flops). Built from a kernel_src tree of its own, so that two builds
-// of the kernels (a change and main) compare on one GPU in one job, each in its own process:
+// median and TF/s (4 B H S^2 D flops), with the launcher's workspace (LTX_KERNELS_ATTENTION_SPLIT
+// =off in the environment: none, no work tile split). Built from a kernel_src tree of its own, so
+// that two builds of the kernels (a change and main) compare on one GPU in one job, each in its own
+// process:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I SRC -o /tmp/timing_SRC \
 //     benchmarks/attention_launcher_timing.cu SRC/attention/attention.cu SRC/launch.cu \
 //     SRC/checks.c -lcuda
@@ -247,6 +249,14 @@ int main(int argc, char** argv) {
       a8.head_dim = D;
       a8.kv_pad = pad;
       a8.scale = scale;
+    }
+    // the launcher's workspace (its split of the last round's work tiles; none with
+    // LTX_KERNELS_ATTENTION_SPLIT=off)
+    const int64_t workspace =
+        bf16 ? ltx_attention_cuda_workspace(&a16) : ltx_attention_int8_cuda_workspace(&a8);
+    if (workspace > 0) {
+      a16.workspace = a8.workspace = alloc(workspace);
+      a16.workspace_bytes = a8.workspace_bytes = workspace;
     }
     auto call = [&] {
       return bf16 ? ltx_attention_cuda(&a16, 0) : ltx_attention_int8_cuda(&a8, 0);

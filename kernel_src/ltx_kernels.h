@@ -442,7 +442,9 @@ typedef struct ltx_attention_args {
   void* lse;                /* [batch, heads, q_len] contiguous; NULL: not written */
   ltx_vector_t key_lengths; /* [batch] contiguous int32/int64; data NULL: every key */
   int64_t head_dim;
-  double scale; /* (the CUDA kernel rounds scale * log2(e) to fp32) */
+  double scale;            /* (the CUDA kernel rounds scale * log2(e) to fp32) */
+  void* workspace;         /* CUDA: ltx_attention_cuda_workspace(args) bytes, 4-byte aligned */
+  int64_t workspace_bytes; /* (fewer, or NULL: the launcher splits no work tile) */
 } ltx_attention_args_t;
 
 /* Whether the CUDA launcher takes a dtype T and a head_dim (its third limit, 16-byte aligned rows:
@@ -455,6 +457,11 @@ static inline int ltx_attention_cuda_takes_dtype(ltx_dtype_t dtype) {
 }
 
 int ltx_attention_cuda(const ltx_attention_args_t* args, ltx_stream_t stream);
+/* The workspace the CUDA launcher uses for a call on the current device (0 if none): where the
+ * persistent grid's last round of work tiles would leave most SMs idle, it splits those tiles along
+ * their keys over more CTAs and merges the parts' partial results through it. Set
+ * LTX_KERNELS_ATTENTION_SPLIT=off in the environment to never split (0 here). */
+int64_t ltx_attention_cuda_workspace(const ltx_attention_args_t* args);
 /* Over query rows [row_begin, row_end) only, in q's row order ((b * q_len + i) * heads + h). */
 int ltx_attention_cpu(const ltx_attention_args_t* args, int64_t row_begin, int64_t row_end);
 
@@ -488,10 +495,13 @@ typedef struct ltx_attention_int8_args {
   void* lse;                /* [batch, heads, q_len] contiguous; NULL: not written */
   ltx_vector_t key_lengths; /* [batch] contiguous int32/int64; data NULL: every key */
   int64_t head_dim, kv_pad;
-  double scale; /* (the CUDA kernel rounds scale * log2(e) to fp32) */
+  double scale;            /* (the CUDA kernel rounds scale * log2(e) to fp32) */
+  void* workspace;         /* as ltx_attention_args_t's: ltx_attention_int8_cuda_workspace(args) */
+  int64_t workspace_bytes; /* bytes */
 } ltx_attention_int8_args_t;
 
 int ltx_attention_int8_cuda(const ltx_attention_int8_args_t* args, ltx_stream_t stream);
+int64_t ltx_attention_int8_cuda_workspace(const ltx_attention_int8_args_t* args);
 /* Over query rows [row_begin, row_end) only, in q8's row order ((b * q_len + i) * heads + h). */
 int ltx_attention_int8_cpu(const ltx_attention_int8_args_t* args, int64_t row_begin,
                            int64_t row_end);

@@ -25,7 +25,10 @@ max |q_i| max |k_j| per batch element and head, of the dequantized operands):
   * 3 Sk eps M_v: the fp32 sums of the tiles; (u + 5 eps) |exact|: out's rounding, 1 / l, v_scale.
   and |lse - exact| <= 2 ds + 2 Sk eps + 2^-21 + 2 eps (|lse| + E_s log2(e)) + 2^-20 (ln 448)
   - ln(1 - r): lse is the log of the same l' (out and lse consistent: partial attentions merged by
-  their lse give the whole one's out, which ring attention needs), so l's error is lse's.
+  their lse give the whole one's out, which ring attention needs), so l's error is lse's. Work
+  tiles split along their keys (test_split_work_tiles) round each part's probabilities against
+  the part's own max, so r holds for each part's sums and for their merge, which adds its fp32
+  error (test_attention_op.merge_error: 2 dm M_v and 4 eps |exact| to out, dm to lse).
   The bound is loose where a wrong index would hide (near-uniform weights average any permutation
   of keys), so two sharper checks stand beside it: with one key far above the others every
   probability is exactly 0 or 448, and out must be that key's v row exactly (any slip in the
@@ -53,7 +56,7 @@ from ltx_kernels import reference
 from ltx_kernels.reference import _dequantize_attention_int8, _quantize_attention_int8
 
 from helpers import MANTISSA_BITS, assert_compiles_once, capture_graph
-from test_attention_op import assert_matches_exact, error_bounds
+from test_attention_op import assert_matches_exact, error_bounds, merge_error
 
 EPS = 2.0**-24
 LOG2E = 1 / math.log(2)
@@ -85,9 +88,10 @@ def cuda_bounds(operands, scale, exact, exact_lse):
     ds = 4 * EPS * e_s * LOG2E + 2.0**-21
     r = 2.0**-4 + kv_len * 2.0**-10 / 448 + 2.0**-6  # P's rounding, subnormals, FP8 accumulation
     sums = r / (1 - r)
-    per_head = m_v * (sums + 2 * ds + 3 * kv_len * EPS)
-    out_bound = per_head[:, None, :, None] + (sums + 2.0**-8 + 5 * EPS) * exact.abs()
-    lse_bound = (2 * ds + 2 * kv_len * EPS + 2.0**-21 + 2.0**-20 - math.log1p(-r))[
+    dm = merge_error(e_s, kv_len, l_max=448.0)  # (split work tiles)
+    per_head = m_v * (sums + 2 * ds + 3 * kv_len * EPS + 2 * dm)
+    out_bound = per_head[:, None, :, None] + (sums + 2.0**-8 + 9 * EPS) * exact.abs()
+    lse_bound = (2 * ds + 2 * kv_len * EPS + 2.0**-21 + 2.0**-20 - math.log1p(-r) + dm)[
         :, :, None
     ] + 2 * EPS * (exact_lse.abs() + (e_s * LOG2E)[:, :, None])
     return out_bound, lse_bound
@@ -467,14 +471,15 @@ def test_cuda_limits_raise():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture():
-    operands = make_operands(2, 100, 150, 2, 128, "cuda")
-    lengths = torch.tensor([150, 70], device="cuda")
+@pytest.mark.parametrize("kv_len", [150, 700])  # (700: work tiles split, merged by a second kernel)
+def test_cuda_graph_capture(kv_len):
+    operands = make_operands(2, 100, kv_len, 2, 128, "cuda")
+    lengths = torch.tensor([kv_len, 70], device="cuda")
     graph, (out, lse) = capture_graph(
         lambda: ltx_kernels.attention_int8(*operands, lengths, return_lse=True)
     )
     operands[0].copy_(torch.randint_like(operands[0], -127, 128))
-    lengths.copy_(torch.tensor([20, 149]))
+    lengths.copy_(torch.tensor([20, kv_len - 1]))
     graph.replay()
     expected, expected_lse = ltx_kernels.attention_int8(*operands, lengths, return_lse=True)
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
@@ -516,6 +521,31 @@ def test_work_tiles_of_several_lengths_per_cta(head_dim):
     operands = make_operands(batch, q_len, 256, heads, head_dim, "cuda")
     key_lengths = torch.tensor(PERSISTENT_LENGTHS, device="cuda")
     check(operands, key_lengths, what=f"hd{head_dim}")
+
+
+# Work tiles split along their keys (test_attention_op.test_split_work_tiles' cases).
+SPLIT_LENGTHS = [0, 1, 129, 300, 700, 1100]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_work_tiles(head_dim, monkeypatch):
+    operands = make_operands(len(SPLIT_LENGTHS), 333, 1100, 3, head_dim, "cuda")
+    key_lengths = torch.tensor(SPLIT_LENGTHS, device="cuda")
+    outs = {}
+    for split in ("auto", "off"):
+        monkeypatch.setenv("LTX_KERNELS_ATTENTION_SPLIT", split)
+        for out_dtype in CUDA_DTYPES:
+            what = f"split {split} {out_dtype} hd{head_dim}"
+            out, lse = check(operands, key_lengths, out_dtype=out_dtype, what=what)
+            again = ltx_kernels.attention_int8(
+                *operands, key_lengths, out_dtype=out_dtype, return_lse=True
+            )
+            assert torch.equal(again[0], out) and torch.equal(again[1], lse), what
+            outs[split, out_dtype] = out
+        outs[split, "all keys"] = check(operands, what=f"split {split} all keys")[0]
+    for key in CUDA_DTYPES + ["all keys"]:
+        assert not torch.equal(outs["auto", key], outs["off", key]), f"hd{head_dim}: no split"
 
 
 # analogs of the models' lengths (2688, 32760, 49290: not multiples of 128), batch and heads

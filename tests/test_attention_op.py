@@ -20,7 +20,9 @@ scale * sum_d |q_id k_jd| (Cauchy-Schwarz), D = head_dim, Sk = the keys):
   * Sk 2^-25 M_v (fp16 only): probabilities below 2^-14 are fp16 subnormals, rounded with an
     absolute error up to 2^-25 instead of a relative one;
   * (u + 4 eps) |exact|: the final rounding to T and the fp32 division by l.
-  and |lse - exact| <= 2 ds + 2 Sk eps + 2 eps (|lse| + E_s log2(e)) + 2^-21.
+  and |lse - exact| <= 2 ds + 2 Sk eps + 2 eps (|lse| + E_s log2(e)) + 2^-21. A work tile split
+  along its keys (test_split_work_tiles) is each part's attention merged by the parts' lse: the
+  bound gains the merge's fp32 error (merge_error), a few eps E_s.
   At head_dim 64 the Hopper body's l is the row sum of the rounded probabilities p', computed by
   the P V GEMM (a ones column beside V): out = sum_j p'_j v_j / sum_j p'_j. With r = u [+ Sk
   2^-25 for fp16], now the relative error of both sums (numerator within r M_v l, l' = l (1 + e),
@@ -82,12 +84,23 @@ def _per_head(x):
 
 
 def error_bounds(
-    q, k, v, scale, exact, exact_lse, u=None, eps=EPS, exp_error=2.0**-21, gemm_sums=False
+    q,
+    k,
+    v,
+    scale,
+    exact,
+    exact_lse,
+    u=None,
+    eps=EPS,
+    exp_error=2.0**-21,
+    gemm_sums=False,
+    merge=False,
 ):
     """Bounds of |out - exact| and |lse - exact_lse| (the module docstring): the CUDA kernel's
     (u: q.dtype's unit roundoff, fp32 sums; gemm_sums: l of the rounded probabilities, as the
-    Hopper body at head_dim 64), or with u = eps = 2^-53 and no exp error the C twin's float64
-    form (double sums; the same derivation)."""
+    Hopper body at head_dim 64; merge: work tiles split along their keys may be merged), or with
+    u = eps = 2^-53 and no exp error the C twin's float64 form (double sums; the same
+    derivation)."""
     u = 2.0 ** -(MANTISSA_BITS[q.dtype] + 1) if u is None else u
     head_dim, kv_len = q.shape[-1], k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -100,12 +113,23 @@ def error_bounds(
         lse_extra = -math.log1p(-r)
         r = r / (1 - r)
         relative += r
-    per_head = m_v * (r + 2 * ds + 3 * kv_len * eps)
+    dm = merge_error(e_s, kv_len) if merge else 0.0 * e_s
+    relative += 4 * eps if merge else 0.0
+    per_head = m_v * (r + 2 * ds + 3 * kv_len * eps + 2 * dm)
     out_bound = _per_head(per_head) + relative * exact.abs()
-    lse_bound = (2 * ds + 2 * kv_len * eps + exp_error + lse_extra)[:, :, None] + 2 * eps * (
+    lse_bound = (2 * ds + 2 * kv_len * eps + exp_error + lse_extra + dm)[:, :, None] + 2 * eps * (
         exact_lse.abs() + (e_s * LOG2E)[:, :, None]
     )
     return out_bound, lse_bound
+
+
+def merge_error(e_s, kv_len, l_max=1.0):
+    """The merge of a split work tile's parts (split_merge.cuh), per batch element and head: each
+    part's lse_p = m_p ln 2 + ln l_p (fp32, |m_p| <= E_s log2(e), l_p <= l_max Sk) errs by at most
+    3 eps (E_s + ln(l_max Sk) + 1) absolutely, and each weight exp(lse_p - L) by that of two lse
+    and exp's own: dm = 8 eps (E_s + ln(l_max Sk) + 1) relatively. The merged out moves by at most
+    2 dm M_v, its lse by dm; the fp32 rows and the weighted sum add 4 eps |exact|."""
+    return 8 * EPS * (e_s + math.log(l_max * max(kv_len, 1)) + 1)
 
 
 def assert_within(got, exact, bound, what):
@@ -140,7 +164,7 @@ def check_attention(q, k, v, key_lengths=None, scale=None, what=""):
     bounds = None  # (the C twin in fp32/fp16/bf16: the correctly rounded exact value)
     if q.is_cuda or q.dtype == torch.float64:
         double = (
-            {"gemm_sums": q.shape[-1] == 64}
+            {"gemm_sums": q.shape[-1] == 64, "merge": True}
             if q.is_cuda
             else {
                 "u": 2.0**-53,
@@ -451,14 +475,15 @@ def test_cuda_limits_raise():
 # CUDA only: graphs, streams, the lead's larger cases
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_cuda_graph_capture():
-    q, k, v = make_qkv(2, 100, 150, 2, 128, torch.bfloat16, "cuda")
-    lengths = torch.tensor([150, 70], device="cuda")
+@pytest.mark.parametrize("kv_len", [150, 700])  # (700: work tiles split, merged by a second kernel)
+def test_cuda_graph_capture(kv_len):
+    q, k, v = make_qkv(2, 100, kv_len, 2, 128, torch.bfloat16, "cuda")
+    lengths = torch.tensor([kv_len, 70], device="cuda")
     graph, (out, lse) = capture_graph(
         lambda: ltx_kernels.attention(q, k, v, lengths, return_lse=True)
     )
     q.copy_(torch.randn_like(q))
-    lengths.copy_(torch.tensor([20, 149]))
+    lengths.copy_(torch.tensor([20, kv_len - 1]))
     graph.replay()
     expected, expected_lse = ltx_kernels.attention(q, k, v, lengths, return_lse=True)
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
@@ -503,6 +528,40 @@ def test_work_tiles_of_several_lengths_per_cta(head_dim, dtype):
     q, k, v = make_qkv(batch, q_len, 256, heads, head_dim, dtype, "cuda")
     key_lengths = torch.tensor(PERSISTENT_LENGTHS, device="cuda")
     check_attention(q, k, v, key_lengths, what=f"{dtype} hd{head_dim}")
+
+
+# Work tiles split along their keys (hopper_common.cuh: split_parts): where the persistent grid's
+# last round would leave most SMs idle, its tiles run in 2-4 parts on as many CTAs, merged after
+# (split_merge.cuh). 36 work tiles of 9 K/V tiles split in three on any H100/H200 (tiles <= SMs /
+# 2); the short key lengths leave parts without keys (merged as empty), 1100 splits unevenly.
+# LTX_KERNELS_ATTENTION_SPLIT=off runs the same unsplit: both within the bounds, deterministic,
+# and not bit-identical (the split ran).
+SPLIT_LENGTHS = [0, 1, 129, 300, 700, 1100]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_work_tiles(head_dim, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper body (compute capability 9.0) splits work tiles")
+    for dtype in CUDA_DTYPES:
+        q, k, v = make_qkv(len(SPLIT_LENGTHS), 333, 1100, 3, head_dim, dtype, "cuda")
+        key_lengths = torch.tensor(SPLIT_LENGTHS, device="cuda")
+        k_nan, v_nan = k.clone(), v.clone()
+        for b, n in enumerate(SPLIT_LENGTHS):
+            k_nan[b, n:] = float("nan")
+            v_nan[b, n:] = float("nan")
+        outs = {}
+        for split in ("auto", "off"):
+            monkeypatch.setenv("LTX_KERNELS_ATTENTION_SPLIT", split)
+            what = f"split {split} {dtype} hd{head_dim}"
+            out, lse = check_attention(q, k, v, key_lengths, what=what)
+            again = ltx_kernels.attention(q, k_nan, v_nan, key_lengths, return_lse=True)
+            assert torch.equal(again[0], out) and torch.equal(again[1], lse), what
+            outs[split] = out
+            outs[split, "all keys"] = check_attention(q, k, v, what=f"{what} all keys")[0]
+        assert not torch.equal(outs["auto"], outs["off"]), f"{dtype} hd{head_dim}: no split"
+        assert not torch.equal(outs["auto", "all keys"], outs["off", "all keys"])
 
 
 LARGE = {

@@ -186,7 +186,7 @@ def test_auto_follows_the_measured_table(monkeypatch):
     # diffusers' default backend. The CPU never: a stand-in capability lookup and table check the
     # rule's other half. Under torch.compile a symbolic length reads as too few: no guard, no
     # recompile from one length to the next; static lengths compare exactly.
-    assert injector.LTX_ATTENTION_FASTER == {(9, 0): ((64, 8064), (128, 6144))}
+    assert injector.LTX_ATTENTION_FASTER == {(9, 0): ((64, 8064), (128, 4608))}
     processor = type("P", (_Processor,), {"attention": "auto"})()
 
     def qk(tokens, keys=None, head_dim=64):
@@ -217,7 +217,7 @@ def test_report_names_the_choice_and_the_fallbacks():
         assert f"  attention: {choice} (" in str(report) and report.attention == choice
         assert injector.LTX_ATTENTION not in report.skipped  # (the CPU's C twin takes head_dim 8)
     assert (
-        "where measured faster: sm_90 head_dim 64 from 8064 tokens; sm_90 head_dim 128 from 6144 "
+        "where measured faster: sm_90 head_dim 64 from 8064 tokens; sm_90 head_dim 128 from 4608 "
         "tokens"
     ) in str(_report(clone(model), "auto"))
     # On the meta device (as on a GPU) the tiny heads (8) are not the CUDA kernel's: each
@@ -335,9 +335,9 @@ def test_cuda_takes_bf16_at_64_and_128_and_matches_sdpa(head_dim):
 
 @pytest.mark.gpu
 def test_auto_takes_our_op_from_the_measured_tokens():
-    # On a Hopper GPU "auto" attends with our op at head_dim 128 from 6144 queries and keys and
-    # at head_dim 64 from 8064 (the table's entries), with diffusers' backend below (FLUX.1's 4608,
-    # LTX-Video's 2688) and where the processor has a backend set.
+    # On a Hopper GPU "auto" attends with our op at head_dim 128 from 4608 queries and keys (FLUX.1's
+    # 1024^2) and at head_dim 64 from 8064 (the table's entries), with diffusers' backend below
+    # (4096, LTX-Video's 2688) and where the processor has a backend set.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("LTX_ATTENTION_FASTER lists compute capability 9.0 only")
     processor = type("P", (_Processor,), {"attention": "auto"})()
@@ -349,7 +349,8 @@ def test_auto_takes_our_op_from_the_measured_tokens():
 
     assert attention.runs_ltx_attention(processor, *qkv(6144))
     assert attention.runs_ltx_attention(processor, *qkv(32760))
-    assert not attention.runs_ltx_attention(processor, *qkv(4608))
+    assert attention.runs_ltx_attention(processor, *qkv(4608))
+    assert not attention.runs_ltx_attention(processor, *qkv(4096))
     assert not attention.runs_ltx_attention(processor, *qkv(32760, 512))  # (text cross-attention)
     assert attention.runs_ltx_attention(processor, *qkv(8064, head_dim=64))
     assert not attention.runs_ltx_attention(processor, *qkv(2688, head_dim=64))

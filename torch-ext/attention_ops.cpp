@@ -53,6 +53,17 @@ ltx_vector_t key_lengths_vector(const char* op, const std::optional<at::Tensor>&
   return ltx_vector_t{present_data(n), to_ltx_dtype(n.scalar_type())};
 }
 
+// The CUDA launcher's workspace of `bytes` (on the current device, inside run_launcher's guard:
+// the launcher sizes it by that device's SMs) set into args; empty for none.
+template <class Args>
+at::Tensor launcher_workspace(int64_t bytes, const at::Tensor& like, Args* args) {
+  if (bytes <= 0) return at::Tensor();
+  at::Tensor workspace = at::empty({bytes}, like.options().dtype(at::kByte));
+  args->workspace = workspace.data_ptr();
+  args->workspace_bytes = bytes;
+  return workspace;
+}
+
 // The softmax scale: `scale`, default head_dim^-0.5.
 double default_scale(std::optional<double> scale, int64_t head_dim) {
   return scale ? *scale : head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
@@ -105,9 +116,13 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
   args.scale = softmax_scale;
   // The C twin's work per query row is about head_dim * kv_len: the CPU grain's row length.
   const int64_t row_work = std::max<int64_t>(head_dim, 1) * std::max<int64_t>(k.size(1), 1);
+  at::Tensor workspace;
   run_launcher(
       op, ltx_check_attention(&args), q, ltx_num_rows(&args.q), row_work,
-      [&](ltx_stream_t stream) { return ltx_attention_cuda(&args, stream); },
+      [&](ltx_stream_t stream) {
+        workspace = launcher_workspace(ltx_attention_cuda_workspace(&args), q, &args);
+        return ltx_attention_cuda(&args, stream);
+      },
       [&](int64_t b, int64_t e) { return ltx_attention_cpu(&args, b, e); });
   return {out, lse};
 }
@@ -244,9 +259,13 @@ std::tuple<at::Tensor, at::Tensor> attention_int8(const at::Tensor& q8, const at
   args.kv_pad = v8.size(3);
   args.scale = default_scale(scale, head_dim);
   const int64_t row_work = std::max<int64_t>(head_dim, 1) * std::max<int64_t>(kv_len, 1);
+  at::Tensor workspace;
   run_launcher(
       op, ltx_check_attention_int8(&args), q8, ltx_num_rows(&args.q8), row_work,
-      [&](ltx_stream_t stream) { return ltx_attention_int8_cuda(&args, stream); },
+      [&](ltx_stream_t stream) {
+        workspace = launcher_workspace(ltx_attention_int8_cuda_workspace(&args), q8, &args);
+        return ltx_attention_int8_cuda(&args, stream);
+      },
       [&](int64_t b, int64_t e) { return ltx_attention_int8_cpu(&args, b, e); });
   return {out, lse};
 }

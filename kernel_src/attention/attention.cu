@@ -7,7 +7,10 @@
 // and benchmarks switch it), picks one for testing: "mma" always flash_mma.cuh, "wgmma" always
 // hopper_wgmma.cuh (a call it does not take fails with LTX_ERR_INVALID_ARGUMENT instead of falling
 // back); unset or "auto", the choice above. ltx_attention_int8_cuda runs hopper_int8.cuh, the one
-// body of the 8-bit op (compute capability 9.0 only).
+// body of the 8-bit op (compute capability 9.0 only). With the call's workspace
+// (ltx_attention_*_workspace), a Hopper body runs the persistent grid's last round of work tiles
+// split along their keys where that round would leave most SMs idle (hopper_common.cuh:
+// split_parts), and split_merge.cuh's kernel merges the parts after it.
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +20,7 @@
 #include "flash_mma.cuh"
 #include "hopper_int8.cuh"
 #include "hopper_wgmma.cuh"
+#include "split_merge.cuh"
 
 namespace ltx {
 namespace {
@@ -31,6 +35,53 @@ Body requested_body() {
   if (strcmp(env, "mma") == 0) return Body::kMma;
   if (strcmp(env, "wgmma") == 0) return Body::kWgmma;
   return Body::kAuto;
+}
+
+// Whether LTX_KERNELS_ATTENTION_SPLIT, read at each call, lets the launchers split work tiles
+// along their keys (hopper_common.cuh: split_parts): "off" never (tests and benchmarks switch it).
+bool split_allowed() {
+  const char* env = getenv("LTX_KERNELS_ATTENTION_SPLIT");
+  return env == nullptr || strcmp(env, "off") != 0;
+}
+
+// How a call's work tiles split (hopper_common.cuh: split_parts): the parts (1: none) and the
+// workspace bytes of the parts' rows.
+struct Split {
+  int64_t tiles;
+  int parts;
+  int64_t bytes;
+};
+
+template <class Params>
+Split split_of(const Params& p, int head_dim) {
+  const int64_t tiles =
+      hopper::WorkTiles<hopper::CtaShape::kBlockM>::query_tiles(p.q_len) * p.heads * p.batch;
+  const int parts =
+      split_allowed() ? hopper::split_parts(tiles, ceil_div(p.kv_len, hopper_wgmma::kBlockN)) : 1;
+  return {tiles, parts, hopper::split_workspace(tiles, parts, head_dim)};
+}
+
+// The workspace bytes of a call of q's and k's sizes (ltx_attention_*_workspace).
+int64_t split_workspace(const ltx_rows_t& q, const ltx_rows_t& k, int64_t head_dim) {
+  AttentionParams<__nv_bfloat16> p{};  // (its sizes only)
+  p.batch = q.size[0];
+  p.q_len = q.size[1];
+  p.heads = q.size[2];
+  p.kv_len = k.size[1];
+  return split_of(p, static_cast<int>(head_dim)).bytes;
+}
+
+// Runs a Hopper body (run(p)) with p.split over the call's workspace (none where it is smaller
+// than the split needs), then the merge of the split tiles' parts.
+template <typename T, int kHeadDim, class Params, class Run>
+int run_split(Params& p, void* workspace, int64_t bytes, cudaStream_t stream, Run run) {
+  const Split s = split_of(p, kHeadDim);
+  p.split = s.bytes > 0 && workspace != nullptr && bytes >= s.bytes
+                ? hopper::key_split(s.tiles, s.parts, kHeadDim, workspace)
+                : KeySplit{nullptr, nullptr, 0, 1};
+  const int status = run(p);
+  if (status != LTX_OK || p.split.parts == 1) return status;
+  return split_merge::run<T, kHeadDim>(p.split, p.out, p.lse, p.q_len, p.heads, s.tiles, stream);
 }
 
 template <typename T, int kHeadDim>
@@ -52,7 +103,9 @@ int attention_typed(const ltx_attention_args_t& a, cudaStream_t stream) {
   if (body != Body::kMma) {
     hopper_wgmma::TensorMaps maps;
     if (hopper_wgmma::takes<T, kHeadDim>(p, &maps))
-      return hopper_wgmma::run<T, kHeadDim>(p, maps, stream);
+      return run_split<T, kHeadDim>(p, a.workspace, a.workspace_bytes, stream, [&](auto& q) {
+        return hopper_wgmma::run<T, kHeadDim>(q, maps, stream);
+      });
     if (body == Body::kWgmma) return LTX_ERR_INVALID_ARGUMENT;
   }
   return flash_mma::run<T, kHeadDim>(p, stream);
@@ -80,7 +133,9 @@ int attention_int8_typed(const ltx_attention_int8_args_t& a, cudaStream_t stream
   p.scale_log2 = static_cast<float>(a.scale * kLog2e);
   hopper_int8::TensorMaps maps{};
   if (!hopper_int8::takes<T, kHeadDim>(p, &maps)) return LTX_ERR_INVALID_ARGUMENT;
-  return hopper_int8::run<T, kHeadDim>(p, maps, stream);
+  return run_split<T, kHeadDim>(p, a.workspace, a.workspace_bytes, stream, [&](auto& q) {
+    return hopper_int8::run<T, kHeadDim>(q, maps, stream);
+  });
 }
 
 }  // namespace
@@ -125,4 +180,23 @@ extern "C" int ltx_attention_int8_cuda(const ltx_attention_int8_args_t* args, lt
                             : attention_int8_typed<__nv_bfloat16, 128>(a, s);
   return a.head_dim == 64 ? attention_int8_typed<__half, 64>(a, s)
                           : attention_int8_typed<__half, 128>(a, s);
+}
+
+// (0 where no Hopper body would run the call: another GPU, or the mma body asked for)
+extern "C" int64_t ltx_attention_cuda_workspace(const ltx_attention_args_t* args) {
+  using namespace ltx;
+  if (ltx_check_attention(args).status != LTX_OK ||
+      !ltx_attention_cuda_takes_head_dim(args->head_dim) || requested_body() == Body::kMma ||
+      device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9)
+    return 0;
+  return split_workspace(args->q, args->k, args->head_dim);
+}
+
+extern "C" int64_t ltx_attention_int8_cuda_workspace(const ltx_attention_int8_args_t* args) {
+  using namespace ltx;
+  if (ltx_check_attention_int8(args).status != LTX_OK ||
+      !ltx_attention_cuda_takes_head_dim(args->head_dim) ||
+      device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9)
+    return 0;
+  return split_workspace(args->q8, args->k8, args->head_dim);
 }

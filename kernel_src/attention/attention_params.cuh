@@ -35,6 +35,18 @@ __device__ __forceinline__ int64_t attended_keys(const void* key_lengths, bool k
   return n < 0 ? 0 : n > kv_len ? kv_len : n;
 }
 
+// The split of the persistent grid's last round of work tiles along their keys (the launcher's
+// plan: hopper_common.cuh, split_parts): work tiles from `whole` on run in `parts` parts, each
+// over its share of the K/V tiles, on as many CTAs; each part writes its rows' normalized out
+// (fp32) and lse to `partials` and `lse` (partial_row), and a kernel after merges them
+// (split_merge.cuh). parts = 1: no tile is split.
+struct KeySplit {
+  float* partials;  // [split tiles][parts][kBlockM rows][head_dim]
+  float* lse;       // [split tiles][parts][kBlockM rows]
+  int64_t whole;
+  int parts;
+};
+
 template <typename T>
 struct AttentionParams {
   HeadRows<T> out;
@@ -44,6 +56,7 @@ struct AttentionParams {
   bool key_lengths_int64;
   int64_t batch, heads, q_len, kv_len;
   float scale_log2;  // scale * log2(e): scores in base 2, so that softmax runs on exp2
+  KeySplit split;
 
   __device__ __forceinline__ int64_t attended_keys(int64_t b) const {
     return ltx::attended_keys(key_lengths, key_lengths_int64, kv_len, b);
@@ -68,6 +81,7 @@ struct AttentionInt8Params {
   int64_t v_columns;  // kv_len rounded up to 16: v8's columns of keys (ltx_attention_v_column;
                       // its rows may be longer: kv_pad)
   float scale_log2;
+  KeySplit split;
 
   __device__ __forceinline__ int64_t attended_keys(int64_t b) const {
     return ltx::attended_keys(key_lengths, key_lengths_int64, kv_len, b);

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "../device/launch.cuh"  // sm_count
+#include "attention_params.cuh"  // KeySplit
 
 namespace ltx {
 namespace hopper {
@@ -279,32 +280,52 @@ __device__ __forceinline__ void store_quad_row(T* out_row, bool store,
 // The kernel skeleton both bodies share: a persistent CTA's work tiles, its barriers, its K/V
 // tiles, the producer's loop and the zeroing of the last V tile's keys past the attended ones.
 // ------------------------------------------------------------------------------------------------
-// A work tile's query tile (its first row), head and batch element.
+// A work tile's query tile (its first row), head and batch element, and which share of its keys:
+// part `part` of `parts` (1: all of them; KeySplit), `split` its index among the split tiles.
 struct CtaTile {
-  int q_first, h, b;
+  int q_first, h, b, part, parts, split;  // (split tiles: fewer than the SMs)
 };
 
-// The work of the grid's CTAs: `total` work tiles (query tiles vary fastest, then heads, then
-// batch elements), CTA i taking i, i + gridDim.x, ... (a grid of one CTA an SM at most: a CTA's
-// next tile loads while its consumers finish the last one, where a CTA a tile paid its start,
-// the loads' first latency and the consumers' staggered ends each time, 3-4 tile periods).
+// The work of the grid's CTAs: `tiles` work tiles (query tiles vary fastest, then heads, then
+// batch elements), those from split.whole on in split.parts parts each (consecutive units), CTA i
+// taking units i, i + gridDim.x, ... (a grid of one CTA an SM at most: a CTA's next tile loads
+// while its consumers finish the last one, where a CTA a tile paid its start, the loads' first
+// latency and the consumers' staggered ends each time, 3-4 tile periods).
 template <int kBlockM>
 struct WorkTiles {
-  int64_t q_tiles, heads, total;
-  __device__ __forceinline__ WorkTiles(int64_t q_len, int64_t heads_, int64_t batch)
-      : q_tiles(query_tiles(q_len)), heads(heads_), total(q_tiles * heads_ * batch) {}
+  int64_t q_tiles, heads, tiles, whole;
+  int parts;
+  int64_t total;  // units
+  __host__ __device__ WorkTiles(int64_t q_len, int64_t heads_, int64_t batch, const KeySplit& split)
+      : q_tiles(query_tiles(q_len)),
+        heads(heads_),
+        tiles(q_tiles * heads_ * batch),
+        whole(split.parts > 1 ? split.whole : tiles),
+        parts(split.parts > 1 ? split.parts : 1),
+        total(whole + (tiles - whole) * parts) {}
   __host__ __device__ static int64_t query_tiles(int64_t q_len) {
     return (q_len + kBlockM - 1) / kBlockM;
   }
   __device__ __forceinline__ CtaTile operator[](int64_t w) const {
-    return {static_cast<int>(w % q_tiles * kBlockM), static_cast<int>(w / q_tiles % heads),
-            static_cast<int>(w / q_tiles / heads)};
+    int64_t tile = w;
+    int split = -1, part = 0;
+    if (w >= whole) {
+      split = static_cast<int>((w - whole) / parts);
+      part = static_cast<int>((w - whole) % parts);
+      tile = whole + split;
+    }
+    return {static_cast<int>(tile % q_tiles * kBlockM),
+            static_cast<int>(tile / q_tiles % heads),
+            static_cast<int>(tile / q_tiles / heads),
+            part,
+            split < 0 ? 1 : parts,
+            split};
   }
-  // Whether a tile after w of this CTA attends keys (keys(b): batch element b's attended keys).
-  template <class Keys>
-  __device__ __forceinline__ bool more_after(int64_t w, Keys keys) const {
+  // Whether a unit after w of this CTA attends keys (tiles_of(tile): its KeyTiles).
+  template <class TilesOf>
+  __device__ __forceinline__ bool more_after(int64_t w, TilesOf tiles_of) const {
     for (w += gridDim.x; w < total; w += gridDim.x)
-      if (keys((*this)[w].b) > 0) return true;
+      if (tiles_of((*this)[w]).count > 0) return true;
     return false;
   }
 };
@@ -411,21 +432,25 @@ struct Turns {
   }
 };
 
-// The K/V tiles of kBlockN keys a work tile attends, for `keys` attended keys of V tiles whose
-// data ends at `v_end` (kv_len; the 8-bit body's v8: kv_len rounded up to 16 columns).
+// The K/V tiles of kBlockN keys a work tile's part attends, for `keys` attended keys of V tiles
+// whose data ends at `v_end` (kv_len; the 8-bit body's v8: kv_len rounded up to 16 columns): part
+// `part` of `parts` takes tiles [part n / parts, (part + 1) n / parts) of the n = ceil(keys / 128).
 struct KeyTiles {
+  int first;       // the part's first tile (of all the work tile's)
   int count;       // tiles attended
-  int last_valid;  // attended keys of the last tile
+  int last_valid;  // attended keys of the last tile (kBlockN unless it is the work tile's last)
   int zero_end;    // the last tile's V [last_valid, zero_end) holds data (below v_end) to zero
   __device__ __forceinline__ bool zero_v_tail() const { return count > 0 && last_valid < zero_end; }
 };
 
 template <int kBlockN>
-__device__ __forceinline__ KeyTiles key_tiles(int keys, int64_t v_end) {
-  const int count = (keys + kBlockN - 1) / kBlockN;
-  const int64_t end = v_end < int64_t{count} * kBlockN ? v_end : int64_t{count} * kBlockN;
-  return {count, keys - (count - 1) * kBlockN,
-          static_cast<int>(end - (count - 1) * int64_t{kBlockN})};
+__device__ __forceinline__ KeyTiles key_tiles(int keys, int64_t v_end, const CtaTile& tile) {
+  const int all = (keys + kBlockN - 1) / kBlockN;
+  const int first = tile.part * all / tile.parts, end = (tile.part + 1) * all / tile.parts;
+  if (end < all) return {first, end - first, kBlockN, kBlockN};
+  const int64_t stop = v_end < int64_t{all} * kBlockN ? v_end : int64_t{all} * kBlockN;
+  return {first, end - first, keys - (all - 1) * kBlockN,
+          static_cast<int>(stop - (all - 1) * int64_t{kBlockN})};
 }
 
 // Where a CTA stands in its pipeline across work tiles; the producer and each consumer keep
@@ -508,10 +533,11 @@ __device__ __forceinline__ void zero_last_v_tile(Barriers<kStages>& bars, const 
 }
 
 // The producer warp's loop over the CTA's work tiles (work[w], w = blockIdx.x, + gridDim.x, ...)
-// that have keys (tiles_of(b): batch element b's KeyTiles): lane 0 issues each one's loads
-// (produce: load_q(tile, c, bar), load_k / load_v(tile, stage, j, bar)), then the warp zeroes the
-// last V tile's keys past the attended ones where they hold data (zero_last_v_tile: zero(tiles,
-// stage)). Its Ring runs on across the work tiles as each consumer's does.
+// that have keys (tiles_of(tile): a unit's KeyTiles): lane 0 issues each one's loads (produce:
+// load_q(tile, c, bar), load_k / load_v(tile, stage, j, bar), j of all the work tile's K/V tiles),
+// then the warp zeroes the last V tile's keys past the attended ones where they hold data
+// (zero_last_v_tile: zero(tiles, stage)). Its Ring runs on across the work tiles as each
+// consumer's does.
 template <int kBlockM, int kStages, class TilesOf, class LoadQ, class LoadK, class LoadV,
           class Zero>
 __device__ __forceinline__ void produce_work(Barriers<kStages>& bars,
@@ -522,14 +548,14 @@ __device__ __forceinline__ void produce_work(Barriers<kStages>& bars,
   Ring<kStages> ring;
   for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
     const CtaTile tile = work[w];
-    const KeyTiles tiles = tiles_of(tile.b);
+    const KeyTiles tiles = tiles_of(tile);
     if (tiles.count == 0) continue;
     if (lane == 0)
       produce(
           bars, ring, tiles.count, q_bytes, k_bytes, v_bytes,
           [&](int c, uint32_t bar) { load_q(tile, c, bar); },
-          [&](int stage, int j, uint32_t bar) { load_k(tile, stage, j, bar); },
-          [&](int stage, int j, uint32_t bar) { load_v(tile, stage, j, bar); });
+          [&](int stage, int j, uint32_t bar) { load_k(tile, stage, tiles.first + j, bar); },
+          [&](int stage, int j, uint32_t bar) { load_v(tile, stage, tiles.first + j, bar); });
     __syncwarp();
     zero_last_v_tile(bars, ring, tiles, [&](int stage) { zero(tiles, stage); });
     ring.advance(tiles);
@@ -537,14 +563,73 @@ __device__ __forceinline__ void produce_work(Barriers<kStages>& bars,
 }
 
 // ------------------------------------------------------------------------------------------------
+// Split work tiles (KeySplit): where a part's rows go.
+// ------------------------------------------------------------------------------------------------
+// Row `row` (of the work tile's kBlockM) of a split tile's part: its out row (head_dim fp32) and
+// its lse in split's workspace.
+template <int kHeadDim>
+__device__ __forceinline__ float* partial_row(const KeySplit& split, const CtaTile& tile, int row) {
+  return split.partials +
+         ((int64_t{tile.split} * tile.parts + tile.part) * CtaShape::kBlockM + row) * kHeadDim;
+}
+__device__ __forceinline__ float* partial_lse(const KeySplit& split, const CtaTile& tile, int row) {
+  return split.lse + (int64_t{tile.split} * tile.parts + tile.part) * CtaShape::kBlockM + row;
+}
+
+// Stores one row of a split tile's part that the 4 threads t of a quad hold (values[nd]: channels
+// 8 nd + 2t and + 1 of out, fp32) and, from thread 0, its lse.
+template <int kHeadDim>
+__device__ __forceinline__ void store_partial_row(const KeySplit& split, const CtaTile& tile,
+                                                  int row, const float2 (&values)[kHeadDim / 8],
+                                                  float lse, int t) {
+  float* const out = partial_row<kHeadDim>(split, tile, row);
+#pragma unroll
+  for (int nd = 0; nd < kHeadDim / 8; ++nd)
+    *reinterpret_cast<float2*>(out + nd * 8 + 2 * t) = values[nd];
+  if (t == 0) *partial_lse(split, tile, row) = lse;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Host side.
 // ------------------------------------------------------------------------------------------------
-// The persistent grid of a call (WorkTiles): one CTA an SM, fewer where there are fewer work
-// tiles.
+// The split of a call's work tiles (KeySplit), each of key_tiles K/V tiles: where the persistent
+// grid's last round would keep rem = tiles % SMs of the SMs busy, at most half of them, its tiles
+// run in parts = SMs / rem parts (at most kMaxParts, each of at least kMinPartTiles K/V tiles),
+// so that the round takes about 1 / parts of a tile's time (FLUX's 1x24x4608 at head_dim 128:
+// 576 tiles of 192 queries, 4.36 rounds of 132 SMs; 4.5 instead of 5 in two parts). The parts'
+// rows need split_workspace() bytes (KeySplit's partials, then lse).
+constexpr int kMaxParts = 4;
+constexpr int kMinPartTiles = 2;
+
+inline int split_parts(int64_t tiles, int64_t key_tiles) {
+  const int64_t sms = sm_count(), rem = tiles % sms;
+  if (rem == 0) return 1;
+  int64_t parts = sms / rem;
+  if (parts > kMaxParts) parts = kMaxParts;
+  if (parts > key_tiles / kMinPartTiles) parts = key_tiles / kMinPartTiles;
+  return parts > 1 ? static_cast<int>(parts) : 1;
+}
+
+inline int64_t split_rows(int64_t tiles, int parts) {
+  return tiles % sm_count() * parts * CtaShape::kBlockM;
+}
+
+inline int64_t split_workspace(int64_t tiles, int parts, int head_dim) {
+  return parts > 1 ? split_rows(tiles, parts) * (head_dim + 1) * int64_t{sizeof(float)} : 0;
+}
+
+// The KeySplit of `parts` over a workspace of split_workspace() bytes.
+inline KeySplit key_split(int64_t tiles, int parts, int head_dim, void* workspace) {
+  float* const partials = static_cast<float*>(workspace);
+  return KeySplit{partials, partials + split_rows(tiles, parts) * head_dim,
+                  tiles - tiles % sm_count(), parts};
+}
+
+// The persistent grid of a call (WorkTiles): one CTA an SM, fewer where there are fewer units.
 template <int kBlockM, class Params>
 dim3 persistent_grid(const Params& p) {
-  const int64_t tiles = WorkTiles<kBlockM>::query_tiles(p.q_len) * p.heads * p.batch;
-  return dim3(static_cast<unsigned>(tiles < sm_count() ? tiles : sm_count()));
+  const int64_t units = WorkTiles<kBlockM>(p.q_len, p.heads, p.batch, p.split).total;
+  return dim3(static_cast<unsigned>(units < sm_count() ? units : sm_count()));
 }
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,

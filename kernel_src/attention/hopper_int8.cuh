@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
-  const WorkTiles<S::kBlockM> work(p.q_len, p.heads, p.batch);
+  const WorkTiles<S::kBlockM> work(p.q_len, p.heads, p.batch, p.split);
   // (uniform_warpgroup at head_dim 64: no spills, against 64 bytes without it; at 128 it measured
   // 2-4% slower, more spills)
   const int warpgroup = kHeadDim == 64 ? uniform_warpgroup() : threadIdx.x / kWarpgroup;
@@ -428,7 +428,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // A work tile's K/V tiles (the V tiles' data ends at column v_columns: the last tile zeroes up
   // to it).
   auto keys = [&](int b) { return static_cast<int>(p.attended_keys(b)); };
-  auto key_tiles_of = [&](int b) { return key_tiles<kBlockN>(keys(b), p.v_columns); };
+  auto key_tiles_of = [&](const CtaTile& tile) {
+    return key_tiles<kBlockN>(keys(tile.b), p.v_columns, tile);
+  };
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<S::kProducerRegs>();
     if (warp != 0) return;
@@ -465,7 +467,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   Ring<kStages> ring;
   for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
     const CtaTile tile = work[w];
-    const KeyTiles tiles = key_tiles_of(tile.b);
+    const KeyTiles tiles = key_tiles_of(tile);
     const int kv_tiles = tiles.count, last_valid = tiles.last_valid, h = tile.h, b = tile.b;
     const int row0 = tile.q_first + consumer * kConsumerRows + warp * 16 + g;
     span(w, consumer, kStart);
@@ -476,7 +478,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     if (kv_tiles > 0) {
       // whether this work tile's last K/V tile is the CTA's last turn
-      const bool ctas_last = !work.more_after(w, keys);
+      const bool ctas_last = !work.more_after(w, key_tiles_of);
       // q_scale * scale * log2(e) of rows g and g + 8 (0 past q_len); q_scale alone until tile 0's
       // S GEMM has landed, so that the loads' latency passes under it
       float q_factor[2];
@@ -485,7 +487,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         const int64_t query = row0 + 8 * r;
         q_factor[r] = query < p.q_len ? p.q_scale[(b * p.q_len + query) * p.heads + h] : 0.f;
       }
-      const float* const k_scale = p.k_scale + (int64_t{b} * p.heads + h) * p.key_blocks;
+      const float* const k_scale =
+          p.k_scale + (int64_t{b} * p.heads + h) * p.key_blocks + tiles.first;
       int32_t s[kBlockN / 2];        // (written by each S GEMM's first k-step)
       uint32_t pa[kBlockN / 32][4];  // P of the tile whose P V GEMM is next
       float alpha[2], factor[2];
@@ -592,6 +595,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     span(w, consumer, kLastPvDone, o);
 
     // out = O v_scale / l, lse = m ln 2 + ln(l / 448) (natural log); a row without keys: 0, -inf.
+    // A part of a split work tile leaves them in fp32 to the merge (split_merge.cuh).
     // (v_scale is read into registers first: out may alias it for all the compiler knows, so a
     // load between the stores would wait for the store before it, one L2 round trip each, 4-6 us a
     // CTA)
@@ -608,6 +612,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       const float sum = group_reduce(o[kHeadDim / 2 + 2 * r], 4);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int64_t query = row0 + 8 * r;
+      if (tile.parts > 1) {
+        float2 values[kHeadDim / 8];
+#pragma unroll
+        for (int nd = 0; nd < kHeadDim / 8; ++nd)
+          values[nd] = make_float2(o[4 * nd + 2 * r] * inv * v_factor[2 * nd],
+                                   o[4 * nd + 2 * r + 1] * inv * v_factor[2 * nd + 1]);
+        store_partial_row<kHeadDim>(p.split, tile, row0 + 8 * r - tile.q_first, values,
+                                    sum > 0.f ? m[r] * kLn2 + logf(sum) - kLnPScale : -INFINITY, t);
+        continue;
+      }
       uint32_t pairs[kHeadDim / 8];
 #pragma unroll
       for (int nd = 0; nd < kHeadDim / 8; ++nd)

@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // The tiles' base, rounded up to 1024 bytes (the launch asks for 1024 bytes more).
   const uint32_t smem = (shared_address(smem_raw) + kAtomBytes - 1) / kAtomBytes * kAtomBytes;
 
-  const WorkTiles<S::kBlockM> work(p.q_len, p.heads, p.batch);
+  const WorkTiles<S::kBlockM> work(p.q_len, p.heads, p.batch, p.split);
   const int warpgroup = uniform_warpgroup();  // (no spills at either head_dim: 3-5% faster)
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   if constexpr (kSumsInGemm<kHeadDim>) {
@@ -359,7 +359,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   wait_for_prior_grids();
   allow_dependent_grids();
   auto keys = [&](int b) { return static_cast<int>(p.attended_keys(b)); };
-  auto key_tiles_of = [&](int b) { return key_tiles<kBlockN>(keys(b), p.kv_len); };
+  auto key_tiles_of = [&](const CtaTile& tile) {
+    return key_tiles<kBlockN>(keys(tile.b), p.kv_len, tile);
+  };
   if (warpgroup == 0) {  // the producer
     set_max_registers_dec<S::kProducerRegs>();
     if (warp != 0) return;
@@ -411,7 +413,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   Ring<kStages> ring;
   for (int64_t w = blockIdx.x; w < work.total; w += gridDim.x) {
     const CtaTile tile = work[w];
-    const KeyTiles tiles = key_tiles_of(tile.b);
+    const KeyTiles tiles = key_tiles_of(tile);
     const int kv_tiles = tiles.count, last_valid = tiles.last_valid, h = tile.h, b = tile.b;
     const int row0 = tile.q_first + consumer * kConsumerRows + warp * 16 + g;
     span(w, consumer, kStart);
@@ -423,7 +425,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     if (kv_tiles > 0) {
       // whether this work tile's last K/V tile is the CTA's last turn
-      const bool ctas_last = !work.more_after(w, keys);
+      const bool ctas_last = !work.more_after(w, key_tiles_of);
       float s[kBlockN / 2];
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
@@ -516,13 +518,23 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     }
     span(w, consumer, kLastPvDone, o);
 
-    // out = O / l, lse = m ln 2 + ln l (natural log); a row without keys: 0 and -inf.
+    // out = O / l, lse = m ln 2 + ln l (natural log); a row without keys: 0 and -inf. A part of a
+    // split work tile leaves them in fp32 to the merge (split_merge.cuh).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       // (O's column 64 at head_dim 64: lane t holds column 64 + 2t, zero but for t = 0)
       const float sum = group_reduce(kSumsInGemm<kHeadDim> ? o[kHeadDim / 2 + 2 * r] : l[r], 4);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int64_t query = row0 + 8 * r;
+      if (tile.parts > 1) {
+        float2 values[kHeadDim / 8];
+#pragma unroll
+        for (int nd = 0; nd < kHeadDim / 8; ++nd)
+          values[nd] = make_float2(o[4 * nd + 2 * r] * inv, o[4 * nd + 2 * r + 1] * inv);
+        store_partial_row<kHeadDim>(p.split, tile, row0 + 8 * r - tile.q_first, values,
+                                    sum > 0.f ? m[r] * kLn2 + logf(sum) : -INFINITY, t);
+        continue;
+      }
       uint32_t pairs[kHeadDim / 8];
 #pragma unroll
       for (int nd = 0; nd < kHeadDim / 8; ++nd)

@@ -92,15 +92,16 @@ ATTENTION_CHOICES = ("auto", "ltx_kernels", "diffusers", "int8")
 LTX_ATTENTION_HEAD_DIMS = (64, 128)
 #: Where attention="auto" attends with our op: CUDA compute capability -> ((head_dim, tokens), ...):
 #: at that head_dim, calls of at least `tokens` queries and keys, where ltx_kernels.attention
-#: measured faster than cuDNN's SDPA, the default backend (benchmarks/benchmark_attention.py,
-#: 2026-11-27, the persistent bodies on four H100 80GB HBM3 and an H200: head_dim 128 0.98-1.08x
+#: measured faster than cuDNN's SDPA, the default backend (benchmarks/benchmark_attention.py on
+#: H100 80GB HBM3s and an H200). head_dim 128: 1.03x at 1x24x4608 (FLUX.1, since the last round's
+#: work tiles split along their keys, 2026-11-28; the FLUX.1-dev step 132.8 -> 130.9 ms), 0.98-1.08x
 #: at 2x32x6144 (LTX-2; cuDNN's own rate moves 7-9% between machines there), 1.19-1.20x at
-#: 1x40x32760 (Wan 2.1 14B) and 1x16x49290 (HunyuanVideo-1.5), 0.96-1.01x at 1x24x4608 (FLUX.1:
-#: not listed); head_dim 64 1.01-1.08x at 2x32x8064 (LTX-Video 2B, 161 frames; 0.95x on one H100
-#: of six runs before) and the LTX-Video 2B step there 164.6 -> 160.3 ms, 1.06-1.13x at 2x32x2688
-#: but the step there unchanged (43.1 / 43.2 ms): listed from 8064). The H200 shares sm_90's entry.
+#: 1x40x32760 (Wan 2.1 14B) and 1x16x49290 (HunyuanVideo-1.5). head_dim 64: 1.01-1.08x at 2x32x8064
+#: (LTX-Video 2B, 161 frames; 0.95x on one H100 of six runs before) and the LTX-Video 2B step there
+#: 164.6 -> 160.3 ms, 1.06-1.16x at 2x32x2688 but the step there unchanged (43.1 / 43.2 ms): listed
+#: from 8064. The H200 shares sm_90's entry.
 LTX_ATTENTION_FASTER: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
-    (9, 0): ((64, 8064), (128, 6144))
+    (9, 0): ((64, 8064), (128, 4608))
 }
 #: The report's kind for the attention modules whose calls attend with diffusers' backend although
 #: attention="ltx_kernels".
