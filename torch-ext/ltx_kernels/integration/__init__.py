@@ -135,7 +135,7 @@ def inject_optimized_kernels(
     "ltx_kernels" our attention op wherever it applies (no mask, no autograd recording; CUDA:
     float16/bfloat16, head_dim 64 or 128), "diffusers" each processor's diffusers attention
     backend, as stock; "auto" (default) our op only where injector.LTX_ATTENTION_FASTER says it
-    measured faster (Hopper: head_dim 128 from 6144 queries and keys, head_dim 64 from 8064),
+    measured faster (Hopper: head_dim 128 from 4608 queries and keys, head_dim 64 from 8064),
     "diffusers" elsewhere; "int8" (opt-in, a numerics change)
     8-bit attention wherever it applies (no mask, no autograd recording; CUDA: Hopper,
     float16/bfloat16, head_dim 64 or 128; q, k, v quantized by our ops, attention_int8), "auto"
