@@ -443,8 +443,8 @@ typedef struct ltx_attention_args {
   ltx_vector_t key_lengths; /* [batch] contiguous int32/int64; data NULL: every key */
   int64_t head_dim;
   double scale;            /* (the CUDA kernel rounds scale * log2(e) to fp32) */
-  void* workspace;         /* CUDA: ltx_attention_cuda_workspace(args) bytes, 4-byte aligned */
-  int64_t workspace_bytes; /* (fewer, or NULL: the launcher splits no work tile) */
+  void* workspace;         /* CUDA: ltx_attention_cuda_workspace(args) bytes, 8-byte aligned */
+  int64_t workspace_bytes; /* (NULL, fewer bytes or misaligned: no work tile splits) */
 } ltx_attention_args_t;
 
 /* Whether the CUDA launcher takes a dtype T and a head_dim (its third limit, 16-byte aligned rows:

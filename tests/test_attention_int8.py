@@ -56,7 +56,12 @@ from ltx_kernels import reference
 from ltx_kernels.reference import _dequantize_attention_int8, _quantize_attention_int8
 
 from helpers import MANTISSA_BITS, assert_compiles_once, capture_graph
-from test_attention_op import assert_matches_exact, error_bounds, merge_error
+from test_attention_op import (
+    assert_matches_exact,
+    error_bounds,
+    merge_error,
+    split_after_whole_q_len,
+)
 
 EPS = 2.0**-24
 LOG2E = 1 / math.log(2)
@@ -546,6 +551,22 @@ def test_split_work_tiles(head_dim, monkeypatch):
         outs[split, "all keys"] = check(operands, what=f"split {split} all keys")[0]
     for key in CUDA_DTYPES + ["all keys"]:
         assert not torch.equal(outs["auto", key], outs["off", key]), f"hd{head_dim}: no split"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_after_whole_tiles(head_dim, monkeypatch):
+    # (test_attention_op.test_split_after_whole_tiles' case: whole work tiles before a split one's)
+    lengths = [0, 1, 300, 700, 1100]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q_len = split_after_whole_q_len(sms, len(lengths))
+    operands = make_operands(len(lengths), q_len, 1100, 1, head_dim, "cuda")
+    key_lengths = torch.tensor(lengths, device="cuda")
+    outs = {}
+    for split in ("auto", "off"):
+        monkeypatch.setenv("LTX_KERNELS_ATTENTION_SPLIT", split)
+        outs[split] = check(operands, key_lengths, what=f"split {split} hd{head_dim}")[0]
+    assert not torch.equal(outs["auto"], outs["off"]), f"hd{head_dim}: no split"
 
 
 # analogs of the models' lengths (2688, 32760, 49290: not multiples of 128), batch and heads

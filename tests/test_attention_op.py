@@ -564,6 +564,41 @@ def test_split_work_tiles(head_dim, monkeypatch):
         assert not torch.equal(outs["auto", "all keys"], outs["off", "all keys"])
 
 
+def split_after_whole_q_len(sms, batch):
+    """A query length whose 192-query work tiles over `batch` elements of one head fill every SM
+    once and leave a last round of at most half of them (FLUX.1's case: whole work tiles first,
+    then one part of a split tile a CTA); its last query tile partial."""
+    q_tiles = -(-(sms + sms // 4) // batch)
+    assert sms < q_tiles * batch <= sms + sms // 2
+    return 192 * q_tiles - 50
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_after_whole_tiles(head_dim, monkeypatch):
+    # test_split_work_tiles' checks where the CTAs run whole work tiles before a split tile's part
+    # (their K/V ring, Q tiles and turns going on into it; the merge's tiles offset by the whole)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper body (compute capability 9.0) splits work tiles")
+    lengths = [0, 1, 300, 700, 1100]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q_len = split_after_whole_q_len(sms, len(lengths))
+    q, k, v = make_qkv(len(lengths), q_len, 1100, 1, head_dim, torch.bfloat16, "cuda")
+    key_lengths = torch.tensor(lengths, device="cuda")
+    k_nan, v_nan = k.clone(), v.clone()
+    for b, n in enumerate(lengths):
+        k_nan[b, n:] = float("nan")
+        v_nan[b, n:] = float("nan")
+    outs = {}
+    for split in ("auto", "off"):
+        monkeypatch.setenv("LTX_KERNELS_ATTENTION_SPLIT", split)
+        out, lse = check_attention(q, k, v, key_lengths, what=f"split {split} hd{head_dim}")
+        again = ltx_kernels.attention(q, k_nan, v_nan, key_lengths, return_lse=True)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse), split
+        outs[split] = out
+    assert not torch.equal(outs["auto"], outs["off"]), f"hd{head_dim}: no split"
+
+
 LARGE = {
     # (batch, seq, heads, head_dim, key lengths): LTX-Video's and FLUX's shapes, fewer heads
     "ltx_hd64": (2, 2688, 4, 64, None),

@@ -72,13 +72,15 @@ int64_t split_workspace(const ltx_rows_t& q, const ltx_rows_t& k, int64_t head_d
 }
 
 // Runs a Hopper body (run(p)) with p.split over the call's workspace (none where it is smaller
-// than the split needs), then the merge of the split tiles' parts.
+// than the split needs or not 8-byte aligned: the parts' rows go out as float2), then the merge
+// of the split tiles' parts.
 template <typename T, int kHeadDim, class Params, class Run>
 int run_split(Params& p, void* workspace, int64_t bytes, cudaStream_t stream, Run run) {
   const Split s = split_of(p, kHeadDim);
-  p.split = s.bytes > 0 && workspace != nullptr && bytes >= s.bytes
-                ? hopper::key_split(s.tiles, s.parts, kHeadDim, workspace)
-                : KeySplit{nullptr, nullptr, 0, 1};
+  const bool usable = workspace != nullptr && bytes >= s.bytes &&
+                      reinterpret_cast<uintptr_t>(workspace) % alignof(float2) == 0;
+  p.split = s.bytes > 0 && usable ? hopper::key_split(s.tiles, s.parts, kHeadDim, workspace)
+                                  : KeySplit{nullptr, nullptr, 0, 1};
   const int status = run(p);
   if (status != LTX_OK || p.split.parts == 1) return status;
   return split_merge::run<T, kHeadDim>(p.split, p.out, p.lse, p.q_len, p.heads, s.tiles, stream);
@@ -186,7 +188,8 @@ extern "C" int ltx_attention_int8_cuda(const ltx_attention_int8_args_t* args, lt
 extern "C" int64_t ltx_attention_cuda_workspace(const ltx_attention_args_t* args) {
   using namespace ltx;
   if (ltx_check_attention(args).status != LTX_OK ||
-      !ltx_attention_cuda_takes_head_dim(args->head_dim) || requested_body() == Body::kMma ||
+      !ltx_attention_cuda_takes_head_dim(args->head_dim) ||
+      !ltx_attention_cuda_takes_dtype(args->q.dtype) || requested_body() == Body::kMma ||
       device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9)
     return 0;
   return split_workspace(args->q, args->k, args->head_dim);
@@ -196,6 +199,7 @@ extern "C" int64_t ltx_attention_int8_cuda_workspace(const ltx_attention_int8_ar
   using namespace ltx;
   if (ltx_check_attention_int8(args).status != LTX_OK ||
       !ltx_attention_cuda_takes_head_dim(args->head_dim) ||
+      !ltx_attention_cuda_takes_dtype(args->out.dtype) ||
       device_attribute<cudaDevAttrComputeCapabilityMajor>(9) != 9)
     return 0;
   return split_workspace(args->q8, args->k8, args->head_dim);

@@ -27,10 +27,11 @@
 //   with the sum rows' m64n8 GEMM beside it), each waited for and added into O before the S GEMM
 //   issues: O_tile holds 32 registers and is dead, with P, once S is live, so O, S and the rest
 //   about fit a consumer's 160 registers (three consumers; ptxas keeps a few scalars and two of O's
-//   elements in local memory, about 110 bytes). At head_dim 64 (O: 32 registers) O_tile, P and S
-//   fit at once: both GEMMs issue back to back and O_tile is added while the S GEMM runs (6-8%
-//   faster than serial on an H100, with uniform_warpgroup keeping it free of spills but for 4 bytes
-//   since O holds l's columns; without it, no faster). The softmax overlaps the other consumers'
+//   elements in local memory, 88 bytes of spill stores). At head_dim 64 (O: 32 registers) O_tile,
+//   P and S fit at once: both GEMMs issue back to back and O_tile is added while the S GEMM runs
+//   (6-8% faster than serial on an H100, with uniform_warpgroup keeping it nearly free of spills:
+//   12 bytes since O holds l's columns and a split tile's rows may go to the workspace; without
+//   it, no faster). The softmax overlaps the other consumers'
 //   GEMMs.
 // - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
 //   (rescale_o in hopper_common.cuh).
