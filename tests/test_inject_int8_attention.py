@@ -13,7 +13,7 @@ import ltx_kernels
 from inject_helpers import OpCounter, clone, output_of, rel_l2
 from ltx_kernels import reference
 from ltx_kernels.integration import attention, injector
-from model_zoo import MODELS, ltx, wan
+from model_zoo import MODELS, ltx, ltx2, wan
 
 #: Relative L2 of 8-bit attention against exact attention: v in e4m3 (3 mantissa bits: 2.5e-2
 #: alone on _qkv's inputs), q and k in INT8 (steps of 1/127 of each block's amax, which _qkv's
@@ -194,6 +194,62 @@ def test_the_kernels_head_dims_quantize_the_query_in_the_norm_pass(
     monkeypatch.setattr(attention, "query_format", lambda *args, **kwargs: None)
     with torch.no_grad():
         assert torch.equal(fused, output_of(model(**inputs)))
+
+
+@pytest.mark.parametrize("release", ["2.0", "2.3"])
+@pytest.mark.parametrize("rope_type", ["split", "interleaved"])
+def test_ltx2_self_attention_quantizes_the_query_in_the_norm_pass(release, rope_type, monkeypatch):
+    # LTX-2's self-attentions (video and audio: q and k rotated by one table) take q from
+    # qk_rmsnorm_rope_quant, split into heads; the audio-video attentions (queries and keys rotated
+    # by their own tables, apart from the norms) quantize it in int8_attention; bit for bit the
+    # output of every attention quantizing its own (query_format refused).
+    torch.manual_seed(0)
+    model = ltx2.tiny_model(torch.float32, release=release, rope_type=rope_type)
+    inputs = ltx2.inputs(torch.float32, release=release)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False, attention="int8")
+    with torch.no_grad(), OpCounter() as counter:
+        fused = output_of(model(**inputs))
+    calls = counter.counts
+    self_attentions = 2 * ltx2.TINY["num_layers"]
+    assert calls["qk_rmsnorm_rope_quant"] == self_attentions, calls
+    assert calls["quantize"] + self_attentions == calls["attention_int8"], calls
+    monkeypatch.setattr(attention, "query_format", lambda *args, **kwargs: None)
+    with torch.no_grad(), OpCounter() as counter:
+        separate = output_of(model(**inputs))
+    assert counter.counts["quantize"] == counter.counts["attention_int8"] == calls["attention_int8"]
+    assert "qk_rmsnorm_rope_quant" not in counter.counts
+    assert torch.equal(fused, separate)
+
+
+@pytest.mark.parametrize("rope", [None, "interleaved", "split"])
+def test_ltx2_qk_norm_rope_quantizes_the_query_per_head(rope):
+    # ltx2.qk_norm_rope with a query_format, for each table form (none: a cross-attention without
+    # a mask): q as QuantRows [B, S, H, Dh] that dequantize to the unquantized path's q within
+    # one int8 step, k split into heads bit for bit.
+    from ltx_kernels.integration import ltx2 as ltx2_integration
+
+    torch.manual_seed(0)
+    attn = ltx2.tiny_model(torch.float32, rope_type=rope or "split").transformer_blocks[0].attn1
+    ltx_kernels.inject_optimized_kernels(attn, verbose=False)  # (plain modules: nothing patched)
+    attn.norm_q.weight.data.uniform_(0.5, 1.5)
+    attn.norm_k.weight.data.uniform_(0.5, 1.5)
+    heads, inner = attn.heads, attn.to_q.out_features
+    q, k = torch.randn(2, 2, 10, inner).unbind(0)
+    tables = None
+    if rope == "interleaved":
+        angles = torch.randn(1, 10, inner // 2).repeat_interleave(2, -1)
+        tables = (angles.cos(), angles.sin())
+    elif rope == "split":
+        angles = torch.randn(1, heads, 10, inner // heads // 2)
+        tables = (angles.cos(), angles.sin())
+    ops = frozenset(injector.FUSIONS)
+    plain_q, plain_k = ltx2_integration.qk_norm_rope(ops, attn, q, k, tables, None)
+    quantized, k_heads = ltx2_integration.qk_norm_rope(ops, attn, q, k, tables, None, "i8_row")
+    assert quantized.data.shape == (2, 10, heads, inner // heads) and quantized.format == "i8_row"
+    assert torch.equal(k_heads, plain_k.unflatten(2, (heads, -1)))
+    dequantized = quantized.data.float() * quantized.scale[..., None]
+    step = quantized.scale[..., None]
+    assert ((dequantized - plain_q.unflatten(2, (heads, -1))).abs() <= 0.5 * step + 1e-6).all()
 
 
 def test_the_query_stays_a_tensor_where_8_bits_do_not_apply():

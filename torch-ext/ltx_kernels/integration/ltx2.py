@@ -4,7 +4,8 @@ Per block (`LTX2VideoTransformerBlock`), for the video and the audio stream each
 modulation diffusers' get_mod_params gives ([B, 1, D] per sample, [B, S, D] per token: image-to-
 video and conditioning), every step rounded where the eager code rounds:
   norm1 + modulation                                   -> rmsnorm_modulate
-  self-attention: q/k RMSNorm + RoPE                   -> qk_rmsnorm_rope
+  self-attention: q/k RMSNorm + RoPE                   -> qk_rmsnorm_rope (attention="int8":
+                                                          qk_rmsnorm_rope_quant, q in 8 bits)
   x + attn * gate, norm2 (2.3+: text-query modulation) -> add_rmsnorm_modulate (one pass)
   text cross-attention: q/k RMSNorm                    -> qk_rmsnorm_rope without tables
   x + attn (2.3+: * gate), the audio-video norm with    -> add_rmsnorm_modulate, then
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from . import attention as attention_seam
 from . import quant, recompute, steps
 from .attention import attend
 from .injector import FusedAttnProcessor
@@ -115,19 +117,37 @@ def _rotate(ops, x, cos_sin, split: bool):
     return rotated.flatten(2)
 
 
+def _heads(attn, t):
+    """t [B, S, D] split into attn's heads; already split (a tensor or QuantRows) as it is."""
+    return t.unflatten(2, (attn.heads, -1)) if len(t.shape) == 3 else t
+
+
+def _diffusers_interleaved_rope_heads(x, cos_sin):
+    """_diffusers_interleaved_rope (over the whole token) of x [B, S, H, Dh], tables split alike."""
+    whole = _diffusers_interleaved_rope(x.flatten(2), tuple(t.flatten(2) for t in cos_sin))
+    return whole.unflatten(2, x.shape[2:])
+
+
 def _same_tables(a, b) -> bool:
     """Whether two (cos, sin) pairs hold the same tensors (compared one by one: Dynamo does not
     trace `is` on tuples)."""
     return all(x is y for x, y in zip(a, b, strict=True))
 
 
-def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb):
+def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb, query_format=None):
     """LTX2AudioVideoAttnProcessor's q/k path on [B, S, D]: torch.nn.RMSNorm over the token, then
     attn.rope_type's RoPE (none without a query table), the key rotated by its own table where it
     has one (audio-video cross-attention) and by the query's otherwise. With one table: norms and
-    rotations in one launch; with two: the norms in one, each rotation in its own."""
+    rotations in one launch; with two: the norms in one, each rotation in its own. Returns q/k
+    [B, S, D], or split into heads [B, S, H, Dh] where a query_format (attention.query_format)
+    applies: one table or none, q quantized per token and head in the pass where our op runs it
+    (QuantRows; steps.qk_norm_rope)."""
     norm_q, norm_k = attn.norm_q, attn.norm_k
     if query_rotary_emb is None or attn.rope_type not in ("interleaved", "split"):
+        if query_format is not None:
+            return steps.qk_norm_rope_heads(
+                ops, norm_q, norm_k, query, key, attn.heads, None, None, query_format
+            )
         return steps.qk_norm_rope(ops, norm_q, norm_k, query, key, None, None, across_heads=True)
     split = attn.rope_type == "split"
     if key_rotary_emb is not None and not _same_tables(key_rotary_emb, query_rotary_emb):
@@ -137,6 +157,19 @@ def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb):
         key = _rotate(ops, key, key_rotary_emb, split)
         return _rotate(ops, query, query_rotary_emb, split), key
     if not split:
+        if query_format is not None:
+            tables = tuple(t.unflatten(2, (attn.heads, -1)) for t in query_rotary_emb)
+            return steps.qk_norm_rope_heads(
+                ops,
+                norm_q,
+                norm_k,
+                query,
+                key,
+                attn.heads,
+                tables,
+                _diffusers_interleaved_rope_heads,
+                query_format,
+            )
         return steps.qk_norm_rope(
             ops,
             norm_q,
@@ -152,6 +185,7 @@ def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb):
         # The shared step would norm the head views; these norms span the token (as Wan's).
         query, key, norm_q, norm_k = norm_q(query), norm_k(key), None, None
     cos = query_rotary_emb[0]
+    heads_split = cos.dim() == 4  # (per-head tables: the views are [B, S, H, Dh])
     query, key = steps.qk_norm_rope(
         ops,
         norm_q,
@@ -162,7 +196,10 @@ def qk_norm_rope(ops, attn, query, key, query_rotary_emb, key_rotary_emb):
         _diffusers_split_rope,
         across_heads=True,
         interleaved=False,
+        query_format=query_format if heads_split else None,
     )
+    if query_format is not None and heads_split:
+        return query, key
     return query.flatten(2), key.flatten(2)
 
 
@@ -206,17 +243,30 @@ def attention(
     if all_perturbed:  # STG: the values, no attention
         hidden_states = value
     else:
+        query = steps.linear(processor.ops, attn.to_q, hidden_states)
+        key = steps.linear(processor.ops, attn.to_k, encoder_hidden_states)
+        query_format = None  # (the audio-video attentions' own key tables: rotated apart)
+        if (
+            query_rotary_emb is None
+            or key_rotary_emb is None
+            or _same_tables(key_rotary_emb, query_rotary_emb)
+        ):
+            query_format = attention_seam.query_format(
+                processor,
+                query,
+                key,
+                value.unflatten(2, (attn.heads, -1)),
+                heads=attn.heads,
+                mask=attention_mask,
+                parallel_config=parallel_config,
+                params=(getattr(attn.norm_q, "weight", None), getattr(attn.norm_k, "weight", None)),
+            )
         query, key = qk_norm_rope(
-            processor.ops,
-            attn,
-            steps.linear(processor.ops, attn.to_q, hidden_states),
-            steps.linear(processor.ops, attn.to_k, encoder_hidden_states),
-            query_rotary_emb,
-            key_rotary_emb,
+            processor.ops, attn, query, key, query_rotary_emb, key_rotary_emb, query_format
         )
         hidden_states = attend(
             processor,
-            *(t.unflatten(2, (attn.heads, -1)) for t in (query, key, value)),
+            *(_heads(attn, t) for t in (query, key, value)),
             mask=attention_mask,
             parallel_config=parallel_config,
             whole_queries=processor.cp_role == "whole_queries",
