@@ -13,6 +13,7 @@ import ltx_kernels
 from inject_helpers import OpCounter, clone, output_of, rel_l2
 from ltx_kernels import reference
 from ltx_kernels.integration import attention, injector
+from ltx_kernels.integration.quant import QuantRows
 from model_zoo import MODELS, ltx, ltx2, wan
 
 #: Relative L2 of 8-bit attention against exact attention: v in e4m3 (3 mantissa bits: 2.5e-2
@@ -219,6 +220,41 @@ def test_ltx2_self_attention_quantizes_the_query_in_the_norm_pass(release, rope_
     assert counter.counts["quantize"] == counter.counts["attention_int8"] == calls["attention_int8"]
     assert "qk_rmsnorm_rope_quant" not in counter.counts
     assert torch.equal(fused, separate)
+
+
+def test_flux_quantizes_both_streams_queries_in_their_norm_passes(monkeypatch):
+    # FLUX.1's double blocks take the text and the image query from their own norm passes
+    # (qk_rmsnorm_rope_quant) and concatenate the codes (cat_queries), the single blocks theirs:
+    # no quantize pass of int8_attention's own; bit for bit the output of every attention
+    # quantizing its own (query_format refused).
+    torch.manual_seed(0)
+    model, inputs = MODELS["flux"].build(torch.float32), MODELS["flux"].inputs(torch.float32)
+    double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
+    ltx_kernels.inject_optimized_kernels(model, verbose=False, attention="int8")
+    with torch.no_grad(), OpCounter() as counter:
+        fused = output_of(model(**inputs))
+    calls = counter.counts
+    assert calls["qk_rmsnorm_rope_quant"] == 2 * double + single, calls
+    assert calls["attention_int8"] == double + single and "quantize" not in calls, calls
+    monkeypatch.setattr(attention, "query_format", lambda *args, **kwargs: None)
+    with torch.no_grad(), OpCounter() as counter:
+        separate = output_of(model(**inputs))
+    assert counter.counts["quantize"] == counter.counts["attention_int8"] == double + single
+    assert torch.equal(fused, separate)
+
+
+def test_cat_queries_quantizes_a_tensor_part_as_the_whole():
+    # A joint attention's parts concatenated: tensors as torch.cat; a quantized part beside a
+    # tensor one: the codes and scales of quantizing the whole (rows per token and head).
+    torch.manual_seed(0)
+    q = torch.randn(2, 7, 3, 16)
+    text, image = q[:, :3], q[:, 3:]
+    assert torch.equal(attention.cat_queries([text, image]), q)
+    whole = ltx_kernels.quantize(q, format="i8_row")
+    image_rows = QuantRows(*ltx_kernels.quantize(image, format="i8_row"), "i8_row")
+    mixed = attention.cat_queries([text, image_rows])
+    assert mixed.format == "i8_row"
+    assert torch.equal(mixed.data, whole[0]) and torch.equal(mixed.scale, whole[1])
 
 
 @pytest.mark.parametrize("rope", [None, "interleaved", "split"])

@@ -245,6 +245,24 @@ def query_format(
     return QUERY_FORMAT if op is int8_attention else None
 
 
+def cat_queries(parts) -> torch.Tensor | QuantRows:
+    """Queries [B, S_i, H, D] concatenated along the sequence (a joint attention's text and image
+    rows): tensors as torch.cat; where some came quantized (QuantRows, query_format), the
+    concatenated codes and scales, a tensor part quantized in the same format first (per token
+    and head: the codes quantizing the whole concatenation gives)."""
+    formats = {part.format for part in parts if isinstance(part, QuantRows)}
+    if not formats:
+        return torch.cat(parts, dim=1)
+    (format,) = formats
+    rows = [
+        part if isinstance(part, QuantRows) else QuantRows(*quantize(part, format=format), format)
+        for part in parts
+    ]
+    return QuantRows(
+        torch.cat([r.data for r in rows], dim=1), torch.cat([r.scale for r in rows], dim=1), format
+    )
+
+
 def runs_int8_attention(processor, query, key, value) -> bool:
     """Whether `processor`'s attention choice, "int8", attends q/k/v with int8_attention: autograd
     not recording through them (no backward), and the ops take them (`_int8_takes`)."""

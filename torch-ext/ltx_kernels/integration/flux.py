@@ -3,7 +3,8 @@
 AdaLN modules (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous): `adaln.py`.
 Double block (`FluxTransformerBlock`), for the image and the text stream each:
   attention: per-head q/k RMSNorm + RoPE -> qk_rmsnorm_rope (image rows and text rows of the
-             tables, one launch per stream; concatenated text first as diffusers does)
+             tables, one launch per stream; concatenated text first as diffusers does;
+             attention="int8": qk_rmsnorm_rope_quant, q in 8 bits)
   x + gate * attn, norm2 + modulation -> add_layernorm_modulate (one pass emits both)
   FF up-projection + GELU-tanh        -> linear_gelu
   x + gate * ff                       -> gated_residual
@@ -31,8 +32,8 @@ from typing import Any
 
 import torch
 
-from . import adaln, linears, quant, recompute, steps
-from .attention import attend
+from . import adaln, attention, linears, quant, recompute, steps
+from .attention import attend, cat_queries
 from .diffusers_compat import Reproduced, diffusers_modules, rope_bshd
 from .injector import FusedAttnProcessor
 from .linears import attention_projections, ff_projections, fp8_presets
@@ -125,6 +126,18 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
         text_len = encoder_query.shape[1] if joint else 0
         rows = _rope_rows(image_rotary_emb, text_len, text_len + query.shape[1])
         text_rope, image_rope = rows if rows is not None else (None, None)
+        q_format = None  # (q quantized in the norms' passes where 8-bit attention takes it)
+        if rows is not None or image_rotary_emb is None:  # (else rotated after the concatenation)
+            norms = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+            q_format = attention.query_format(
+                self,
+                query,
+                key,
+                value,
+                mask=attention_mask,
+                parallel_config=self._parallel_config,
+                params=tuple(getattr(getattr(attn, n, None), "weight", None) for n in norms),
+            )
 
         query, key = steps.qk_norm_rope(
             self.ops,
@@ -135,6 +148,7 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
             image_rope,
             rope_bshd,
             across_heads=False,
+            query_format=q_format,
         )
         if joint:
             encoder_query, encoder_key, encoder_value = (
@@ -150,8 +164,9 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
                 text_rope,
                 rope_bshd,
                 across_heads=False,
+                query_format=q_format,
             )
-            query = torch.cat([encoder_query, query], dim=1)
+            query = cat_queries([encoder_query, query])
             key = torch.cat([encoder_key, key], dim=1)
             value = torch.cat([encoder_value, value], dim=1)
         if rows is None and image_rotary_emb is not None:  # tables not split: rotate the whole
