@@ -539,6 +539,25 @@ def test_work_tiles_of_several_lengths_per_cta(head_dim, dtype):
 SPLIT_LENGTHS = [0, 1, 129, 300, 700, 1100]
 
 
+def check_split_and_unsplit(q, k, v, lengths, monkeypatch, what):
+    """check_attention with work tiles split (LTX_KERNELS_ATTENTION_SPLIT "auto") and not ("off"):
+    both within the bounds, the keys past the lengths never read (NaN there changes no bit, which
+    also shows each deterministic), and the two not bit-identical (the split ran)."""
+    key_lengths = torch.tensor(lengths, device=q.device)
+    k_nan, v_nan = k.clone(), v.clone()
+    for b, n in enumerate(lengths):
+        k_nan[b, n:] = float("nan")
+        v_nan[b, n:] = float("nan")
+    outs = {}
+    for split in ("auto", "off"):
+        monkeypatch.setenv("LTX_KERNELS_ATTENTION_SPLIT", split)
+        out, lse = check_attention(q, k, v, key_lengths, what=f"{what} split {split}")
+        again = ltx_kernels.attention(q, k_nan, v_nan, key_lengths, return_lse=True)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse), f"{what} split {split}"
+        outs[split] = out
+    assert not torch.equal(outs["auto"], outs["off"]), f"{what}: no split"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_split_work_tiles(head_dim, monkeypatch):
@@ -546,22 +565,9 @@ def test_split_work_tiles(head_dim, monkeypatch):
         pytest.skip("the Hopper body (compute capability 9.0) splits work tiles")
     for dtype in CUDA_DTYPES:
         q, k, v = make_qkv(len(SPLIT_LENGTHS), 333, 1100, 3, head_dim, dtype, "cuda")
-        key_lengths = torch.tensor(SPLIT_LENGTHS, device="cuda")
-        k_nan, v_nan = k.clone(), v.clone()
-        for b, n in enumerate(SPLIT_LENGTHS):
-            k_nan[b, n:] = float("nan")
-            v_nan[b, n:] = float("nan")
-        outs = {}
-        for split in ("auto", "off"):
-            monkeypatch.setenv("LTX_KERNELS_ATTENTION_SPLIT", split)
-            what = f"split {split} {dtype} hd{head_dim}"
-            out, lse = check_attention(q, k, v, key_lengths, what=what)
-            again = ltx_kernels.attention(q, k_nan, v_nan, key_lengths, return_lse=True)
-            assert torch.equal(again[0], out) and torch.equal(again[1], lse), what
-            outs[split] = out
-            outs[split, "all keys"] = check_attention(q, k, v, what=f"{what} all keys")[0]
-        assert not torch.equal(outs["auto"], outs["off"]), f"{dtype} hd{head_dim}: no split"
-        assert not torch.equal(outs["auto", "all keys"], outs["off", "all keys"])
+        what = f"{dtype} hd{head_dim}"
+        check_split_and_unsplit(q, k, v, SPLIT_LENGTHS, monkeypatch, what)
+        check_split_and_unsplit(q, k, v, [1100] * len(SPLIT_LENGTHS), monkeypatch, f"{what} all")
 
 
 def split_after_whole_q_len(sms, batch):
@@ -584,19 +590,7 @@ def test_split_after_whole_tiles(head_dim, monkeypatch):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q_len = split_after_whole_q_len(sms, len(lengths))
     q, k, v = make_qkv(len(lengths), q_len, 1100, 1, head_dim, torch.bfloat16, "cuda")
-    key_lengths = torch.tensor(lengths, device="cuda")
-    k_nan, v_nan = k.clone(), v.clone()
-    for b, n in enumerate(lengths):
-        k_nan[b, n:] = float("nan")
-        v_nan[b, n:] = float("nan")
-    outs = {}
-    for split in ("auto", "off"):
-        monkeypatch.setenv("LTX_KERNELS_ATTENTION_SPLIT", split)
-        out, lse = check_attention(q, k, v, key_lengths, what=f"split {split} hd{head_dim}")
-        again = ltx_kernels.attention(q, k_nan, v_nan, key_lengths, return_lse=True)
-        assert torch.equal(again[0], out) and torch.equal(again[1], lse), split
-        outs[split] = out
-    assert not torch.equal(outs["auto"], outs["off"]), f"hd{head_dim}: no split"
+    check_split_and_unsplit(q, k, v, lengths, monkeypatch, f"hd{head_dim}")
 
 
 LARGE = {
