@@ -52,23 +52,17 @@ struct Split {
   int64_t bytes;
 };
 
-template <class Params>
-Split split_of(const Params& p, int head_dim) {
+Split split_of(int64_t batch, int64_t q_len, int64_t heads, int64_t kv_len, int64_t head_dim) {
   const int64_t tiles =
-      hopper::WorkTiles<hopper::CtaShape::kBlockM>::query_tiles(p.q_len) * p.heads * p.batch;
+      hopper::WorkTiles<hopper::CtaShape::kBlockM>::query_tiles(q_len) * heads * batch;
   const int parts =
-      split_allowed() ? hopper::split_parts(tiles, ceil_div(p.kv_len, hopper_wgmma::kBlockN)) : 1;
-  return {tiles, parts, hopper::split_workspace(tiles, parts, head_dim)};
+      split_allowed() ? hopper::split_parts(tiles, ceil_div(kv_len, hopper_wgmma::kBlockN)) : 1;
+  return {tiles, parts, hopper::split_workspace(tiles, parts, static_cast<int>(head_dim))};
 }
 
 // The workspace bytes of a call of q's and k's sizes (ltx_attention_*_workspace).
 int64_t split_workspace(const ltx_rows_t& q, const ltx_rows_t& k, int64_t head_dim) {
-  AttentionParams<__nv_bfloat16> p{};  // (its sizes only)
-  p.batch = q.size[0];
-  p.q_len = q.size[1];
-  p.heads = q.size[2];
-  p.kv_len = k.size[1];
-  return split_of(p, static_cast<int>(head_dim)).bytes;
+  return split_of(q.size[0], q.size[1], q.size[2], k.size[1], head_dim).bytes;
 }
 
 // Runs a Hopper body (run(p)) with p.split over the call's workspace (none where it is smaller
@@ -76,7 +70,7 @@ int64_t split_workspace(const ltx_rows_t& q, const ltx_rows_t& k, int64_t head_d
 // of the split tiles' parts.
 template <typename T, int kHeadDim, class Params, class Run>
 int run_split(Params& p, void* workspace, int64_t bytes, cudaStream_t stream, Run run) {
-  const Split s = split_of(p, kHeadDim);
+  const Split s = split_of(p.batch, p.q_len, p.heads, p.kv_len, kHeadDim);
   const bool usable = workspace != nullptr && bytes >= s.bytes &&
                       reinterpret_cast<uintptr_t>(workspace) % alignof(float2) == 0;
   p.split = s.bytes > 0 && usable ? hopper::key_split(s.tiles, s.parts, kHeadDim, workspace)

@@ -31,8 +31,7 @@
 //   P and S fit at once: both GEMMs issue back to back and O_tile is added while the S GEMM runs
 //   (6-8% faster than serial on an H100, with uniform_warpgroup keeping it nearly free of spills:
 //   12 bytes since O holds l's columns and a split tile's rows may go to the workspace; without
-//   it, no faster). The softmax overlaps the other consumers'
-//   GEMMs.
+//   it, no faster). The softmax overlaps the other consumers' GEMMs.
 // - O is rescaled to a tile's max only where some row of the warp has a new max, at head_dim 128
 //   (rescale_o in hopper_common.cuh).
 // - out = O v_scale / l per channel (16-byte chunks: store_quad_row); lse = m ln 2 + ln(l / 448).

@@ -49,10 +49,7 @@ def _diffusers_rope(x, cos_sin):
     return apply_rotary_emb(x, cos_sin)
 
 
-def _diffusers_rope_heads(x, cos_sin):
-    """_diffusers_rope (over the whole token) of x [B, S, H, Dh], tables split the same way."""
-    whole = _diffusers_rope(x.flatten(2), tuple(t.flatten(2) for t in cos_sin))
-    return whole.unflatten(2, x.shape[2:])
+_diffusers_rope_heads = steps.rope_over_tokens(_diffusers_rope)
 
 
 def qk_norm_rope(ops, attn, query, key, image_rotary_emb, query_format=None):

@@ -48,8 +48,7 @@ from typing import Any
 
 import torch
 
-from . import attention as attention_seam
-from . import quant, recompute, steps
+from . import attention as attention_seam, quant, recompute, steps
 from .attention import attend
 from .injector import FusedAttnProcessor
 from .linears import attention_projections, ff_projections, fp8_presets
@@ -108,6 +107,9 @@ def _diffusers_interleaved_rope(x, cos_sin):
     return apply_interleaved_rotary_emb(x, cos_sin)
 
 
+_diffusers_interleaved_rope_heads = steps.rope_over_tokens(_diffusers_interleaved_rope)
+
+
 def _rotate(ops, x, cos_sin, split: bool):
     """RoPE of x [B, S, D] with its own tables."""
     if not split:
@@ -120,12 +122,6 @@ def _rotate(ops, x, cos_sin, split: bool):
 def _heads(attn, t):
     """t [B, S, D] split into attn's heads; already split (a tensor or QuantRows) as it is."""
     return t.unflatten(2, (attn.heads, -1)) if len(t.shape) == 3 else t
-
-
-def _diffusers_interleaved_rope_heads(x, cos_sin):
-    """_diffusers_interleaved_rope (over the whole token) of x [B, S, H, Dh], tables split alike."""
-    whole = _diffusers_interleaved_rope(x.flatten(2), tuple(t.flatten(2) for t in cos_sin))
-    return whole.unflatten(2, x.shape[2:])
 
 
 def _same_tables(a, b) -> bool:

@@ -369,6 +369,17 @@ def qk_norm_rope(
     return q, k
 
 
+def rope_over_tokens(rope):
+    """A model's rotation over whole tokens, rope(t [B, S, C], cos_sin), as qk_norm_rope_heads'
+    diffusers_rope takes it: of x [B, S, H, Dh] with tables split the same way."""
+
+    def over_heads(x, cos_sin):
+        whole = rope(x.flatten(2), tuple(t.flatten(2) for t in cos_sin))
+        return whole.unflatten(2, x.shape[2:])
+
+    return over_heads
+
+
 def qk_norm_rope_heads(
     ops, norm_q, norm_k, q, k, heads: int, cos_sin, diffusers_rope, query_format=None
 ):
