@@ -51,3 +51,16 @@ def _restore_diffusers_attention_backend():
     active = _AttentionBackendRegistry._active_backend
     yield
     _AttentionBackendRegistry.set_active_backend(active)
+
+
+@pytest.fixture
+def int8_at_every_length(monkeypatch):
+    # The tiny models' and tests' calls are far shorter than the lengths from which
+    # attention="int8" attends in 8 bits on a GPU (injector.LTX_INT8_ATTENTION_FASTER): on a GPU,
+    # tests that exercise the 8-bit path take it at every length. (The rule itself:
+    # test_inject_int8_attention.test_int8_follows_the_measured_table.)
+    from ltx_kernels.integration import injector
+
+    monkeypatch.setitem(injector.LTX_INT8_ATTENTION_FASTER, (9, 0), ((64, 0), (128, 0)))
+    if CUDA_AVAILABLE:  # (attention._int8_measured_faster is a constant in compiled graphs)
+        torch._dynamo.reset()

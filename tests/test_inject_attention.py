@@ -209,6 +209,63 @@ def test_auto_follows_the_measured_table(monkeypatch):
     assert [static(*qk(n)) for n in (16, 32)] == [False, True]
 
 
+def test_int8_follows_the_measured_table(monkeypatch):
+    # "int8" attends in 8 bits on a GPU where LTX_INT8_ATTENTION_FASTER lists the device's
+    # capability and head_dim and the call has at least its tokens (queries and keys): shorter
+    # calls (text cross-attention, audio) attend as "auto". The CPU's C twins take every call.
+    # Under torch.compile a symbolic length counts as enough (8 bits were asked for): no guard,
+    # no recompile from one length to the next; static lengths compare exactly.
+    assert injector.LTX_INT8_ATTENTION_FASTER == {(9, 0): ((64, 8064), (128, 6144))}
+
+    def qk(tokens, keys=None, head_dim=64):
+        return torch.randn(1, tokens, 2, head_dim), torch.randn(1, keys or tokens, 2, head_dim)
+
+    processor = type("P", (_Processor,), {"attention": "int8"})()
+    assert attention.runs_int8_attention(processor, *qk(2), qk(2)[1])  # (the CPU: every call)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    torch._dynamo.reset()
+    assert attention._int8_pays(*qk(8064)) and not attention._int8_pays(*qk(8063))
+    assert not attention._int8_pays(*qk(8064, 128)) and attention._int8_pays(
+        *qk(6144, head_dim=128)
+    )
+    assert not attention._int8_pays(*qk(6143, 9000, head_dim=128))
+    monkeypatch.setitem(injector.LTX_INT8_ATTENTION_FASTER, (9, 0), ((64, 24),))
+    assert attention._int8_measured_faster(0) == ((64, 24),)
+    assert attention._int8_pays(*qk(24)) and attention._int8_pays(*qk(48, 30))
+    assert not attention._int8_pays(*qk(23)) and not attention._int8_pays(*qk(48, 23))
+    assert not attention._int8_pays(*qk(48, head_dim=128))  # (a head_dim not listed)
+    dynamic = torch.compile(attention._int8_pays, fullgraph=True, dynamic=True)
+    assert dynamic(*qk(16))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert dynamic(*qk(32)) and dynamic(*qk(48))
+    torch._dynamo.reset()
+    static = torch.compile(attention._int8_pays, fullgraph=True, dynamic=False)
+    assert [static(*qk(n)) for n in (16, 32)] == [False, True]
+    torch._dynamo.reset()
+
+
+def test_ulysses_chooses_the_inner_attention_on_the_whole_sequence(monkeypatch):
+    # Under Ulysses the inner attention is chosen on q/k/v as they land (this rank's heads over
+    # the whole sequence), so the length rules of "auto" and "int8" count the whole sequence's
+    # tokens, not this rank's chunk of them.
+    seen = []
+    monkeypatch.setattr(
+        attention, "our_attention", lambda processor, *qkv: seen.append(qkv[0].shape) or None
+    )
+    monkeypatch.setattr(attention, "context_parallel_config", lambda config: config)
+    monkeypatch.setattr(attention, "runs_ulysses_attention", lambda *args: True)
+
+    def ulysses(query, key, value, parallel_config, attend):  # 4 ranks, 2 heads each
+        landed = [x.repeat(1, 4, 1, 1)[:, :, :2] for x in (query, key, value)]
+        assert attend(*landed).shape == landed[0].shape
+        return query.flatten(2)
+
+    monkeypatch.setattr(attention, "ulysses_attention", ulysses)
+    query, key, value = (torch.randn(1, 6, 8, 16) for _ in range(3))
+    attention.attend(_Processor(), query, key, value, parallel_config="ulysses")
+    assert seen == [torch.Size([1, 24, 2, 16])]
+
+
 def test_report_names_the_choice_and_the_fallbacks():
     torch.manual_seed(0)
     model = ltx.tiny_model(torch.float32)
@@ -220,6 +277,11 @@ def test_report_names_the_choice_and_the_fallbacks():
         "where measured faster: sm_90 head_dim 64 from 8064 tokens; sm_90 head_dim 128 from 4608 "
         "tokens"
     ) in str(_report(clone(model), "auto"))
+    assert (
+        "float16/bfloat16 where measured faster: sm_90 head_dim 64 from 8064 tokens; sm_90 "
+        "head_dim 128 from 6144 tokens (injector.LTX_INT8_ATTENTION_FASTER; the CPU's C twins: "
+        "every call)"
+    ) in str(_report(clone(model), "int8"))
     # On the meta device (as on a GPU) the tiny heads (8) are not the CUDA kernel's: each
     # attention is reported, by name, as attending with diffusers' backend.
     report = _report(clone(model).to("meta"), "ltx_kernels")

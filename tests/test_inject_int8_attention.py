@@ -16,6 +16,9 @@ from ltx_kernels.integration import attention, injector
 from ltx_kernels.integration.quant import QuantRows
 from model_zoo import MODELS, ltx, ltx2, wan
 
+#: (tiny calls: on a GPU they take the 8-bit path at every length, conftest.int8_at_every_length)
+pytestmark = pytest.mark.usefixtures("int8_at_every_length")
+
 #: Relative L2 of 8-bit attention against exact attention: v in e4m3 (3 mantissa bits: 2.5e-2
 #: alone on _qkv's inputs), q and k in INT8 (steps of 1/127 of each block's amax, which _qkv's
 #: 8x outlier channel of k makes coarse for the other channels): 3.6e-2 to 5.2e-2 measured on

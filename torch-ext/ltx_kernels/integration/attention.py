@@ -35,13 +35,18 @@ to it as they are (uniform ones still slice the keys: the same keys, no lengths 
 other call as "diffusers". "auto" (the default): as "ltx_kernels" only where
 LTX_ATTENTION_FASTER (injector.py) lists the GPU and head_dim and the call has at least its
 tokens (queries and keys; a length torch.compile keeps symbolic counts as too few: `_long_enough`),
-and the processor keeps diffusers' default backend; as "diffusers" elsewhere. "int8" (opt-in, a numerics change): 8-bit attention
-(`int8_attention`: q, k and v quantized by our ops, then attention_int8) wherever it applies
-(runs_int8_attention: no mask, no autograd recording; CUDA: a Hopper GPU, float16/bfloat16,
-head_dim 64 or 128; the CPU: its C twins), as "auto" elsewhere, and in the blocks
+and the processor keeps diffusers' default backend; as "diffusers" elsewhere. "int8" (opt-in, a
+numerics change): 8-bit attention (`int8_attention`: q, k and v quantized by our ops, then
+attention_int8) wherever it applies and pays (runs_int8_attention: no mask, no autograd
+recording; CUDA: a Hopper GPU, float16/bfloat16, head_dim 64 or 128, and at least the tokens
+(queries and keys) from which LTX_INT8_ATTENTION_FASTER (injector.py) lists it faster, a length
+torch.compile keeps symbolic counting as enough: `_int8_pays`; the CPU: its C twins, every call),
+as "auto" elsewhere, and in the blocks
 inject_optimized_kernels' attention_bf16_blocks keeps in bf16 (their processors' choice is
 "auto"). Self-attention under Ulysses (below, "ulysses_attention" in FUSIONS) runs
-ulysses_attention, which takes the inner attention as a callable: the same choice.
+ulysses_attention, which takes the inner attention as a callable: the same choice, made on the
+tensors as they land (this rank's heads over the whole sequence: the whole sequence's tokens
+count, not the rank's chunk).
 
 Ulysses: diffusers' Ulysses sends q, k and v in three all-to-alls, each between two permuting
 copies (eight copies of a [B, s, H, D] tensor per call). ulysses_attention sends q, k and v in one
@@ -77,7 +82,7 @@ from .context_parallel import (
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .injector import LTX_ATTENTION_FASTER, LTX_ATTENTION_HEAD_DIMS
+from .injector import LTX_ATTENTION_FASTER, LTX_ATTENTION_HEAD_DIMS, LTX_INT8_ATTENTION_FASTER
 from .quant import QuantRows
 
 
@@ -149,8 +154,12 @@ def attend(
 
     if runs_ulysses_attention(processor.ops, parallel_config, query, key, mask, whole_queries):
         # (this rank's heads, over the whole sequence: strided views of one receive buffer whose
-        # offsets and strides are multiples of head_dim, so aligned where q/k/v are)
-        inner = our_attention(processor, query, key, value) or dispatch
+        # offsets and strides are multiples of head_dim, so aligned where q/k/v are; the choice
+        # counts the whole sequence's tokens, not this rank's chunk)
+        def inner(query, key, value):  # chosen on the tensors as they land: the whole sequence
+            ours = our_attention(processor, query, key, value)
+            return dispatch(query, key, value) if ours is None else ours(query, key, value)
+
         ulysses = ulysses_whole_queries_attention if whole_queries else ulysses_attention
         out = ulysses(query, key, value, parallel_config, inner)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
@@ -265,12 +274,29 @@ def cat_queries(parts) -> torch.Tensor | QuantRows:
 
 def runs_int8_attention(processor, query, key, value) -> bool:
     """Whether `processor`'s attention choice, "int8", attends q/k/v with int8_attention: autograd
-    not recording through them (no backward), and the ops take them (`_int8_takes`)."""
+    not recording through them (no backward), the ops take them (`_int8_takes`) and 8 bits pay at
+    their lengths (`_int8_pays`)."""
     return (
         processor.attention == "int8"
         and not _recording(query, key, value)
         and _int8_takes(query, key, value)
+        and (not query.is_cuda or _int8_pays(query, key))  # (the CPU's C twins: every call)
     )
+
+
+def _int8_pays(query, key) -> bool:
+    """Whether q/k [B, S, H, D] on CUDA have at least the tokens from which int8_attention
+    measured faster than attention="auto" at their head_dim (LTX_INT8_ATTENTION_FASTER of the
+    device's compute capability; a head_dim it does not list: never). Decided without a guard:
+    under torch.compile a length it keeps symbolic counts as enough (8 bits were asked for), so a
+    new sequence length never recompiles."""
+    for head_dim, tokens in _int8_measured_faster(query.device.index):
+        if query.shape[-1] == head_dim:
+            return not (
+                statically_known_true(query.shape[1] < tokens)
+                or statically_known_true(key.shape[1] < tokens)
+            )
+    return False
 
 
 def _int8_takes(query, key, value) -> bool:
@@ -337,6 +363,13 @@ def _measured_faster(device_index: int | None) -> tuple[tuple[int, int], ...]:
     """((head_dim, tokens), ...): where ltx_kernels.attention measured faster on CUDA device
     `device_index` (LTX_ATTENTION_FASTER of its compute capability)."""
     return LTX_ATTENTION_FASTER.get(torch.cuda.get_device_capability(device_index), ())
+
+
+@torch.compiler.assume_constant_result
+def _int8_measured_faster(device_index: int | None) -> tuple[tuple[int, int], ...]:
+    """((head_dim, tokens), ...): where int8_attention measured faster than attention="auto" on
+    CUDA device `device_index` (LTX_INT8_ATTENTION_FASTER of its compute capability)."""
+    return LTX_INT8_ATTENTION_FASTER.get(torch.cuda.get_device_capability(device_index), ())
 
 
 @torch.compiler.assume_constant_result

@@ -103,6 +103,18 @@ LTX_ATTENTION_HEAD_DIMS = (64, 128)
 LTX_ATTENTION_FASTER: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (9, 0): ((64, 8064), (128, 4608))
 }
+#: Where attention="int8" attends in 8 bits on CUDA: compute capability -> ((head_dim, tokens),
+#: ...): at that head_dim, calls of at least `tokens` queries and keys, where int8_attention (k and
+#: v quantized by our ops, q by the q/k norm pass) measured faster than our bf16 op
+#: (benchmark_attention.py's "ours int8+kv quant" against "ours wgmma", one H100 80GB HBM3,
+#: 2026-11-28): head_dim 64 0.80x at 2x32x2688, 1.07x at 2x32x8064; head_dim 128 0.93x at
+#: 1x24x4608, 1.08x at 2x32x6144, 1.19-1.21x at 1x40x32760 and 1x16x49290. Shorter calls (cross-
+#: attention over text, audio streams) attend as "auto": in 8 bits they slowed whole steps (LTX-2
+#: 2x6144 + audio 733.6 -> 739.0 ms, FLUX.1-dev 131.6 -> 133.8 ms). A compute capability or
+#: head_dim not listed: never in 8 bits; the CPU (the C twins): every call.
+LTX_INT8_ATTENTION_FASTER: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (9, 0): ((64, 8064), (128, 6144))
+}
 #: The report's kind for the attention modules whose calls attend with diffusers' backend although
 #: attention="ltx_kernels".
 LTX_ATTENTION = "attention (ltx_kernels.attention)"
@@ -175,6 +187,15 @@ class InjectionReport:
         return "\n".join(lines)
 
 
+def _measured(table: dict[tuple[int, int], tuple[tuple[int, int], ...]]) -> str:
+    """A table of LTX_ATTENTION_FASTER's form, for the report."""
+    return "; ".join(
+        f"sm_{major}{minor} head_dim {head_dim} from {tokens} tokens"
+        for (major, minor), entries in sorted(table.items())
+        for head_dim, tokens in entries
+    )
+
+
 def _attention_note(choice: str) -> str:
     """What attention=`choice` attends with, for the report."""
     head_dims = " or ".join(map(str, LTX_ATTENTION_HEAD_DIMS))
@@ -187,17 +208,15 @@ def _attention_note(choice: str) -> str:
     if choice == "diffusers":
         return "diffusers' attention backend of each processor"
     if choice == "int8":
+        faster = _measured(LTX_INT8_ATTENTION_FASTER)
         return (
             "8-bit attention (q, k, v quantized by ltx_kernels, attention_int8: INT8 q.k, FP8 "
             "p.v; a numerics change) for calls without a mask and without autograd recording, on "
-            f"a Hopper GPU in float16/bfloat16 at head_dim {head_dims}; as attention='auto' for "
-            f"the others ({_attention_note('auto')})"
+            f"a Hopper GPU in float16/bfloat16 where measured faster: {faster or 'nowhere'} "
+            "(injector.LTX_INT8_ATTENTION_FASTER; the CPU's C twins: every call); as "
+            f"attention='auto' for the others ({_attention_note('auto')})"
         )
-    measured = "; ".join(
-        f"sm_{major}{minor} head_dim {head_dim} from {tokens} tokens"
-        for (major, minor), entries in sorted(LTX_ATTENTION_FASTER.items())
-        for head_dim, tokens in entries
-    )
+    measured = _measured(LTX_ATTENTION_FASTER)
     return (
         f"ltx_kernels.attention where measured faster: {measured or 'nowhere yet'} "
         "(injector.LTX_ATTENTION_FASTER); diffusers' attention backend elsewhere"
