@@ -138,8 +138,10 @@ def inject_optimized_kernels(
     measured faster (Hopper: head_dim 128 from 4608 queries and keys, head_dim 64 from 8064),
     "diffusers" elsewhere; "int8" (opt-in, a numerics change)
     8-bit attention wherever it applies (no mask, no autograd recording; CUDA: Hopper,
-    float16/bfloat16, head_dim 64 or 128; q, k, v quantized by our ops, attention_int8), "auto"
-    elsewhere (attention.py). attention_bf16_blocks=N (with "int8") keeps the attention of the
+    float16/bfloat16, head_dim 64 or 128; q, k, v quantized by our ops, attention_int8) and
+    injector.LTX_INT8_ATTENTION_FASTER says it measured faster (Hopper: head_dim 64 from 8064
+    queries and keys, head_dim 128 from 6144; the CPU's C twins: every call), "auto" elsewhere
+    (attention.py). attention_bf16_blocks=N (with "int8") keeps the attention of the
     first and last N blocks of each model out of 8 bits (as "auto").
     The FP8 weights are quantized one Linear at a time and each bf16 original is freed after
     (the state dict then refuses; remove_optimized_kernels restores weights dequantized from FP8,
