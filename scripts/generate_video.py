@@ -52,8 +52,8 @@ the weights, the bf16 ones wait on the CPU and come back after the row.
 
 Attention (--attention, the kernels' rows): what the patched attention processors attend with,
 inject_optimized_kernels' attention= ("auto" by default; "ltx_kernels": our attention op where it
-applies; "diffusers": diffusers' backend; "int8": 8-bit attention where it applies, a numerics
-change measured by --compare's rows). Baseline rows attend as diffusers does.
+applies; "diffusers": diffusers' backend; "int8": 8-bit attention where it applies and measured
+faster, a numerics change measured by --compare's rows). Baseline rows attend as diffusers does.
 
 Several GPUs (--context-parallel ulysses|ring, launched by torchrun, one process per GPU; every
 checkpoint): the transformer runs under diffusers' context parallelism (enable_parallelism), the

@@ -1,6 +1,8 @@
 """inject_optimized_kernels(..., attention="int8") (issue 34 item 4): 8-bit attention through the
 attention seam (attention.int8_attention: q, k and v quantized by our ops, then attention_int8)
-wherever it applies, "auto" elsewhere; attention_bf16_blocks keeping the first/last blocks out of
+wherever it applies (on a GPU also where it measured faster: test_inject_attention's
+test_int8_follows_the_measured_table; here every length, conftest.int8_at_every_length), "auto"
+elsewhere; attention_bf16_blocks keeping the first/last blocks out of
 8 bits; the report. (Compiled blocks and autograd recording, the fallback:
 test_inject_attention.py, for both attention choices.) On the CPU the C twins run the same
 quantization and the attention of the dequantized operands in double (the CUDA kernel also

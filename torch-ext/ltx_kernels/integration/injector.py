@@ -86,7 +86,8 @@ DISABLE_ENV = "LTX_KERNELS_DISABLE"
 #: LTX_ATTENTION_FASTER lists the GPU and head_dim and the call has as many tokens, as "diffusers"
 #: elsewhere; "int8" (opt-in, a numerics change): 8-bit attention (q, k, v quantized by our ops,
 #: attention_int8) wherever it applies (no mask, autograd not recording, CUDA: Hopper,
-#: float16/bfloat16, head_dim 64 or 128), as "auto" elsewhere.
+#: float16/bfloat16, head_dim 64 or 128) and LTX_INT8_ATTENTION_FASTER says it measured faster
+#: (the CPU's C twins: every call), as "auto" elsewhere.
 ATTENTION_CHOICES = ("auto", "ltx_kernels", "diffusers", "int8")
 #: The head dims the CUDA attention kernel takes (ltx_attention_cuda_takes_head_dim).
 LTX_ATTENTION_HEAD_DIMS = (64, 128)
