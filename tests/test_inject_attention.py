@@ -372,6 +372,43 @@ def test_autograd_recording_falls_back_with_stock_gradients(choice, op):
         assert (ours is None and theirs is None) or torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("choice", ["ltx_kernels", "int8"])
+def test_a_frozen_model_recording_through_its_text_falls_back_with_stock_gradients(choice):
+    # Prompt-embedding optimisation (a frozen model, only the text stream recording): FLUX.1's
+    # joint attentions record through the text's q/k/v alone, so they attend with diffusers'
+    # backend (for "int8" the image query is not quantized in its norm pass either: query_format
+    # is asked with the text stream's tensors too); the gradient is stock's bit for bit.
+    torch.manual_seed(0)
+    model = MODELS["flux"].build(torch.float32).requires_grad_(False)
+    inputs = MODELS["flux"].inputs(torch.float32)
+    gradients = {}
+    for attention_choice in ("diffusers", choice):
+        injected = clone(model)
+        ltx_kernels.inject_optimized_kernels(injected, verbose=False, attention=attention_choice)
+        text = inputs["encoder_hidden_states"].clone().requires_grad_(True)
+        output_of(injected(**{**inputs, "encoder_hidden_states": text})).square().mean().backward()
+        gradients[attention_choice] = text.grad
+    assert torch.equal(gradients[choice], gradients["diffusers"])
+
+
+def test_ulysses_attention_leaves_values_that_record_to_diffusers(monkeypatch):
+    # ulysses_attention's all-to-alls carry no backward: autograd recording through any of q, k
+    # or v (e.g. a LoRA on to_v alone) keeps diffusers' Ulysses; key lengths under context
+    # parallelism (ulysses_attention only) raise clearly instead.
+    monkeypatch.setattr(attention, "context_parallel_config", lambda config: config)
+    config = type("Config", (), dict(ulysses_degree=2, ring_degree=1, ulysses_anything=False))()
+    config.ring_anything = False
+    qkv = [torch.randn(1, 6, 4, 8) for _ in range(3)]
+    ops = frozenset(injector.FUSIONS)
+    assert attention.runs_ulysses_attention(ops, config, *qkv, None)
+    with torch.enable_grad():
+        for i in range(3):
+            recording = [t.requires_grad_(j == i) for j, t in enumerate(qkv)]
+            assert not attention.runs_ulysses_attention(ops, config, *recording, None)
+            with pytest.raises(NotImplementedError, match="autograd recording"):
+                attention.attend(_Processor(), *recording, parallel_config=config, key_lengths=(5,))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cuda_takes_bf16_at_64_and_128_and_matches_sdpa(head_dim):

@@ -329,6 +329,10 @@ def test_a_quantized_query_never_attends_another_way():
     )
     with pytest.raises(RuntimeError, match="quantized query"):
         attention.attend(_Processor(), rows, k, v, mask=torch.ones(2, 1, 1, 11, dtype=torch.bool))
+    # (int8_attention has no backward: keys or values autograd records through raise, never a
+    # gradient silently dropped)
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="records through"):
+        attention.attend(_Processor(), rows, k, v.clone().requires_grad_())
 
 
 def test_bf16_blocks_keep_the_first_and_last_blocks_out_of_8_bits():

@@ -109,7 +109,7 @@ def attend(
         )
     cp_config = context_parallel_config(parallel_config)
     if cp_config is not None and (key_lengths is not None or replicated):
-        _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated)
+        _check_ulysses_whole_sequence(cp_config, query, key, value, mask, replicated)
 
         def local(query, key, value):  # this rank's heads, the whole sequence
             return attend(processor, query, key, value, key_lengths=key_lengths, sdpa=sdpa)
@@ -152,7 +152,9 @@ def attend(
             parallel_config=parallel_config,
         )
 
-    if runs_ulysses_attention(processor.ops, parallel_config, query, key, mask, whole_queries):
+    if runs_ulysses_attention(
+        processor.ops, parallel_config, query, key, value, mask, whole_queries
+    ):
         # (this rank's heads, over the whole sequence: strided views of one receive buffer whose
         # offsets and strides are multiples of head_dim, so aligned where q/k/v are; the choice
         # counts the whole sequence's tokens, not this rank's chunk)
@@ -169,8 +171,16 @@ def attend(
 def _attending_op(processor, query, key, value, mask, cp_config):
     """The op of ours that attend runs on a call: none under a mask or context parallelism
     (diffusers' attention), else our_attention's choice. A query quantized by the op before
-    (QuantRows: query_format said so) attends through int8_attention only."""
+    (QuantRows: query_format said so) attends through int8_attention only, which has no backward:
+    keys or values autograd records through, or a mask or context parallelism, with it raise (the
+    processor asked query_format with less than the call attends)."""
     quantized = isinstance(query, QuantRows)
+    if quantized and _recording(key, value):
+        raise RuntimeError(
+            "ltx_kernels attend: a quantized query cannot attend keys or values that autograd "
+            "records through (int8_attention has no backward): query_format was asked without "
+            "them"
+        )
     if mask is not None or cp_config is not None:
         if quantized:
             raise RuntimeError(
@@ -243,8 +253,9 @@ def query_format(
     in the op's pass instead of one of int8_attention's own; None: hand it the tensor. q/k/v
     [B, S, H, D] as attend takes them, asked before that op (which keeps their shapes and dtype);
     with `heads`, q/k are [B, S, H * D], split here (only once the cheap refusals pass: the
-    default path makes no views); `params`: its parameters (the norms' weights), through which
-    autograd may record too."""
+    default path makes no views); `params`: its parameters (the norms' weights) and any other
+    tensor the call attends (a joint attention's other stream), through which autograd may record
+    too."""
     if processor.attention != "int8" or _recording(*(p for p in params if p is not None)):
         return None  # (only "int8" attends through int8_attention: runs_int8_attention)
     if heads is not None:
@@ -480,7 +491,7 @@ _last_lengths_tensor: list = []
 
 
 def runs_ulysses_attention(
-    ops, parallel_config, query, key, attention_mask, whole_queries=False
+    ops, parallel_config, query, key, value, attention_mask, whole_queries=False
 ) -> bool:
     """Whether an attention call runs `ulysses_attention` (`whole_queries`:
     `ulysses_whole_queries_attention`): Ulysses only (no ring, even splits), no mask, q and k of
@@ -496,11 +507,11 @@ def runs_ulysses_attention(
         and attention_mask is None
         and (whole_queries or query.shape[1] == key.shape[1])
         and query.shape[2] % cp_config.ulysses_degree == 0
-        and not _recording(query, key)
+        and not _recording(query, key, value)
     )
 
 
-def _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated: int) -> None:
+def _check_ulysses_whole_sequence(cp_config, query, key, value, mask, replicated: int) -> None:
     """Raises unless key lengths / replicated rows can attend under `cp_config` (ulysses_attention:
     the module docstring)."""
     reasons = []
@@ -514,7 +525,7 @@ def _check_ulysses_whole_sequence(cp_config, query, key, mask, replicated: int) 
         reasons.append(f"{query.shape[2]} heads, not divisible by the Ulysses degree")
     if not 0 <= replicated <= query.shape[1]:
         reasons.append(f"{replicated} replicated rows of {query.shape[1]}")
-    if _recording(query, key):
+    if _recording(query, key, value):
         reasons.append("autograd recording (inference only)")
     if reasons:
         raise NotImplementedError(

@@ -136,7 +136,11 @@ class FluxKernelsAttnProcessor(FusedAttnProcessor):
                 value,
                 mask=attention_mask,
                 parallel_config=self._parallel_config,
-                params=tuple(getattr(getattr(attn, n, None), "weight", None) for n in norms),
+                # (a joint call also attends the text stream's q/k/v: autograd may record there)
+                params=(
+                    *(getattr(getattr(attn, n, None), "weight", None) for n in norms),
+                    *(encoder_qkv if joint else ()),
+                ),
             )
 
         query, key = steps.qk_norm_rope(
