@@ -266,6 +266,17 @@ def test_ulysses_chooses_the_inner_attention_on_the_whole_sequence(monkeypatch):
     assert seen == [torch.Size([1, 24, 2, 16])]
 
 
+def test_the_choice_counts_the_keys_left_by_uniform_key_lengths(monkeypatch):
+    # Uniform key lengths drop the padded keys before the op is chosen, so the length rules of
+    # "auto" and "int8" count the keys the call attends.
+    seen = []  # (the stand-in chooses diffusers' attention after recording the keys it saw)
+    monkeypatch.setattr(attention, "_attending_op", lambda p, q, k, v, *a: seen.append(k.shape[1]))
+    query, key, value = (torch.randn(2, 48, 2, 8) for _ in range(3))
+    expected = attention.attend(_Processor(), query, key[:, :10], value[:, :10])
+    out = attention.attend(_Processor(), query, key, value, key_lengths=(10, 10))
+    assert seen == [10, 10] and torch.equal(out, expected)
+
+
 def test_report_names_the_choice_and_the_fallbacks():
     torch.manual_seed(0)
     model = ltx.tiny_model(torch.float32)

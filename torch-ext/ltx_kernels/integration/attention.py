@@ -116,11 +116,12 @@ def attend(
 
         out = ulysses_attention(query, key, value, parallel_config, local, replicated)
         return out.unflatten(2, (query.shape[2], -1)).to(query.dtype)
+    uniform = key_lengths is not None and len(set(key_lengths)) == 1
+    if uniform:  # (before the choice: the keys the call attends count)
+        key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
     ours = _attending_op(processor, query, key, value, mask, cp_config)
     lengths = None  # (ours: the key lengths as the op takes them)
-    if key_lengths is not None and len(set(key_lengths)) == 1:
-        key, value = key[:, : key_lengths[0]], value[:, : key_lengths[0]]
-    elif key_lengths is not None:
+    if key_lengths is not None and not uniform:
         lengths = lengths_tensor(key_lengths, key.device)
         if not ours:  # a broadcast key mask
             positions = torch.arange(key.shape[1], device=key.device)
