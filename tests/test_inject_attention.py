@@ -262,7 +262,8 @@ def test_ulysses_chooses_the_inner_attention_on_the_whole_sequence(monkeypatch):
 
     monkeypatch.setattr(attention, "ulysses_attention", ulysses)
     query, key, value = (torch.randn(1, 6, 8, 16) for _ in range(3))
-    attention.attend(_Processor(), query, key, value, parallel_config="ulysses")
+    config = type("Config", (), dict(ulysses_degree=4, ring_degree=1, ulysses_anything=False))()
+    attention.attend(_Processor(), query, key, value, parallel_config=config)
     assert seen == [torch.Size([1, 24, 2, 16])]
 
 
@@ -400,6 +401,22 @@ def test_a_frozen_model_recording_through_its_text_falls_back_with_stock_gradien
         output_of(injected(**{**inputs, "encoder_hidden_states": text})).square().mean().backward()
         gradients[attention_choice] = text.grad
     assert torch.equal(gradients[choice], gradients["diffusers"])
+
+
+def test_heads_that_do_not_divide_among_the_ulysses_ranks_raise_clearly():
+    # (diffusers' Ulysses would fail inside a reshape)
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(ulysses_degree=2, ring_degree=1, ulysses_anything=False)
+    query, key, value = (torch.randn(1, 6, 3, 8) for _ in range(3))
+    with pytest.raises(ValueError, match="3 attention heads do not divide among ulysses_degree=2"):
+        attention.attend(
+            _Processor(),
+            query,
+            key,
+            value,
+            parallel_config=SimpleNamespace(context_parallel_config=config),
+        )
 
 
 def test_ulysses_attention_leaves_values_that_record_to_diffusers(monkeypatch):

@@ -243,6 +243,26 @@ def test_inject_then_leaf_offload_falls_back_where_hooked():
     }
 
 
+def test_injecting_after_its_context_parallel_split_hook_says_so():
+    # Wan's _cp_plan hooks blocks.0 itself (diffusers' split of the hidden states): injected after
+    # enable_parallelism, that block cannot be patched beneath the hook, and the error names the
+    # context-parallel hook and the order that works, not offloading or caching. Nothing is
+    # patched by the failed call. (The hook as enable_parallelism registers it, without a process
+    # group: only its name and its wrapping of the forward count here.)
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model = tiny_model(torch.float32)
+    HookRegistry.check_if_exists_or_initialize(model.blocks[0]).register_hook(
+        ModelHook(), "cp_input---blocks.0"
+    )
+    with pytest.raises(RuntimeError, match="context-parallel hook.*before enable_parallelism"):
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    assert type(model) is WanTransformer3DModel
+    assert all(type(block) is WanTransformerBlock for block in model.blocks)
+
+
 # ------------------------------------------------------------------------------------------------
 # Real sizes on the GPU
 # ------------------------------------------------------------------------------------------------

@@ -108,6 +108,16 @@ def attend(
             f"{query.shape[0]}: one per batch element, or one for all"
         )
     cp_config = context_parallel_config(parallel_config)
+    if (
+        cp_config is not None
+        and not cp_config.ulysses_anything
+        and query.shape[2] % cp_config.ulysses_degree
+    ):
+        raise ValueError(
+            f"ltx_kernels attend: {query.shape[2]} attention heads do not divide among "
+            f"ulysses_degree={cp_config.ulysses_degree} ranks: pick a degree that divides them "
+            "(or ulysses_anything=True, diffusers' uneven Ulysses)"
+        )
     if cp_config is not None and (key_lengths is not None or replicated):
         _check_ulysses_whole_sequence(cp_config, query, key, value, mask, replicated)
 

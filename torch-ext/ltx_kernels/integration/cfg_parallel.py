@@ -3,7 +3,7 @@
 inside each group, e.g. 2 groups x Ulysses 2 on 4 GPUs; or, for LTX-2 with STG and modality
 isolation on, its four passes a step on four groups (e.g. one GPU each on 4 GPUs).
 
-    ltx_kernels.inject_optimized_kernels(pipe)  # before or after
+    ltx_kernels.inject_optimized_kernels(pipe)  # before or after (Wan, HunyuanVideo-1.5: before)
     enable_cfg_parallel(pipe, ContextParallelConfig(ulysses_degree=2))  # 4 processes
     enable_cfg_parallel(ltx2_pipe, groups=4)  # 4 processes, one LTX-2 pass each
 
@@ -123,7 +123,8 @@ def enable_cfg_parallel(pipe, context_parallel=None, groups: int = GROUPS) -> No
 
     Call instead of the transformer's enable_parallelism (it calls that on each half), before or
     after inject_optimized_kernels (injected after, remove_optimized_kernels can restore the
-    model; HunyuanVideo-1.5 under context parallelism: before, its plan is ours). Every pipeline
+    model; Wan under context parallelism: before, diffusers' split hook sits on its first block;
+    HunyuanVideo-1.5 under context parallelism: before, its plan is ours). Every pipeline
     call must have guidance on (guidance_scale > 1); every rank must make the same calls with the
     same inputs, as under context parallelism. A pipeline sharing the transformers (from_pipe)
     takes them over by the same call with the same layout."""

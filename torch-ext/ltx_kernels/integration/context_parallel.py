@@ -120,6 +120,14 @@ CFG_PARALLEL_HOOK = "ltx_kernels_cfg_parallel"
 _PARALLEL_HOOKS = (_MODEL_SPLIT_HOOK, CFG_PARALLEL_HOOK)
 
 
+def has_parallel_split_hook(module: torch.nn.Module) -> bool:
+    """True when diffusers' context parallelism hooks `module` itself (a `_cp_plan` entry: an
+    input split or an output gather, e.g. Wan's blocks.0 and proj_out)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    names = getattr(registry, "hooks", None) or {}
+    return any(name.startswith(("cp_input---", "cp_output---")) for name in names)
+
+
 def has_only_parallel_hooks(model: torch.nn.Module) -> bool:
     """True when model.forward is wrapped by parallelism's hooks only (_PARALLEL_HOOKS, in their
     order: no other diffusers hook, no accelerate hook, no torch forward hook)."""

@@ -379,17 +379,30 @@ class Injector:
 
     def _swap_forward(self, name, module, forward, kind, required) -> bool:
         if has_forward_hook(module):
-            reason = (
-                "its forward is wrapped by a hook (offloading, caching or layerwise casting "
-                "applied before inject_optimized_kernels)"
-            )
+            if context_parallel.has_parallel_split_hook(module):
+                reason = (
+                    "its forward is wrapped by diffusers' context-parallel hook (the model's "
+                    "_cp_plan splits or gathers there, e.g. Wan's blocks.0)"
+                )
+                advice = (
+                    "Call inject_optimized_kernels before enable_parallelism / "
+                    "enable_cfg_parallel for this model."
+                )
+            else:
+                reason = (
+                    "its forward is wrapped by a hook (offloading, caching or layerwise casting "
+                    "applied before inject_optimized_kernels)"
+                )
+                advice = (
+                    "Call inject_optimized_kernels before enable_model_cpu_offload / "
+                    "enable_group_offload / enable_layerwise_casting / enable_cache, or remove "
+                    "those hooks first (pipe.remove_all_hooks(), model.disable_cache())."
+                )
             if required:
                 raise RuntimeError(
                     f"inject_optimized_kernels: cannot patch {name or '<root>'} "
                     f"({type(module).__name__}): {reason}, which would keep calling the unpatched "
-                    "forward. Call inject_optimized_kernels before enable_model_cpu_offload / "
-                    "enable_group_offload / enable_layerwise_casting / enable_cache, or remove "
-                    "those hooks first (pipe.remove_all_hooks(), model.disable_cache())."
+                    f"forward. {advice}"
                 )
             self.report.skipped[kind].append((name, reason + "; inject before adding hooks"))
             return False
