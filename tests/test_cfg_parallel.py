@@ -332,6 +332,16 @@ def _no_guidance_pipeline():
     return _raises(lambda: enable_cfg_parallel(pipe))
 
 
+def _output_not_laid_out_as_expected():
+    # A transformer whose output is not laid out as its config says (here: the config's
+    # out_channels changed after building it): every group raises before the exchange of the
+    # branches' outputs, none is left waiting in it (Wan: one call a branch).
+    pipe = _wan_pipeline()
+    enable_cfg_parallel(pipe)
+    pipe.transformer.register_to_config(out_channels=2 * pipe.transformer.config.in_channels)
+    return _raises(lambda: _wan_call(pipe))
+
+
 def _world_not_divisible():
     pipe = _ltx_pipeline()
     return _raises(lambda: enable_cfg_parallel(pipe, _ulysses(2)))  # 2 processes: 2 x 2 needed
@@ -350,6 +360,7 @@ CASES = {
         "guidance_off_hunyuan15": lambda d: _guidance_off("hunyuan15"),
         "no_guidance_pipeline": lambda d: _no_guidance_pipeline(),
         "world_not_divisible": lambda d: _world_not_divisible(),
+        "output_layout": lambda d: _output_not_laid_out_as_expected(),
         "ltx_taken_over": _ltx_taken_over,
     },
     4: {
@@ -373,6 +384,7 @@ RAISES = {
     "guidance_off_hunyuan15": "HunyuanVideo15Pipeline was called with guidance off",
     "no_guidance_pipeline": "FluxPipeline is not supported",
     "world_not_divisible": "the world size 2 must be 2 (guidance branches) x the context-parallel",
+    "output_layout": "torch.float32 the other group's output is laid out as",
     "ltx2_four_groups_without_stg": "enable_cfg_parallel(groups=4): LTX2Pipeline was called "
     "without both of its 'uncond_stg' and 'uncond_modality' passes (do_spatio_temporal_guidance"
     "=False, do_modality_isolation_guidance=True)",

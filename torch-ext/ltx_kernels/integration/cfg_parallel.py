@@ -390,20 +390,22 @@ class _CfgParallelHook:
                 self.pending = _sample(output)
                 return output
             # filled after the second call
-            self.pending = _output_like(kwargs["hidden_states"], module.config)
+            shape, dtype = _output_layout(kwargs["hidden_states"], module.config)
+            self.pending = kwargs["hidden_states"].new_empty(shape, dtype=dtype)
             return _wrap(self.pending, return_dict)
         computed = self.fn_ref.original_forward(**kwargs) if self.index == 1 else None
         local = self.pending if computed is None else _sample(computed)
+        shape, dtype = _output_layout(kwargs["hidden_states"], module.config)
+        if (local.shape, local.dtype) != (shape, dtype):  # (every group checks its own output,
+            raise RuntimeError(  # before the exchange: none waits in it for a group that raised)
+                f"enable_cfg_parallel: the transformer returned {tuple(local.shape)} "
+                f"{local.dtype}, not the {tuple(shape)} {dtype} the other group's output is laid "
+                "out as"
+            )
         both = self._gather(local)  # [first, second]
         first_sample, self.pending = self.pending, None
         if computed is None:
             return _wrap(both[1], return_dict)
-        if (both.shape[1:], both.dtype) != (first_sample.shape, first_sample.dtype):
-            raise RuntimeError(
-                f"enable_cfg_parallel: the {contexts[0]!r} call returned "
-                f"{tuple(both.shape[1:])} {both.dtype}, not the {tuple(first_sample.shape)} "
-                f"{first_sample.dtype} its output was laid out as"
-            )
         first_sample.copy_(both[0])
         return computed
 
@@ -513,9 +515,10 @@ def _wrap(sample: torch.Tensor, return_dict: bool):
     return Transformer2DModelOutput(sample=sample)
 
 
-def _output_like(hidden_states: torch.Tensor, config) -> torch.Tensor:
-    """An empty tensor of a video transformer's output for `hidden_states` [B, C, F, H, W]: C
+def _output_layout(hidden_states: torch.Tensor, config) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype of a video transformer's output for `hidden_states` [B, C, F, H, W]: C
     replaced by the model's out_channels (Wan: in_channels where out_channels is None)."""
     channels = config.out_channels or config.in_channels
-    shape = (hidden_states.shape[0], channels, *hidden_states.shape[2:])
-    return hidden_states.new_empty(shape)
+    return torch.Size(
+        (hidden_states.shape[0], channels, *hidden_states.shape[2:])
+    ), hidden_states.dtype
