@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def l2_bytes() -> int:
@@ -144,6 +145,35 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     """The relative L2 distance |out - ref| / |ref|, in float64."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm()).item()
+
+
+class _AttentionCalls(TorchDispatchMode):
+    """Counts the attention kernels that run while active, by kind (attention_calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"8-bit": 0, "ours bf16": 0, "sdpa": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name == "ltx_kernels::attention_int8":
+            self.counts["8-bit"] += 1
+        elif name == "ltx_kernels::attention":
+            self.counts["ours bf16"] += 1
+        elif name.startswith("aten::_scaled_dot_product_") and "backward" not in name:
+            self.counts["sdpa"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def attention_calls(fn) -> dict:
+    """{kind: calls} of the attention kernels one eager call of `fn` runs: "8-bit"
+    (attention_int8), "ours bf16" (ltx_kernels.attention) and "sdpa" (torch's fused SDPA
+    kernels): how many of a step's attention calls a column's attention choice took (e.g.
+    attention="int8" attends in 8 bits only where LTX_INT8_ATTENTION_FASTER lists the call's
+    length)."""
+    with torch.no_grad(), _AttentionCalls() as counter:
+        fn()
+    return counter.counts
 
 
 def parse_columns(parser, text: str, allowed) -> list:

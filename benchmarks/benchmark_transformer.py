@@ -8,7 +8,9 @@ dynamic rowwise quantization compiled per block or whole (`torchao-fp8+blocks`,
 (`+ltx_attention`: inject_optimized_kernels(..., attention="ltx_kernels")) eager, per block and
 whole-model compiled, and with 8-bit attention (`+int8_attention`: attention="int8", a numerics
 change: its relative L2 against eager beside the bf16 columns') eager, per block, and per block
-with FP8 Linears.
+with FP8 Linears. attention="int8" attends in 8 bits only where the call's length reaches
+injector.LTX_INT8_ATTENTION_FASTER ("auto" elsewhere): under the table, each eager 8-bit column
+says how many of a step's attention calls ran in 8 bits (none: the column is "auto" there).
 
 Models (--model; whole transformers at their real configs, configs/*.json, random weights,
 bf16, with one denoising step's inputs at a typical resolution: transformer_cases.py lists them):
@@ -129,12 +131,18 @@ def step_peak_bytes(fn) -> int:
 
 
 def run_column(column, model, call, reps, warmup):
-    """(first call s, ms per step, output, peak bytes of a step) of `column`, or None."""
+    """(first call s, ms per step, output, peak bytes of a step, attention calls) of `column`, or
+    None. Attention calls: for an eager column with 8-bit attention, bench_utils.attention_calls of
+    one step (attention="int8" attends in 8 bits only where measured faster: a column may hold
+    few such calls, or none); None for the others (a compiled column attends as its eager one)."""
     with transformer_cases.configured(column, model) as target:
         if target is None:
             return None
         timed = time_step(lambda: call(target), reps, warmup)
-        return *timed, step_peak_bytes(lambda: call(target))
+        parts = column.split("+")
+        eager_int8 = "int8_attention" in parts and not {"blocks", "compile"} & set(parts)
+        calls = bench_utils.attention_calls(lambda: call(target)) if eager_int8 else None
+        return *timed, step_peak_bytes(lambda: call(target)), calls
 
 
 def fp8_preset_runs(columns, presets) -> list:
@@ -428,6 +436,18 @@ def cfg_parallel_main(parser, args):
     dist.destroy_process_group()
 
 
+def attention_calls_note(calls: dict) -> str:
+    """One step's attention calls by kind (bench_utils.attention_calls), for the note under the
+    table: "8-bit attention in 24 of 56 calls (ours bf16 0, sdpa 32)"; with none in 8 bits the
+    column is not 8-bit attention at this shape, and says so."""
+    total = sum(calls.values())
+    others = ", ".join(f"{kind} {n}" for kind, n in calls.items() if kind != "8-bit")
+    note = f"8-bit attention in {calls['8-bit']} of {total} calls ({others})"
+    if calls["8-bit"] == 0:
+        note += ": no call long enough (LTX_INT8_ATTENTION_FASTER), the column attends as 'auto'"
+    return note
+
+
 def table_header(vs_compile: bool) -> str:
     """The markdown header of a model's table; the "vs compile" column only when the compile
     column was asked for."""
@@ -540,14 +560,19 @@ def main():
         print(f"\n## {args.model}, {tokens} tokens", flush=True)
         vs_compile = "compile" in columns
         print(table_header(vs_compile), flush=True)
+        notes = []
         for label, column, preset in runs:
             transformer_cases.FP8_LINEARS = preset
             measured = run_column(column, model, call, args.reps, args.warmup)
             if measured is None:
                 continue
-            first_s, ms, out, peak = measured
+            first_s, ms, out, peak, calls = measured
             # (outputs kept on the CPU: the next columns' peaks do not hold them)
             row = rows[label] = dict(ms=ms, first_call_s=first_s, out=out.float().cpu())
+            del measured, out
+            if calls is not None:
+                row["attention_calls"] = calls
+                notes.append(f"{label}: {attention_calls_note(calls)}")
             row["peak_gib"] = peak / 2**30
             bf16 = rows.get(bf16_column(column))
             row["peak_vs_bf16"] = row["peak_gib"] / bf16["peak_gib"] if bf16 else None
@@ -556,6 +581,8 @@ def main():
             row["speedup_vs_compile"] = rows["compile"]["ms"] / ms if "compile" in rows else None
             row["rel_l2"] = bench_utils.rel_l2(row["out"], eager["out"]) if eager else None
             print(table_row(label, row, vs_compile), flush=True)
+        for note in notes:
+            print(f"- {note}", flush=True)
         results.append(
             dict(
                 tokens=tokens,

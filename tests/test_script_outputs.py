@@ -4,11 +4,13 @@ title inside the image), benchmark_transformer.py's table (no "nanx" cells: the 
 column only with the compile column, "-" where a ratio has no reference), and cp_copy_engine.py's
 error outside torchrun."""
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers")
 
@@ -205,6 +207,30 @@ def test_table_ratios_without_a_reference_are_dashes(bt):
     assert line == "| compile+kernels | 8.00 | 2.00x | 1.25x | 1.5 | 2.00e-03 | 12.35 | - |"
     line = bt.table_row("kernels+fp8", row(8.0, 2.0, None, 2e-2, 0.6), vs_compile=True)
     assert line == "| kernels+fp8 | 8.00 | 2.00x | - | 1.5 | 2.00e-02 | 12.35 | 0.60x |"
+
+
+def test_8_bit_columns_say_how_many_calls_ran_in_8_bits(bt):
+    # attention="int8" attends in 8 bits only where measured faster: the note under the table
+    # counts a step's attention kernels by kind, and a column with none in 8 bits says so.
+    import bench_utils
+    import ltx_kernels
+    from model_zoo import wan
+
+    model, inputs = wan.tiny_model(torch.float32), wan.tiny_inputs(torch.float32)
+    calls = {}
+    for choice in ("int8", "ltx_kernels"):
+        injected = copy.deepcopy(model)
+        ltx_kernels.inject_optimized_kernels(injected, verbose=False, attention=choice)
+        calls[choice] = bench_utils.attention_calls(lambda: injected(**inputs))
+    layers = wan.TINY["num_layers"]  # (the CPU's C twins take every call: self and cross)
+    assert calls["int8"] == {"8-bit": 2 * layers, "ours bf16": 0, "sdpa": 0}
+    assert calls["ltx_kernels"] == {"8-bit": 0, "ours bf16": 2 * layers, "sdpa": 0}
+    assert bt.attention_calls_note({"8-bit": 24, "ours bf16": 0, "sdpa": 32}) == (
+        "8-bit attention in 24 of 56 calls (ours bf16 0, sdpa 32)"
+    )
+    assert bt.attention_calls_note({"8-bit": 0, "ours bf16": 8, "sdpa": 4}).endswith(
+        "no call long enough (LTX_INT8_ATTENTION_FASTER), the column attends as 'auto'"
+    )
 
 
 def test_fp8_columns_peak_memory_against_their_bf16_column(bt):
