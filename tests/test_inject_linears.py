@@ -688,6 +688,68 @@ def test_fp8_sees_weights_loaded_after_injection():
 
 
 @pytest.mark.parametrize("keep_bf16_weights", [True, False], ids=["kept", "freed"])
+def test_fp8_compiled_blocks_see_weights_loaded_after_injection(keep_bf16_weights):
+    # Compiled blocks make no eager call in which a stale FP8 weight would be re-quantized:
+    # load_state_dict quantizes what it loads at once, into the same buffer objects (what group
+    # offloading tracks and the compiled graph reads).
+    torch._dynamo.reset()
+    model, inputs = tiny_model(BF16), tiny_inputs(BF16)
+    fp8_injected(model, keep_bf16_weights=keep_bf16_weights)
+    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    linear = model.transformer_blocks[0].ff.net[2]
+    buffers = linear.weight_fp8, linear.weight_scale
+    with torch.no_grad():
+        output_of(model(**inputs))
+    new_state = {
+        k: v + 0.05 * torch.randn_like(v) for k, v in tiny_model(BF16).state_dict().items()
+    }
+    fresh = tiny_model(BF16)
+    fresh.load_state_dict(new_state)
+    fp8_injected(fresh, keep_bf16_weights=keep_bf16_weights)
+    with torch.no_grad():
+        model.load_state_dict(new_state)
+        assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
+    assert linear.weight_fp8 is buffers[0] and linear.weight_scale is buffers[1]  # (same objects)
+    torch._dynamo.reset()
+
+
+def test_fp8_model_cast_to_another_dtype_raises_clearly():
+    # The FP8 GEMMs write the dtype of the model at injection (bf16): after model.to(dtype) the
+    # first FP8 Linear says so, instead of a dtype mismatch deep inside attention.
+    model, inputs = tiny_model(BF16), tiny_inputs(BF16)
+    fp8_injected(model)
+    for dtype in (torch.float16, torch.float32):
+        model.to(dtype)
+        cast = {
+            k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in inputs.items()
+        }
+        with torch.no_grad(), pytest.raises(RuntimeError, match="casting a model with FP8 Linears"):
+            model(**cast)
+    model.to(BF16)
+    with torch.no_grad():
+        model(**inputs)
+
+
+def test_fused_fp8_projections_keep_their_buffer_objects():
+    # A fused group re-linked (its members re-allocated: offloading, .to()) points the members'
+    # FP8 buffers at the new rows in place: group offloading keeps tracking the same objects.
+    model, inputs = tiny_model(BF16), tiny_inputs(BF16)
+    fp8_injected(model)
+    attn = model.transformer_blocks[0].attn1
+    members = [attn.to_q, attn.to_k, attn.to_v]
+    before = [(m.weight_fp8, m.weight_scale) for m in members]
+    for m in members:  # (as offloading's onload does, one member at a time)
+        m.weight_fp8.data = m.weight_fp8.data.clone()
+    with torch.no_grad():
+        model(**inputs)
+    for m, (weight_fp8, weight_scale) in zip(members, before):
+        assert m.weight_fp8 is weight_fp8 and m.weight_scale is weight_scale
+    fused = [m.weight_fp8.untyped_storage().data_ptr() for m in members]
+    assert len(set(fused)) == 1  # (re-linked: one storage again)
+
+
+@pytest.mark.parametrize("keep_bf16_weights", [True, False], ids=["kept", "freed"])
 @pytest.mark.parametrize(
     "built_in_inference_mode", [False, True], ids=["built_outside", "built_inside"]
 )

@@ -125,8 +125,16 @@ class Fp8Linear(torch.nn.Linear):
             )
         if not torch.compiler.is_compiling():
             refresh_fp8_weight(self)
+        dtype = out_dtype(self)
+        if not isinstance(x, QuantRows) and x.dtype != dtype:
+            raise RuntimeError(
+                f"ltx_kernels: this Linear runs in FP8 and writes {dtype}, the model's dtype at "
+                f"injection, but its input is {x.dtype}: casting a model with FP8 Linears "
+                "(model.to(dtype) after inject_optimized_kernels(..., fp8=True)) is not "
+                "supported; call remove_optimized_kernels, cast, and inject again"
+            )
         rows = x if isinstance(x, QuantRows) else quantize_rows(x, self.quant_input)
-        return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, out_dtype(self))
+        return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, dtype)
 
     def _apply(self, fn, recurse=True):
         """Device moves and casts (`.to`, `.cuda()`, offload hooks) move the FP8 buffers and the
@@ -226,7 +234,7 @@ def to_fp8(linear: torch.nn.Linear, keep_bf16_weight: bool, device=None) -> None
             linear.weight = None
     _mark_quantized(linear)
     linear.__dict__[_FP8_HOOKS] = (
-        [linear.register_load_state_dict_post_hook(_mark_stale)]
+        [linear.register_load_state_dict_post_hook(_requantize_loaded)]
         if keep_bf16_weight
         else [
             linear.register_load_state_dict_pre_hook(_quantize_loaded),
@@ -251,7 +259,7 @@ def out_dtype(linear: Fp8Linear) -> torch.dtype:
 def _mark_quantized(linear) -> None:
     """Records the weight the FP8 buffers were quantized from: the tensor, and its version counter
     where it has one (a tensor made under torch.inference_mode has none: writes to it are seen
-    through load_state_dict only, _mark_stale)."""
+    through load_state_dict only, _requantize_loaded)."""
     weight = linear.weight
     try:
         version = None if weight is None else weight._version
@@ -260,11 +268,19 @@ def _mark_quantized(linear) -> None:
     linear.__dict__[_QUANTIZED_FROM] = (weight, version, False)
 
 
-def _mark_stale(linear, incompatible_keys) -> None:
+def _requantize_loaded(linear, incompatible_keys) -> None:
     """load_state_dict wrote into the module (in place, or replacing the weight with assign=True):
-    re-quantize at the next eager call."""
+    re-quantize now, not at the next eager call, which compiled blocks never make."""
     weight, version, _ = linear.__dict__[_QUANTIZED_FROM]
     linear.__dict__[_QUANTIZED_FROM] = (weight, version, True)
+    refresh_fp8_weight(linear)
+
+
+def _set_fp8_weight(linear, weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    """Points the FP8 buffers at new values, keeping the buffer objects (what group offloading
+    tracks, and compiled graphs read)."""
+    linear._buffers["weight_fp8"].data = weight_fp8
+    linear._buffers["weight_scale"].data = weight_scale
 
 
 def _quantize_loaded(
@@ -287,8 +303,12 @@ def _quantize_loaded(
         )
         return
     with torch.inference_mode(False):
-        linear.weight_fp8, linear.weight_scale = quantize(
-            given.detach().to(linear.weight_scale.device, freed.dtype), format=linear.quant_input
+        _set_fp8_weight(
+            linear,
+            *quantize(
+                given.detach().to(linear.weight_scale.device, freed.dtype),
+                format=linear.quant_input,
+            ),
         )
 
 
@@ -314,8 +334,8 @@ def refresh_fp8_weight(linear: Fp8Linear) -> None:
     if stale or weight is not source or (version is not None and weight._version != version):
         device = linear.weight_scale.device
         with torch.inference_mode(False):
-            linear.weight_fp8, linear.weight_scale = quantize(
-                weight.detach().to(device), format=linear.quant_input
+            _set_fp8_weight(
+                linear, *quantize(weight.detach().to(device), format=linear.quant_input)
             )
         _mark_quantized(linear)
 
@@ -521,10 +541,8 @@ def _link(group: _Group, linears) -> None:
             group.no_views = group.no_views or any(p.is_inference() for p in parts)
             fused = torch.cat([p.detach() for p in parts])
             for m, block in zip(linears, fused.split(group.sizes)):
-                if attr in m._parameters:
-                    m._parameters[attr].data = block
-                else:
-                    m._buffers[attr] = block
+                # (the same tensor objects: group offloading tracks them)
+                (m._parameters if attr in m._parameters else m._buffers)[attr].data = block
 
 
 def unfuse_all(owner: torch.nn.Module) -> None:
@@ -536,7 +554,7 @@ def unfuse_all(owner: torch.nn.Module) -> None:
                 if attr in member._parameters and member._parameters[attr] is not None:
                     member._parameters[attr].data = member._parameters[attr].data.clone()
                 elif member._buffers.get(attr) is not None:
-                    member._buffers[attr] = member._buffers[attr].clone()
+                    member._buffers[attr].data = member._buffers[attr].data.clone()
 
 
 def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
