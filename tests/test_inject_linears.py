@@ -23,7 +23,17 @@ from inject_helpers import (
     rel_l2,
 )
 from ltx_kernels import reference
-from ltx_kernels.integration import FP8_PRESETS, FUSIONS, flux, hunyuan, linears, ltx, ltx2, wan
+from ltx_kernels.integration import (
+    FP8_PRESETS,
+    FUSIONS,
+    flux,
+    hunyuan,
+    injector,
+    linears,
+    ltx,
+    ltx2,
+    wan,
+)
 from model_zoo import flux as flux_zoo
 from model_zoo import hunyuan as hunyuan_zoo
 from model_zoo import ltx2 as ltx2_zoo
@@ -711,6 +721,22 @@ def test_fp8_compiled_blocks_see_weights_loaded_after_injection(keep_bf16_weight
         assert torch.equal(output_of(model(**inputs)), output_of(fresh(**inputs)))
     assert linear.weight_fp8 is buffers[0] and linear.weight_scale is buffers[1]  # (same objects)
     torch._dynamo.reset()
+
+
+def test_fp8_leaves_projections_diffusers_fused_in_bf16_and_reports_them(monkeypatch):
+    # diffusers' fuse_qkv_projections before injection: its to_qkv / to_added_qkv run (bf16), so
+    # the q/k/v they replaced are not FP8 Linears, and the report counts the FP8 GEMMs that run.
+    model, inputs = flux_zoo.tiny_model(BF16), flux_zoo.tiny_inputs(BF16)
+    model.fuse_qkv_projections()
+    report = fp8_injected(model)
+    gemms = []
+    matmul = linears.fp8_matmul
+    monkeypatch.setattr(linears, "fp8_matmul", lambda *args: gemms.append(1) or matmul(*args))
+    with torch.no_grad():
+        model(**inputs)
+    assert report.patched[injector.FP8_LINEAR] == len(gemms) > 0
+    skipped = dict(report.skipped[injector.FP8_LINEAR])
+    assert "diffusers' fuse_qkv_projections fused it" in skipped["transformer_blocks.0.attn.to_q"]
 
 
 def test_fp8_model_cast_to_another_dtype_raises_clearly():

@@ -251,6 +251,18 @@ class FusedAttnProcessor:
     attention: str = "auto"  # inject_optimized_kernels' attention= (ATTENTION_CHOICES)
 
 
+#: The projections diffusers' fuse_qkv_projections replaces with one to_qkv / to_added_qkv Linear.
+_DIFFUSERS_FUSED = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def _fused_by_diffusers(block: torch.nn.Module, path: str) -> bool:
+    """Whether `block`'s Linear at `path` is a q/k/v projection of an attention that diffusers'
+    fuse_qkv_projections fused (attn.fused_projections): its fused Linear runs instead."""
+    parent, _, leaf = path.rpartition(".")
+    owner = block.get_submodule(parent) if parent else block
+    return leaf in _DIFFUSERS_FUSED and bool(getattr(owner, "fused_projections", False))
+
+
 class Injector:
     """Handed to the per-model patch functions: applies and records patches."""
 
@@ -282,7 +294,14 @@ class Injector:
         if self.fp8:
             preset = self.fp8_preset or default
             self.report.fp8_presets[family] = preset
-            paths = presets[preset]
+            paths = [path for path in presets[preset] if not _fused_by_diffusers(block, path)]
+            for path in set(presets[preset]) - set(paths):
+                self.skip(
+                    FP8_LINEAR,
+                    f"{name}.{path}",
+                    "diffusers' fuse_qkv_projections fused it into to_qkv (bf16): call it after "
+                    "remove_optimized_kernels, or not at all (the kernels fuse q/k/v themselves)",
+                )
             linears = [(f"{name}.{path}", block.get_submodule(path)) for path in paths]
             self._fp8_blocks.append((name, linears))
 
