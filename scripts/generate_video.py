@@ -877,7 +877,7 @@ def apply_config(pipe, config: str, args) -> str:
             verbose=False,
             fp8=fp8,
             fp8_linears=args.fp8_linears if fp8 else None,
-            fp8_bf16_blocks=args.fp8_bf16_blocks,
+            fp8_bf16_blocks=args.fp8_bf16_blocks if fp8 else 0,
             attention=attention if ops is None else "diffusers",
             keep_bf16_weights=fp8,  # (restore_baseline restores them exactly for the next row)
         )

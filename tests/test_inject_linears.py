@@ -1044,7 +1044,7 @@ def test_fp8_memory_options():
         assert torch.equal(a.weight_fp8.view(torch.uint8), b.weight_fp8.view(torch.uint8))
     with torch.no_grad():
         assert_same_samples(call(model), call(on_device))
-    for option in (dict(keep_bf16_weights=True), dict(fp8_device="cpu")):
+    for option in (dict(keep_bf16_weights=True), dict(fp8_device="cpu"), dict(fp8_bf16_blocks=2)):
         ((name, value),) = option.items()
         with pytest.raises(ValueError, match=f"{name}={value!r} needs fp8=True"):
             ltx_kernels.inject_optimized_kernels(tiny_model(BF16), **option)

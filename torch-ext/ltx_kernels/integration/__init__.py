@@ -166,8 +166,12 @@ def inject_optimized_kernels(
         raise ValueError(
             f"inject_optimized_kernels: attention={attention!r} is none of {ATTENTION_CHOICES}"
         )
-    for option, value in (("keep_bf16_weights", keep_bf16_weights), ("fp8_device", fp8_device)):
-        if value not in (None, False) and not fp8:
+    for option, value in (
+        ("keep_bf16_weights", keep_bf16_weights),
+        ("fp8_device", fp8_device),
+        ("fp8_bf16_blocks", fp8_bf16_blocks),
+    ):
+        if value not in (None, False, 0) and not fp8:
             raise ValueError(f"inject_optimized_kernels: {option}={value!r} needs fp8=True")
     if fp8_device is not None:
         fp8_device = torch.device(fp8_device)
