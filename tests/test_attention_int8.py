@@ -397,6 +397,16 @@ def test_the_fake_checks_shapes():
         ltx_kernels.attention_int8(q8, q_scale, k8, k_scale[:, :, :0], v8, v_scale)
     with pytest.raises(RuntimeError, match=r"v8.shape\[3\] must be >= Sk rounded up to 16"):
         ltx_kernels.attention_int8(q8, q_scale, k8, k_scale, v8[..., :7], v_scale)
+    # the real op's dtype rules too (under torch.compile a wrong dtype fails at trace time)
+    a = torch.ops.ltx_kernels.attention_int8
+    with pytest.raises(RuntimeError, match="v8 must be one of"):
+        a(q8, q_scale, k8, k_scale, v8.view(torch.int8), v_scale)
+    with pytest.raises(RuntimeError, match="q_scale must be one of"):
+        a(q8, q_scale.bfloat16(), k8, k_scale, v8, v_scale)
+    with pytest.raises(RuntimeError, match="out_dtype must be one of"):
+        a(q8, q_scale, k8, k_scale, v8, v_scale, out_dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="quantize_attention_k: its input must be one of"):
+        torch.ops.ltx_kernels.quantize_attention_k(torch.empty(2, 5, 3, 64, device="meta").double())
 
 
 # ------------------------------------------------------------------------------------------------

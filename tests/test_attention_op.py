@@ -449,6 +449,16 @@ def test_the_fake_checks_shapes():
         torch.ops.ltx_kernels.attention(q, k, v[:, :4])
     with pytest.raises(RuntimeError, match="all tensors must be on the same device"):
         ltx_kernels.attention(torch.empty(2, 5, 3, 64), k, v)
+    # the real op's dtype rules too (under torch.compile a wrong dtype fails at trace time)
+    a = torch.ops.ltx_kernels.attention
+    with pytest.raises(RuntimeError, match=r"attention: q must be one of .*, got torch\.int8"):
+        a(q.to(torch.int8), k, v)
+    with pytest.raises(RuntimeError, match=r"attention: k must be one of \(torch\.float32,\)"):
+        a(q, k.bfloat16(), v)
+    lengths = torch.empty(2, device="meta")
+    with pytest.raises(RuntimeError, match="key_lengths must be one of"):
+        a(q, k, v, lengths)
+    a(q, k, v, lengths.int())
 
 
 @pytest.mark.gpu

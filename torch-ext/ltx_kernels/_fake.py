@@ -322,17 +322,35 @@ def _check_attention_shape(name, t, shape, what, op="attention"):
     )
 
 
+#: The dtypes the attention ops' operands and outputs take (attention_ops.cpp's checks; CUDA
+#: takes float16/bfloat16 operands only: the device rule stays the real op's).
+_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_dtype(op, name, t, dtypes):
+    torch._check(
+        t.dtype in dtypes,
+        lambda: f"ltx_kernels.{op}: {name} must be one of {dtypes}, got {t.dtype}",
+    )
+
+
+def _check_key_lengths(op, key_lengths, batch):
+    _check_attention_shape("key_lengths", key_lengths, (batch,), "shape [batch]", op)
+    _check_dtype(op, "key_lengths", key_lengths, (torch.int32, torch.int64))
+
+
 def attention(q, k, v, key_lengths=None, scale=None, *, return_lse=False):
     for name, t in (("q", q), ("k", k), ("v", v)):
         torch._check(
             t.dim() == 4,
             lambda: f"ltx_kernels.attention: {name} must be 4-D [batch, seq_len, heads, head_dim]",
         )
+        _check_dtype("attention", name, t, _ATTENTION_DTYPES if name == "q" else (q.dtype,))
     batch, q_len, heads, head_dim = q.shape
     _check_attention_shape("k", k, (batch, None, heads, head_dim), "q's batch, heads and head_dim")
     _check_attention_shape("v", v, tuple(k.shape), "k's shape")
     if key_lengths is not None:
-        _check_attention_shape("key_lengths", key_lengths, (batch,), "shape [batch]")
+        _check_key_lengths("attention", key_lengths, batch)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=lse_dtype)
     return q.new_empty(q.shape), lse
@@ -354,6 +372,15 @@ def attention_int8(
     op = "attention_int8"
     for name, t in (("q8", q8), ("k8", k8), ("v8", v8)):
         torch._check(t.dim() == 4, lambda: f"ltx_kernels.{op}: {name} must be 4-D")
+    for name, t, dtype in (("q8", q8, torch.int8), ("k8", k8, torch.int8)):
+        _check_dtype(op, name, t, (dtype,))
+    _check_dtype(op, "v8", v8, (torch.float8_e4m3fn,))
+    for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        _check_dtype(op, name, t, (torch.float32,))
+    torch._check(
+        out_dtype is None or out_dtype in _ATTENTION_DTYPES,
+        lambda: f"ltx_kernels.{op}: out_dtype must be one of {_ATTENTION_DTYPES}, got {out_dtype}",
+    )
     batch, q_len, heads, head_dim = q8.shape
     kv_len = k8.shape[1]
     blocks = (kv_len + 127) // 128
@@ -367,7 +394,7 @@ def attention_int8(
     _check_attention_shape("k_scale", k_scale, (batch, heads, blocks), "[B, H, ceil(Sk/128)]", op)
     _check_attention_shape("v_scale", v_scale, (batch, heads, head_dim), "shape [B, H, D]", op)
     if key_lengths is not None:
-        _check_attention_shape("key_lengths", key_lengths, (batch,), "shape [batch]", op)
+        _check_key_lengths(op, key_lengths, batch)
     dtype = torch.bfloat16 if out_dtype is None else out_dtype
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     lse = q8.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=lse_dtype)
@@ -379,6 +406,7 @@ def _check_attention_quant_input(op, x):
         x.dim() == 4,
         lambda: f"ltx_kernels.{op}: its input must be 4-D [batch, seq_len, heads, head_dim]",
     )
+    _check_dtype(op, "its input", x, (torch.float16, torch.bfloat16, torch.float32))
 
 
 def quantize_attention_k(k):
