@@ -230,6 +230,34 @@ def test_hunyuan_video15_padded_query_rows_are_zero():
         assert torch.equal(text[:, 3:], bias.expand_as(text[:, 3:]))
 
 
+def test_benchmark_fails_where_ours_refuses_or_a_reference_failed(monkeypatch):
+    # A column whose reference column failed has no error to report (n/a, never itself as its
+    # reference), and fails the run, as ours refusing a case does; other backends may refuse.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import benchmark_attention
+
+    def refusing(*args):
+        raise RuntimeError("cudnn refuses")
+
+    columns = benchmark_attention.columns  # (the reference: the first, "default" on the CPU)
+    monkeypatch.setattr(
+        benchmark_attention,
+        "columns",
+        lambda *args: {
+            name: (refusing if name == reference else fn, reference, prepare)
+            for name, (fn, reference, prepare) in columns(*args).items()
+        },
+    )
+    case = benchmark_attention.scaled(benchmark_attention.CASES["ltx-video 49f"], 64)
+    rows = benchmark_attention.run_case("ltx-video 49f", case, "cpu", torch.float32, 1)
+    by_column = {row["column"]: row for row in rows}
+    assert "error" in by_column["default"] and benchmark_attention._passed(by_column["default"])
+    ours = by_column["ours int8"]
+    assert ours["rel_l2"] is None and not benchmark_attention._passed(ours)
+    assert "its reference failed" in benchmark_attention._table([ours])
+    assert not benchmark_attention._passed({"column": "ours wgmma", "error": "refused"})
+
+
 def test_benchmark_smoke_run_on_the_cpu(capsys):
     # benchmarks/benchmark_attention.py at 1/64 of every sequence: every case and column runs and
     # agrees with its reference (the mask forms with the dense mask); timing needs a GPU.
