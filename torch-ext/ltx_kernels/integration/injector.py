@@ -294,15 +294,18 @@ class Injector:
         if self.fp8:
             preset = self.fp8_preset or default
             self.report.fp8_presets[family] = preset
-            paths = [path for path in presets[preset] if not _fused_by_diffusers(block, path)]
-            for path in set(presets[preset]) - set(paths):
-                self.skip(
-                    FP8_LINEAR,
-                    f"{name}.{path}",
-                    "diffusers' fuse_qkv_projections fused it into to_qkv (bf16): call it after "
-                    "remove_optimized_kernels, or not at all (the kernels fuse q/k/v themselves)",
-                )
-            linears = [(f"{name}.{path}", block.get_submodule(path)) for path in paths]
+            linears = []
+            for path in presets[preset]:  # (in the preset's order: the report's too)
+                if _fused_by_diffusers(block, path):
+                    self.skip(
+                        FP8_LINEAR,
+                        f"{name}.{path}",
+                        "diffusers' fuse_qkv_projections fused it into to_qkv (bf16): call it "
+                        "after remove_optimized_kernels, or not at all (the kernels fuse q/k/v "
+                        "themselves)",
+                    )
+                else:
+                    linears.append((f"{name}.{path}", block.get_submodule(path)))
             self._fp8_blocks.append((name, linears))
 
     def fuse_projections(

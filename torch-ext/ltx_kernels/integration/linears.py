@@ -551,10 +551,9 @@ def unfuse_all(owner: torch.nn.Module) -> None:
         for attr in group.attrs:
             for name in group.names:
                 member = base_linear(owner.get_submodule(name))
-                if attr in member._parameters and member._parameters[attr] is not None:
-                    member._parameters[attr].data = member._parameters[attr].data.clone()
-                elif member._buffers.get(attr) is not None:
-                    member._buffers[attr].data = member._buffers[attr].data.clone()
+                tensors = member._parameters if attr in member._parameters else member._buffers
+                if tensors.get(attr) is not None:  # (the same objects, as _link keeps them)
+                    tensors[attr].data = tensors[attr].data.clone()
 
 
 def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
