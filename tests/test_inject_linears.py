@@ -739,22 +739,44 @@ def test_fp8_leaves_projections_diffusers_fused_in_bf16_and_reports_them(monkeyp
     assert "diffusers' fuse_qkv_projections fused it" in skipped["transformer_blocks.0.attn.to_q"]
 
 
-def test_fp8_model_cast_to_another_dtype_raises_clearly():
+def cast_inputs(inputs: dict, dtype) -> dict:
+    return pytree.tree_map(
+        lambda v: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v, inputs
+    )
+
+
+@pytest.mark.parametrize("family", ["ltx", "ltx2-2.0", "wan", "hunyuanvideo-1.5", "flux"])
+def test_fp8_model_cast_to_another_dtype_raises_clearly(family):
     # The FP8 GEMMs write the dtype of the model at injection (bf16): after model.to(dtype) the
-    # first FP8 Linear says so, instead of a dtype mismatch deep inside attention.
-    model, inputs = tiny_model(BF16), tiny_inputs(BF16)
+    # first FP8 GEMM says so, on every path (an FP8 Linear given rows quantized by the norm op
+    # before it, a fused group), instead of a dtype mismatch deep inside attention
+    # (HunyuanVideo-1.5) or a silently mixed-dtype model (Wan). Device moves keep working.
+    model, call = fp8_model(family)
+    inputs = FP8_MODELS[family][1]()
     fp8_injected(model)
-    for dtype in (torch.float16, torch.float32):
-        model.to(dtype)
-        cast = {
-            k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
-            for k, v in inputs.items()
-        }
-        with torch.no_grad(), pytest.raises(RuntimeError, match="casting a model with FP8 Linears"):
-            model(**cast)
-    model.to(BF16)
     with torch.no_grad():
-        model(**inputs)
+        expected = samples(call(model))
+        assert_same_samples(call(model.to("cpu")), expected)  # (a device move: not a cast)
+    for dtype in (torch.float32, torch.float16):
+        model.to(dtype)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="casting a model with FP8 Linears"):
+            model(**cast_inputs(inputs, dtype))
+        model.to(BF16)  # back to the dtype of injection: it runs (Wan's fp32 modules now bf16)
+        with torch.no_grad():
+            assert all(torch.isfinite(t).all() for t in samples(call(model)))
+
+
+def test_fp8_sd3_stays_bf16_and_casts():
+    """SD3 has no FP8 path: with fp8=True it stays a bf16 model, which casts as any model."""
+    from model_zoo import sd3 as sd3_zoo
+
+    model, inputs = sd3_zoo.tiny_model(BF16), sd3_zoo.tiny_inputs(BF16)
+    report = fp8_injected(model)
+    assert not report.patched.get(injector.FP8_LINEAR)
+    model.to(torch.float32)
+    with torch.no_grad():
+        out = output_of(model(**cast_inputs(inputs, torch.float32)))
+    assert out.dtype == torch.float32
 
 
 def test_fused_fp8_projections_keep_their_buffer_objects():
