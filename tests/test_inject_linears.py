@@ -739,22 +739,130 @@ def test_fp8_leaves_projections_diffusers_fused_in_bf16_and_reports_them(monkeyp
     assert "diffusers' fuse_qkv_projections fused it" in skipped["transformer_blocks.0.attn.to_q"]
 
 
-def test_fp8_model_cast_to_another_dtype_raises_clearly():
+def cast_inputs(inputs: dict, dtype) -> dict:
+    return pytree.tree_map(
+        lambda v: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v, inputs
+    )
+
+
+@pytest.mark.parametrize("family", ["ltx", "ltx2-2.0", "wan", "hunyuanvideo-1.5", "flux"])
+def test_fp8_model_cast_to_another_dtype_raises_clearly(family):
     # The FP8 GEMMs write the dtype of the model at injection (bf16): after model.to(dtype) the
-    # first FP8 Linear says so, instead of a dtype mismatch deep inside attention.
-    model, inputs = tiny_model(BF16), tiny_inputs(BF16)
+    # first FP8 GEMM says so, on every path (an FP8 Linear given rows quantized by the norm op
+    # before it, a fused group), instead of a dtype mismatch deep inside attention
+    # (HunyuanVideo-1.5) or a silently mixed-dtype model (Wan). Device moves keep working.
+    model, call = fp8_model(family)
+    inputs = FP8_MODELS[family][1]()
     fp8_injected(model)
-    for dtype in (torch.float16, torch.float32):
-        model.to(dtype)
-        cast = {
-            k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
-            for k, v in inputs.items()
-        }
-        with torch.no_grad(), pytest.raises(RuntimeError, match="casting a model with FP8 Linears"):
-            model(**cast)
-    model.to(BF16)
     with torch.no_grad():
-        model(**inputs)
+        expected = samples(call(model))
+        assert_same_samples(call(model.to("cpu")), expected)  # (a device move: not a cast)
+    for dtype in (torch.float32, torch.float16):
+        model.to(dtype)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="casting a model with FP8 Linears"):
+            model(**cast_inputs(inputs, dtype))
+        model.to(BF16)  # back to the dtype of injection: it runs (Wan's fp32 modules now bf16)
+        with torch.no_grad():
+            assert all(torch.isfinite(t).all() for t in samples(call(model)))
+
+
+def test_fp8_sd3_stays_bf16_and_casts():
+    """SD3 has no FP8 path: with fp8=True it stays a bf16 model, which casts as any model."""
+    from model_zoo import sd3 as sd3_zoo
+
+    model, inputs = sd3_zoo.tiny_model(BF16), sd3_zoo.tiny_inputs(BF16)
+    report = fp8_injected(model)
+    assert not report.patched.get(injector.FP8_LINEAR)
+    model.to(torch.float32)
+    with torch.no_grad():
+        out = output_of(model(**cast_inputs(inputs, torch.float32)))
+    assert out.dtype == torch.float32
+
+
+def wrap_with_lora(model, name: str):
+    """Model's Linear `name` wrapped in a peft LoRA Linear with a non-zero adapter (as add_adapter
+    or load_lora_adapter do); returns a function that puts the Linear back in its place."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=[name], init_lora_weights=False)
+    inject_adapter_in_model(config, model)
+    parent, _, attr = name.rpartition(".")
+    wrapper = model.get_submodule(name)
+    return lambda: setattr(model.get_submodule(parent), attr, wrapper.base_layer)
+
+
+ADAPTERS_AFTER_FP8 = "adapters added after FP8 injection .* are not supported"
+
+
+@pytest.mark.parametrize("family", ["ltx", "ltx2-2.3-stg", "wan", "hunyuanvideo-1.5", "flux"])
+def test_fp8_adapters_added_after_injection_raise(family):
+    """A peft adapter added on an FP8 Linear after injection (its bf16 weight parked: peft can
+    place it) raises at the first call, on each FP8 Linear of a block, whichever path runs it
+    (FLUX's single block reads the FP8 weights of q/k/v and proj_mlp as one group: the adapters
+    were dropped, the output that of the model without them); the Linear back in its place, the
+    model runs as before."""
+    model, call = fp8_model(family)
+    fp8_injected(model, keep_bf16_weights=True, fp8_linears="all")
+    with torch.no_grad():
+        expected = samples(call(model))
+    first_blocks = {f"{blocks}.0." for blocks in FP8_MODELS[family][2]}
+    names = [n for n in fp8_linear_names(model, family, "all") if n.startswith(tuple(first_blocks))]
+    for name in names:
+        unwrap = wrap_with_lora(model, name)
+        with torch.no_grad(), pytest.raises(RuntimeError, match=ADAPTERS_AFTER_FP8):
+            call(model)
+        unwrap()
+    with torch.no_grad():
+        assert_same_samples(call(model), expected)
+
+
+def test_fp8_adapters_fused_after_injection_raise():
+    """fuse_lora after FP8 injection merges into the parked bf16 weight's `.data`, which no version
+    counter sees: the merged adapter (its wrapper still in place) raises like an unmerged one."""
+    from peft import LoraConfig
+
+    model, call = fp8_model("flux")
+    fp8_injected(model, keep_bf16_weights=True)
+    model.add_adapter(LoraConfig(r=4, target_modules=["proj_out"], init_lora_weights=False))
+    model.fuse_lora()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=ADAPTERS_AFTER_FP8):
+        call(model)
+
+
+def test_fp8_adapters_added_after_injection_raise_compiled():
+    """Under torch.compile(fullgraph=True) too (the compiled model's guards see the new module:
+    the retrace raises; Dynamo reports our error as its own, with our message)."""
+    torch._dynamo.reset()
+    model, call = fp8_model("flux")
+    fp8_injected(model, keep_bf16_weights=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        expected = samples(call(compiled))
+    unwrap = wrap_with_lora(model, "single_transformer_blocks.0.proj_mlp")
+    with torch.no_grad(), pytest.raises(Exception, match=ADAPTERS_AFTER_FP8):
+        call(compiled)
+    unwrap()
+    with torch.no_grad():
+        assert_same_samples(call(compiled), expected)
+
+
+def test_fp8_injected_model_deepcopies_and_pickles(tmp_path):
+    """copy.deepcopy and torch.save/torch.load of an FP8 model give a model of its own: the same
+    output, and each FP8 Linear checks its own slot (an adapter on the copy raises on the copy,
+    the original runs)."""
+    model, call = fp8_model("flux")
+    fp8_injected(model, keep_bf16_weights=True)
+    with torch.no_grad():
+        expected = samples(call(model))
+    torch.save(model, tmp_path / "model.pt")
+    for copied in (clone(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        with torch.no_grad():
+            assert_same_samples(call(copied), expected)
+        wrap_with_lora(copied, "single_transformer_blocks.0.attn.to_q")
+        with torch.no_grad(), pytest.raises(RuntimeError, match=ADAPTERS_AFTER_FP8):
+            call(copied)
+        with torch.no_grad():
+            assert_same_samples(call(model), expected)
 
 
 def test_fused_fp8_projections_keep_their_buffer_objects():

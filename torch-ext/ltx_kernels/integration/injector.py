@@ -283,7 +283,8 @@ class Injector:
         self.fp8_preset = fp8_preset  # None: each family's default
         self.keep_bf16_weights = keep_bf16_weights  # (linears.to_fp8)
         self.fp8_device = fp8_device  # where FP8 weights are quantized and kept (None: in place)
-        self._fp8_blocks: list = []  # (block name, [(Linear name, Linear)]), in model order
+        # (block name, [(Linear name, its parent, its name there)]), in model order
+        self._fp8_blocks: list = []
         self._projection_groups: list = []  # (owner name, owner, key, member names, fusion)
 
     def fp8_linears(
@@ -305,7 +306,8 @@ class Injector:
                         "themselves)",
                     )
                 else:
-                    linears.append((f"{name}.{path}", block.get_submodule(path)))
+                    parent, _, attr = path.rpartition(".")
+                    linears.append((f"{name}.{path}", block.get_submodule(parent), attr))
             self._fp8_blocks.append((name, linears))
 
     def fuse_projections(
@@ -331,14 +333,16 @@ class Injector:
         blocks, self._fp8_blocks = self._fp8_blocks, []
         for index, (block_name, block_linears) in enumerate(blocks):
             kept = index < fp8_bf16_blocks or index >= len(blocks) - fp8_bf16_blocks
-            for name, linear in block_linears:
+            for name, parent, attr in block_linears:
                 reason = (
-                    "kept bf16 (fp8_bf16_blocks)" if kept else linears.fp8_linear_reason(linear)
+                    "kept bf16 (fp8_bf16_blocks)"
+                    if kept
+                    else linears.fp8_linear_reason(parent._modules[attr])
                 )
                 if reason:
                     self.skip(FP8_LINEAR, name, reason)
                 else:
-                    linears.to_fp8(linear, self.keep_bf16_weights, self.fp8_device)
+                    linears.to_fp8(parent, attr, self.keep_bf16_weights, self.fp8_device)
                     self.report.patched[FP8_LINEAR] += 1
         groups, self._projection_groups = self._projection_groups, []
         grouped = set()  # ids of the modules fused so far

@@ -49,11 +49,17 @@ the module's parameter instead, parked on the CPU, untouched: state_dict unchang
 exactly by remove_optimized_kernels, and weights written after injection (load_state_dict into
 the parked parameter) re-quantized at the next eager call. Either way GPU memory holds 1 byte per
 FP8 weight, not 3. On the CPU the GEMM dequantizes (fp32 matmul of the e4m3 values, scaled,
-rounded once), so CPU tests run the same code path up to the GEMM."""
+rounded once), so CPU tests run the same code path up to the GEMM. What the FP8 GEMMs cannot
+honour raises at the call, on every FP8 path (the Linear's forward, a fused group:
+check_fp8_linear): a peft adapter layer added after injection around the Linear (each FP8 Linear
+remembers its slot in its parent, _Slot; adapters loaded before injection keep their Linears
+bf16), and a cast of the model to another dtype (Fp8Linear._apply records it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +83,8 @@ _QUANTIZED_FROM = "_ltx_kernels_quantized_from"
 _FP8_HOOKS = "_ltx_kernels_fp8_hooks"  # the handles of the state dict hooks to_fp8 registers
 # A freed bf16 weight's shape, dtype and requires_grad, as a meta tensor (remove_optimized_kernels)
 _FREED_WEIGHT = "_ltx_kernels_freed_weight"
+_SLOT = "_ltx_kernels_slot"  # where the FP8 Linear sits (_Slot: check_slot)
+_CAST_TO = "_ltx_kernels_cast_to"  # the dtype a cast since injection asked for (check_not_cast)
 
 
 def fp8_matmul(
@@ -123,30 +131,29 @@ class Fp8Linear(torch.nn.Linear):
                 "which is for inference; call model.eval() or torch.no_grad(), or train with "
                 "fp8=False (remove_optimized_kernels, then inject again)"
             )
+        check_fp8_linear(self, x)
         if not torch.compiler.is_compiling():
             refresh_fp8_weight(self)
-        dtype = out_dtype(self)
-        if not isinstance(x, QuantRows) and x.dtype != dtype:
-            raise RuntimeError(
-                f"ltx_kernels: this Linear runs in FP8 and writes {dtype}, the model's dtype at "
-                f"injection, but its input is {x.dtype}: casting a model with FP8 Linears "
-                "(model.to(dtype) after inject_optimized_kernels(..., fp8=True)) is not "
-                "supported; call remove_optimized_kernels, cast, and inject again"
-            )
         rows = x if isinstance(x, QuantRows) else quantize_rows(x, self.quant_input)
-        return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, dtype)
+        return fp8_matmul(rows, self.weight_fp8, self.weight_scale, self.bias, out_dtype(self))
 
     def _apply(self, fn, recurse=True):
         """Device moves and casts (`.to`, `.cuda()`, offload hooks) move the FP8 buffers and the
-        bias; the parked (or freed) weight stays as it is, the buffers keep their dtypes."""
+        bias; the parked (or freed) weight stays as it is, the buffers keep their dtypes. A cast
+        to another dtype than the one the GEMM writes is recorded (_CAST_TO): the next call raises
+        (check_not_cast); a cast back to it clears it."""
         parked = self._parameters.pop("weight")
         fp8 = {name: self._buffers.pop(name) for name in ("weight_fp8", "weight_scale")}
         try:
             super()._apply(fn, recurse)
         finally:
             self._parameters["weight"] = parked
-        device = fn(torch.empty(0, device=fp8["weight_scale"].device)).device
-        self._buffers.update({name: t.to(device) for name, t in fp8.items()})
+        probe = fn(torch.empty(0, dtype=out_dtype(self), device=fp8["weight_scale"].device))
+        self._buffers.update({name: t.to(probe.device) for name, t in fp8.items()})
+        if probe.dtype == out_dtype(self):
+            self.__dict__.pop(_CAST_TO, None)
+        else:
+            self.__dict__[_CAST_TO] = probe.dtype
         return self
 
     def extra_repr(self) -> str:
@@ -209,13 +216,14 @@ def fp8_linear_reason(linear) -> str | None:
     return None
 
 
-def to_fp8(linear: torch.nn.Linear, keep_bf16_weight: bool, device=None) -> None:
-    """Quantizes linear's weight per output channel on `device` (None: the weight's; a weight
-    elsewhere is copied there alone for it), moves its bias there, and makes the module an
-    Fp8Linear. The bf16 weight is then parked on the CPU (keep_bf16_weight) or freed: the
-    module's weight becomes None, the state dict refuses and load_state_dict quantizes what it is
-    given. (Normal tensors even under torch.inference_mode: the parked weight stays writable by
-    load_state_dict after it.)"""
+def to_fp8(parent: torch.nn.Module, name: str, keep_bf16_weight: bool, device=None) -> None:
+    """Quantizes the weight of parent's Linear `name` per output channel on `device` (None: the
+    weight's; a weight elsewhere is copied there alone for it), moves its bias there, and makes
+    the module an Fp8Linear that remembers its slot (check_slot). The bf16 weight is then parked
+    on the CPU (keep_bf16_weight) or freed: the module's weight becomes None, the state dict
+    refuses and load_state_dict quantizes what it is given. (Normal tensors even under
+    torch.inference_mode: the parked weight stays writable by load_state_dict after it.)"""
+    linear = parent._modules[name]
     weight = linear.weight
     device = weight.device if device is None else torch.device(device)
     with torch.inference_mode(False):
@@ -233,6 +241,7 @@ def to_fp8(linear: torch.nn.Linear, keep_bf16_weight: bool, device=None) -> None
             linear.__dict__[_FREED_WEIGHT] = freed
             linear.weight = None
     _mark_quantized(linear)
+    linear.__dict__[_SLOT] = _Slot(parent, name)
     linear.__dict__[_FP8_HOOKS] = (
         [linear.register_load_state_dict_post_hook(_requantize_loaded)]
         if keep_bf16_weight
@@ -254,6 +263,69 @@ def out_dtype(linear: Fp8Linear) -> torch.dtype:
     """The dtype an FP8 Linear writes: its weight's (bf16: fp8_linear_reason), freed or not."""
     weight = linear._parameters["weight"]
     return FP8_MODEL_DTYPE if weight is None else weight.dtype
+
+
+class _Slot:
+    """Where an FP8 Linear sits: its parent module (a weak reference: the Linear keeps no cycle
+    through its parent) and its name there. copy.deepcopy of the model points the copy's slot at
+    the parent's copy (a Linear copied without its parent: at none); pickling (torch.save(model))
+    saves the parent with it."""
+
+    def __init__(self, parent: torch.nn.Module | None, name: str):
+        self.ref = None if parent is None else weakref.ref(parent)
+        self.name = name
+
+    def parent(self) -> torch.nn.Module | None:
+        return None if self.ref is None else self.ref()
+
+    def __deepcopy__(self, memo):
+        parent = self.parent()
+        return _Slot(None if parent is None else memo.get(id(parent)), self.name)
+
+    def __reduce__(self):
+        return _Slot, (self.parent(), self.name)
+
+
+def check_slot(linear: Fp8Linear) -> None:
+    """Raises when the FP8 Linear's slot in its parent holds another module now: a peft adapter
+    layer wrapping it, added after injection (add_adapter, load_lora_adapter). The FP8 GEMMs
+    cannot apply it (a fused group reads the members' FP8 weights directly), and a merge
+    (fuse_lora) writes the parked bf16 weight's `.data`, which no version counter sees. (Not
+    seen: adapters added, merged and unloaded before any call; docs/fp8.md.)"""
+    slot = linear.__dict__.get(_SLOT)
+    parent = None if slot is None else slot.parent()
+    if parent is not None and parent._modules.get(slot.name) is not linear:
+        held = type(parent._modules.get(slot.name))
+        raise RuntimeError(
+            f"ltx_kernels: {type(parent).__name__}.{slot.name} runs in FP8 "
+            "(inject_optimized_kernels(..., fp8=True)) and now sits inside a "
+            f"{held.__module__}.{held.__qualname__}: adapters added after FP8 injection (peft "
+            "add_adapter, load_lora_adapter / load_lora_weights, fuse_lora) are not supported, "
+            "the FP8 GEMMs would ignore them. Load the adapters before injecting (the adapted "
+            "Linears stay bf16), or call remove_optimized_kernels, add the adapters and inject "
+            "again"
+        )
+
+
+def check_not_cast(linear: Fp8Linear, x=None) -> None:
+    """Raises when the model was cast to another dtype since injection (Fp8Linear._apply records
+    it: the GEMM still writes the dtype of injection) or x, a tensor, is of another dtype."""
+    dtype, cast = out_dtype(linear), linear.__dict__.get(_CAST_TO)
+    if cast is not None or (isinstance(x, torch.Tensor) and x.dtype != dtype):
+        given = f"the model was cast to {cast}" if cast is not None else f"its input is {x.dtype}"
+        raise RuntimeError(
+            f"ltx_kernels: this Linear runs in FP8 and writes {dtype}, the model's dtype at "
+            f"injection, but {given}: casting a model with FP8 Linears (model.to(dtype) after "
+            "inject_optimized_kernels(..., fp8=True)) is not supported; call "
+            "remove_optimized_kernels, cast, and inject again"
+        )
+
+
+def check_fp8_linear(linear: Fp8Linear, x=None) -> None:
+    """What every FP8 path checks of each FP8 Linear it runs (its own forward, a fused group):
+    nothing wraps it (check_slot), no cast since injection (check_not_cast)."""
+    check_slot(linear)
+    check_not_cast(linear, x)
 
 
 def _mark_quantized(linear) -> None:
@@ -355,6 +427,8 @@ def restore_from_fp8(linear: Fp8Linear) -> None:
             linear.weight.data = linear.weight.data.to(device)
     del linear._buffers["weight_fp8"], linear._buffers["weight_scale"]
     del linear.__dict__[_QUANTIZED_FROM]
+    linear.__dict__.pop(_SLOT, None)
+    linear.__dict__.pop(_CAST_TO, None)
     for hook in linear.__dict__.pop(_FP8_HOOKS):
         hook.remove()
     linear.__class__ = torch.nn.Linear
@@ -556,16 +630,17 @@ def unfuse_all(owner: torch.nn.Module) -> None:
                     tensors[attr].data = tensors[attr].data.clone()
 
 
-def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
+def fused_group(owner: torch.nn.Module, key: str, members=None, x=None) -> tuple | None:
     """(group, members, tensors) when owner's group `key` can run as one GEMM now: its members
     (the base layers of peft LoRA Linears; given, or looked up) are the fused modules, hook-free,
-    and no gradient is recorded for their parameters; `tensors` maps each of group.attrs to the
-    members' tensors as one (None: a bias they do not have). Eager calls re-link a group whose
-    members were re-allocated since (`.to()`, offloading, loading into a model injected on the
-    meta device) and read the row blocks as one tensor; compiled graphs concatenate them (a graph
-    cannot check, when it runs, that the blocks are still those of one storage: one reading them
-    as one tensor would read past a parameter that offloading or `.to()` re-allocated). (Tensors
-    are read from the members' tables, as in lora_terms: this runs on every call.)"""
+    and no gradient is recorded for their parameters (FP8 members: check_fp8_linear of each, with
+    the input x, raises); `tensors` maps each of group.attrs to the members' tensors as one
+    (None: a bias they do not have). Eager calls re-link a group whose members were re-allocated
+    since (`.to()`, offloading, loading into a model injected on the meta device) and read the
+    row blocks as one tensor; compiled graphs concatenate them (a graph cannot check, when it
+    runs, that the blocks are still those of one storage: one reading them as one tensor would
+    read past a parameter that offloading or `.to()` re-allocated). (Tensors are read from the
+    members' tables, as in lora_terms: this runs on every call.)"""
     group = owner.__dict__.get(_GROUPS, {}).get(key)
     if group is None:
         return None
@@ -574,6 +649,9 @@ def fused_group(owner: torch.nn.Module, key: str, members=None) -> tuple | None:
     kind = Fp8Linear if group.attrs[0] == "weight_fp8" else torch.nn.Linear
     if any(type(m) is not kind or has_hooks(m) for m in members):
         return None
+    if kind is Fp8Linear:  # (x: the input, for the dtype check)
+        for m in members:
+            check_fp8_linear(m, x)
     if (  # (FP8 has no gradients)
         kind is torch.nn.Linear
         and torch.is_grad_enabled()
@@ -634,7 +712,7 @@ def fused_outputs(owner: torch.nn.Module, key: str, x, members=None) -> tuple | 
     """The outputs of owner's group `key` on x (a tensor or QuantRows) as one GEMM over its fused
     weights, split per member (views of one [..., sum of N] tensor); None when the group cannot
     run now (fused_group; members: given, or looked up)."""
-    found = fused_group(owner, key, members)
+    found = fused_group(owner, key, members, x)
     if found is None:
         return None
     group, members, tensors = found
