@@ -20,8 +20,8 @@ How a module is patched, and why that way:
 Linears (linears.py): a patcher names the projections of one input that run as one GEMM
 (fuse_projections) and, for fp8=True, the block Linears that run in FP8 per preset (fp8_linears:
 the family's default preset, or the one inject_optimized_kernels was given); both are
-applied per model once its blocks are patched (finish_model), FP8 first, so that FP8 projections
-fuse their FP8 weights.
+applied per model once every model of the pipeline is patched (take_pending, finish_model), FP8
+first, so that FP8 projections fuse their FP8 weights.
 """
 
 from __future__ import annotations
@@ -325,10 +325,19 @@ class Injector:
             return
         self._projection_groups.append((name, owner, key, tuple(names), fusion))
 
-    def finish_model(self, fp8_bf16_blocks: int) -> None:
-        """Applies what the patchers named for one model: the FP8 Linears (all but those of the
-        first and last fp8_bf16_blocks blocks), then the fused projections."""
-        blocks, self._fp8_blocks = self._fp8_blocks, []
+    def take_pending(self) -> tuple[list, list]:
+        """What the patchers named since the last call (one model's FP8 Linears and projection
+        groups), applied by finish_model once every model of the pipeline is patched: a model
+        that fails to patch then leaves the others' weights as they were."""
+        pending = (self._fp8_blocks, self._projection_groups)
+        self._fp8_blocks, self._projection_groups = [], []
+        return pending
+
+    def finish_model(self, pending: tuple[list, list], fp8_bf16_blocks: int) -> None:
+        """Applies what the patchers named for one model (`pending`, from take_pending): the FP8
+        Linears (all but those of the first and last fp8_bf16_blocks blocks), then the fused
+        projections."""
+        blocks, groups = pending
         for index, (block_name, block_linears) in enumerate(blocks):
             kept = index < fp8_bf16_blocks or index >= len(blocks) - fp8_bf16_blocks
             for name, linear in block_linears:
@@ -340,7 +349,6 @@ class Injector:
                 else:
                     linears.to_fp8(linear, self.keep_bf16_weights, self.fp8_device)
                     self.report.patched[FP8_LINEAR] += 1
-        groups, self._projection_groups = self._projection_groups, []
         grouped = set()  # ids of the modules fused so far
         for name, owner, key, names, fusion in groups:
             members = {id(owner.get_submodule(n)) for n in names}
@@ -623,6 +631,12 @@ def check_restorable(name: str, module: torch.nn.Module) -> None:
             "first (pipe.remove_all_hooks(), model.disable_cache(), ...); under context "
             "parallelism, inject after enable_parallelism to be able to restore the model"
         )
+
+
+def restore_all(models) -> int:
+    """Undoes the patches on every module of `models` ((name, model) pairs), each owner of fused
+    projections before its members (module order); returns how many it restored."""
+    return sum(restore(module) for _, model in models for module in model.modules())
 
 
 def restore(module: torch.nn.Module) -> int:
