@@ -366,18 +366,30 @@ class Injector:
 
     def keep_attention_bf16(self, prefix: str, model: torch.nn.Module, count: int) -> None:
         """attention_bf16_blocks: our attention processors in the first and last `count` blocks
-        of `model` (instances of its repeated block classes, diffusers' `_repeated_blocks`, in
-        module order) attend as "auto" instead of "int8"."""
+        of `model` attend as "auto" instead of "int8". The blocks counted are the modules of its
+        block lists (ModuleLists, the outermost where they nest) that hold our processors, in
+        module order: not those holding none (HunyuanVideo's token refiner blocks, stock)."""
         if not count:
             return
-        classes = set(getattr(model, "_repeated_blocks", None) or ())
-        blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes]
-        for index, (block_name, block) in enumerate(blocks):
+        blocks = []  # (block name, [(module name, our processor)])
+        for list_name, block_list in model.named_modules():
+            if not isinstance(block_list, torch.nn.ModuleList) or any(
+                list_name.startswith(f"{block_name}.") for block_name, _ in blocks
+            ):
+                continue
+            for index, block in enumerate(block_list):
+                ours = [
+                    (name, module.processor)
+                    for name, module in block.named_modules()
+                    if isinstance(getattr(module, "processor", None), FusedAttnProcessor)
+                ]
+                if ours:
+                    blocks.append((".".join(p for p in (list_name, str(index)) if p), ours))
+        for index, (block_name, ours) in enumerate(blocks):
             if count <= index < len(blocks) - count:
                 continue
-            for name, module in block.named_modules():
-                processor = getattr(module, "processor", None)
-                if isinstance(processor, FusedAttnProcessor) and processor.attention == "int8":
+            for name, processor in ours:
+                if processor.attention == "int8":
                     processor.attention = "auto"
                     path = ".".join(p for p in (prefix, block_name, name) if p)
                     self.skip(INT8_ATTENTION, path, "kept bf16 (attention_bf16_blocks)")
