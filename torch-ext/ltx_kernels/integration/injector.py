@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 import torch
 
 from .._op_names import FUSED_BACKWARD_OPS, OPS
-from . import context_parallel, linears
+from . import context_parallel, diffusers_compat, linears
 from .module_checks import has_forward_hook, plain_tensor
 
 #: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
@@ -125,6 +125,9 @@ INT8_ATTENTION = "attention (8-bit)"
 
 # Attribute names stored on patched modules.
 _ORIGINAL_CLASS = "_ltx_kernels_original_class"
+# On a patched class: the patch forward it was made for (its `forward` may be that decorated:
+# diffusers_compat.with_lora_scale).
+_PATCH_FORWARD = "_ltx_kernels_patch_forward"
 _OPS = "_ltx_kernels_ops"
 _ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
 # On a model injected after enable_parallelism / enable_cfg_parallel (beneath their hooks): the
@@ -519,7 +522,8 @@ _PATCHED_CLASSES: dict = {}
 
 
 def _patched_class(cls: type, forward) -> type:
-    """The same-named subclass of `cls` whose forward is `forward`, one per (cls, forward). Only
+    """The same-named subclass of `cls` whose forward is `forward` (with diffusers' LoRA scaling
+    where lora_scaled marked it: diffusers_compat.with_lora_scale), one per (cls, forward). Only
     injection makes its instances: calling it (`type(model).from_config(...)`,
     `from_pretrained`, `type(block)(...)`) builds a stock `cls`, which injection can then patch;
     pickle and copy.deepcopy, which find a class by its module and name (the original's), rebuild
@@ -530,7 +534,8 @@ def _patched_class(cls: type, forward) -> type:
             cls.__name__,
             (cls,),
             {
-                "forward": forward,
+                "forward": diffusers_compat.with_lora_scale(forward),
+                _PATCH_FORWARD: forward,
                 _ORIGINAL_CLASS: cls,
                 "__new__": _construct_original,
                 "__reduce_ex__": _reduce_patched,
@@ -555,8 +560,9 @@ def _reduce_patched(self, protocol):
     module and the name of the module attribute holding it: a patch forward may be a wrapper,
     which pickle cannot find by its own name), and its state."""
     cls = type(self)
-    module = sys.modules[cls.forward.__module__]
-    name = next((k for k, v in vars(module).items() if v is cls.forward), None)
+    forward = getattr(cls, _PATCH_FORWARD)
+    module = sys.modules[forward.__module__]
+    name = next((k for k, v in vars(module).items() if v is forward), None)
     if name is None:
         raise pickle.PicklingError(
             f"ltx_kernels: cannot pickle the injected {cls.__name__}: its forward is not an "
