@@ -34,6 +34,8 @@ INT8_TOLERANCE_CUDA = 8e-2
 QUANTIZED_AT_LEAST = 1e-4
 #: SD3 (no q/k norm) keeps diffusers' processor: nothing of ours attends.
 NO_PROCESSOR = {"sd3"}
+#: The block lists of FLUX.1 and HunyuanVideo, in block order.
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
 class _Processor:
@@ -361,6 +363,51 @@ def test_bf16_blocks_keep_the_first_and_last_blocks_out_of_8_bits():
     ):
         with pytest.raises(ValueError, match=message):
             ltx_kernels.inject_optimized_kernels(clone(model), verbose=False, **options)
+
+
+#: Per tiny model with our attention processors: the config that gives it 6 blocks and its block
+#: lists in block order (HunyuanVideo's token refiner blocks, stock, come before them).
+SIX_BLOCKS = {
+    "ltx": ({"num_layers": 6}, ("transformer_blocks",)),
+    "ltx2": ({"num_layers": 6}, ("transformer_blocks",)),
+    "flux": ({"num_layers": 3, "num_single_layers": 3}, BLOCK_LISTS),
+    "wan": ({"num_layers": 6}, ("blocks",)),
+    "sd35": ({"num_layers": 6}, ("transformer_blocks",)),
+    "hunyuan_video": ({"num_layers": 3, "num_single_layers": 3}, BLOCK_LISTS),
+    "hunyuan_video15": ({"num_layers": 6}, ("transformer_blocks",)),
+}
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("name", SIX_BLOCKS)
+def test_bf16_blocks_are_the_first_and_last_of_the_blocks_with_our_attention(name, count):
+    """attention_bf16_blocks=count keeps the processors of the first and last `count` blocks that
+    hold ours (the report lists each) and only those. (HunyuanVideo's and HunyuanVideo-1.5's
+    token refiner blocks were counted: their first block stayed in 8 bits until count 3; SD3.5,
+    whose model declares no repeated blocks, kept none.)"""
+    config, block_lists = SIX_BLOCKS[name]
+    model = MODELS[name].build(torch.float32, **config)
+    report = ltx_kernels.inject_optimized_kernels(
+        model, verbose=False, attention="int8", attention_bf16_blocks=count
+    )
+    blocks = [
+        (f"{b}.{i}", block) for b in block_lists for i, block in enumerate(model.get_submodule(b))
+    ]
+    assert len(blocks) == 6
+    kept = []
+    for index, (block_name, block) in enumerate(blocks):
+        ours = [
+            (f"{block_name}.{n}", m.processor)
+            for n, m in block.named_modules()
+            if isinstance(getattr(m, "processor", None), injector.FusedAttnProcessor)
+        ]
+        assert ours, block_name
+        choice = "auto" if index < count or index >= len(blocks) - count else "int8"
+        assert [p.attention for _, p in ours] == [choice] * len(ours), block_name
+        kept += [path for path, _ in ours] if choice == "auto" else []
+    assert report.skipped[injector.INT8_ATTENTION] == [
+        (path, "kept bf16 (attention_bf16_blocks)") for path in kept
+    ]
 
 
 def test_report_names_int8_and_what_does_not_take_it():

@@ -266,3 +266,92 @@ def test_patched_class_builds_stock_models_and_pickles(model, tmp_path):
         assert torch.equal(output_of(call(loaded)), output_of(injected))
     assert count_ltx_ops(lambda: call(loaded)) == count_ltx_ops(lambda: call(tiny))
     assert ltx_kernels.remove_optimized_kernels(loaded) > 0 and type(loaded) is stock_class
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipelines: every component or none
+# ------------------------------------------------------------------------------------------------
+def _module_state(model) -> list:
+    """Per module: its name, class, attribute names, processor, and each parameter and buffer
+    (the object, its storage, a copy of its values)."""
+    return [
+        (
+            name,
+            type(m),
+            sorted(vars(m)),
+            getattr(m, "processor", None),
+            [
+                (key, t, t.data_ptr(), t.detach().clone())
+                for key, t in (*m._parameters.items(), *m._buffers.items())
+                if t is not None
+            ],
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def _assert_same_state(model, before) -> None:
+    for (name, cls, attrs, processor, tensors), now in zip(
+        before, _module_state(model), strict=True
+    ):
+        assert now[:3] == (name, cls, attrs), name
+        assert now[3] is processor, f"{name}: processor replaced"
+        for (key, t, ptr, values), (_, t_now, ptr_now, _) in zip(tensors, now[4], strict=True):
+            assert t_now is t and ptr_now == ptr and torch.equal(t, values), f"{name}.{key}"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_pipeline_with_a_failing_component_is_left_as_it_was(fp8):
+    """A component that raises at injection (here Wan, whose last block a hook wraps) leaves the
+    whole pipeline as it was: the component patched before it (LTX-Video) keeps its classes,
+    processors, parameter objects, storages (no fused q/k/v) and bf16 weights (no FP8 weights,
+    nothing freed), and gives the same output; so does the failing one's block patched before
+    the raise. (The earlier components stayed injected, their FP8 weights quantized and their
+    bf16 weights freed.)"""
+    good, failing = MODELS["ltx"].build(torch.bfloat16), MODELS["wan"].build(torch.bfloat16)
+    call = caller(MODELS["ltx"].inputs(torch.bfloat16))
+    hooked = failing.blocks[-1]
+    forward = hooked.forward
+    hooked.forward = lambda *args, **kwargs: forward(*args, **kwargs)  # (as an offload hook)
+    pipe = type("Pipe", (), {"components": {"transformer": good, "transformer_2": failing}})()
+    before = {name: _module_state(m) for name, m in pipe.components.items()}
+    with torch.no_grad():
+        expected = output_of(call(good))
+        last = f"transformer_2.blocks.{len(failing.blocks) - 1}"
+        with pytest.raises(RuntimeError, match=f"cannot patch {last} "):
+            ltx_kernels.inject_optimized_kernels(pipe, verbose=False, fp8=fp8)
+        assert torch.equal(output_of(call(good)), expected)
+    for name, model in pipe.components.items():
+        _assert_same_state(model, before[name])
+    del hooked.forward
+    report = ltx_kernels.inject_optimized_kernels(pipe, verbose=False, fp8=fp8)
+    assert report.patched["LTXVideoTransformerBlock"] and report.patched["WanTransformerBlock"]
+
+
+def test_pipeline_with_a_model_under_two_names_injects_it_once():
+    """Two components that are one model (Wan 2.2 with one expert under transformer and
+    transformer_2, or any two attributes naming one module), or a component inside another (here
+    the model's block list), inject each module once, reported under the first name;
+    remove_optimized_kernels restores it. (The second name raised 'already injected'.)"""
+    for name, block_list in (("ltx", "transformer_blocks"), ("wan", "blocks")):
+        model, call = MODELS[name].build(torch.float32), caller(MODELS[name].inputs(torch.float32))
+        single = clone(model)
+        alone = ltx_kernels.inject_optimized_kernels(single, verbose=False)
+        components = {
+            "transformer": model,
+            "transformer_2": model,
+            "blocks": model.get_submodule(block_list),
+        }
+        pipe = type("Pipe", (), {"components": components})()
+        with torch.no_grad():
+            eager = output_of(call(model))
+            report = ltx_kernels.inject_optimized_kernels(pipe, verbose=False)
+            injected = output_of(call(model))
+        assert report.patched == alone.patched and report.total_patched > 0
+        names = [n for entries in report.skipped.values() for n, _ in entries]
+        assert all(n.partition(".")[0] == "transformer" for n in names), names
+        assert_matches_eager(eager, injected, torch.float32, name)
+        restored = ltx_kernels.remove_optimized_kernels(pipe)
+        assert restored == ltx_kernels.remove_optimized_kernels(single) > 0
+        with torch.no_grad():
+            assert torch.equal(output_of(call(model)), eager)

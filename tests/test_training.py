@@ -149,6 +149,33 @@ def test_forward_without_gradients_uses_every_op(model_name):
     assert counter.counts == no_grad_counts
 
 
+def _inference_tensors(model) -> list[str]:
+    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()]
+
+
+@pytest.mark.parametrize("model_name", TRAINED)
+def test_trains_after_inject_and_remove_inside_inference_mode(model_name):
+    """inject_optimized_kernels and remove_optimized_kernels inside torch.inference_mode (a
+    sampling script's), with calls there between: every parameter and buffer stays a normal
+    tensor (remove_optimized_kernels gave the fused projections' parameters inference tensors:
+    a training step then raised), and a training step and an optimizer step after run as stock."""
+    model = MODELS[model_name].build(torch.float32).train()
+    stock, call = clone(model), caller(MODELS[model_name].inputs(torch.float32))
+    with torch.inference_mode():
+        ltx_kernels.inject_optimized_kernels(model, verbose=False)
+        call(model)
+    assert not _inference_tensors(model)
+    with torch.inference_mode():
+        assert ltx_kernels.remove_optimized_kernels(model) > 0
+    assert not _inference_tensors(model)
+    for trained in (stock, model):
+        _train_step(trained, call)
+        torch.optim.SGD(trained.parameters(), lr=0.1).step()
+    _assert_same_gradients(stock, model, f"{model_name} after inference_mode")
+    for (name, p), q in zip(stock.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_lora_added_after_injection():
     stock, injected, call = _stock_and_injected("ltx", lora=True, inject_first=True)
     _train_step(stock, call)

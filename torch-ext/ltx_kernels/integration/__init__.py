@@ -44,7 +44,7 @@ from .injector import (
     is_injected,
     report_quantized_weights,
     resolve_ops,
-    restore,
+    restore_all,
 )
 
 __all__ = [
@@ -94,7 +94,8 @@ def register_inductor_fallbacks() -> None:
 
 
 def _models(target) -> list[tuple[str, torch.nn.Module]]:
-    """The torch modules of a pipeline (its components) or the module itself."""
+    """The torch modules of a pipeline (its components, each once: a model under two names, as
+    Wan 2.2's transformer and transformer_2 can be, under the first) or the module itself."""
     if isinstance(target, torch.nn.Module):
         return [("", target)]
     components = getattr(target, "components", None)
@@ -103,7 +104,11 @@ def _models(target) -> list[tuple[str, torch.nn.Module]]:
             "inject_optimized_kernels expects a diffusers pipeline or a torch.nn.Module "
             f"(a transformer or one of its blocks), got {type(target).__name__}"
         )
-    return [(key, value) for key, value in components.items() if isinstance(value, torch.nn.Module)]
+    models = {}
+    for key, value in components.items():
+        if isinstance(value, torch.nn.Module):
+            models.setdefault(id(value), (key, value))
+    return list(models.values())
 
 
 def inject_optimized_kernels(
@@ -151,7 +156,10 @@ def inject_optimized_kernels(
     to a GPU that could not hold it in bf16; the other modules stay where they are, move them
     after); None: where each weight is. Inject after loading and before offloading, caching or
     compiling. Returns an InjectionReport (printed when verbose). Raises on a model that is
-    already injected."""
+    already injected. A pipeline is injected whole or not at all: a component that cannot be
+    patched raises with every component as it was (classes, processors, weights: nothing is
+    quantized or fused before every component is patched); a model under two component names is
+    injected once."""
     from .. import _library
 
     _library()  # raises with the build error when the extension did not load
@@ -190,9 +198,9 @@ def inject_optimized_kernels(
         ops=tuple(name for name in FUSIONS if name in ops), fp8=fp8, attention=attention
     )
     injector = Injector(ops, report, fp8, fp8_linears, attention, keep_bf16_weights, fp8_device)
-    for prefix, model in _models(pipe_or_model):
-        modules = list(model.named_modules())
-        for name, module in modules:
+    models = _models(pipe_or_model)
+    for prefix, model in models:  # every model checked before any is patched
+        for name, module in model.named_modules():
             if is_injected(module):
                 raise RuntimeError(
                     f"inject_optimized_kernels: {prefix}.{name} is already injected; "
@@ -200,15 +208,27 @@ def inject_optimized_kernels(
                 )
         if fp8:
             _check_fp8_device(model, prefix, fp8_device)
-        patched_before = report.total_patched
-        for name, module in modules:
-            patch = _PATCHERS.get(type(module).__name__)
-            if patch is not None:
-                patch(".".join(p for p in (prefix, name) if p), module, injector)
-        injector.finish_model(fp8_bf16_blocks)
-        injector.keep_attention_bf16(prefix, model, attention_bf16_blocks)
-        if report.total_patched > patched_before:
-            report_quantized_weights(model, prefix, report)
+    # All or nothing: every model is patched before any weight is quantized or fused, and a
+    # failure anywhere restores every model (the FP8 weights not yet quantized: exactly).
+    try:
+        patched = []  # (prefix, model, whether any module of it was patched, its pending work)
+        visited = set()  # (a module inside two components: patched under the first)
+        for prefix, model in models:
+            patched_before = report.total_patched
+            for name, module in list(model.named_modules(memo=visited)):
+                patch = _PATCHERS.get(type(module).__name__)
+                if patch is not None:
+                    patch(".".join(p for p in (prefix, name) if p), module, injector)
+            any_patched = report.total_patched > patched_before
+            patched.append((prefix, model, any_patched, injector.take_pending()))
+        for prefix, model, any_patched, pending in patched:
+            injector.finish_model(pending, fp8_bf16_blocks)
+            injector.keep_attention_bf16(prefix, model, attention_bf16_blocks)
+            if any_patched:
+                report_quantized_weights(model, prefix, report)
+    except BaseException:
+        restore_all(models)
+        raise
     if verbose:
         print(report)
     return report
@@ -244,8 +264,8 @@ def remove_optimized_kernels(pipe_or_model) -> int:
     dequantized from FP8 (a warning says so). Returns the number of modules restored. Raises if a
     hook was added to a patched module after injection (it holds the patched forward): remove
     that hook first."""
-    restored = 0
-    for prefix, model in _models(pipe_or_model):
+    models = _models(pipe_or_model)
+    for prefix, model in models:
         modules = list(model.named_modules())
         for name, module in modules:
             check_restorable(".".join(p for p in (prefix, name) if p), module)
@@ -259,6 +279,4 @@ def remove_optimized_kernels(pipe_or_model) -> int:
                 "keep_bf16_weights=True to restore them exactly",
                 stacklevel=2,
             )
-        for _, module in modules:  # (an owner of fused projections comes before its members)
-            restored += restore(module)
-    return restored
+    return restore_all(models)

@@ -1,6 +1,6 @@
 """The diffusers code the families share: the version guard of the code our patches reproduce,
 diffusers' LoRA scaling of a model forward, and diffusers' RoPE as the fused steps call it. No
-diffusers import at import time (it is imported when a patch first runs).
+diffusers import at import time (it is imported at injection, or when a patch first runs).
 
 Version guard: every family declares REPRODUCED, a `Reproduced`: the diffusers modules its classes
 come from, and the fingerprint of every diffusers function a patch of it reproduces ("Class.method"
@@ -97,26 +97,32 @@ def diffusers_modules(*names: str) -> frozenset[str]:
     return frozenset(f"diffusers.models.{name}" for name in names)
 
 
+#: The attribute lora_scaled sets on a model forward.
+_LORA_SCALED = "_ltx_kernels_lora_scaled"
+
+
 def lora_scaled(forward):
-    """`forward` (a patched model forward) with the LoRA scaling diffusers' model forward carries
-    (`apply_lora_scale("attention_kwargs")`: peft LoRA layers scaled by attention_kwargs["scale"]
-    for the call); a diffusers without it (scale_lora_layers inside forward, not supported here):
-    forward as it is. The decorator is looked up at the first call."""
+    """Marks `forward` (a patched model forward) as one that carries the LoRA scaling diffusers'
+    model forward carries (`apply_lora_scale("attention_kwargs")`: peft LoRA layers scaled by
+    attention_kwargs["scale"] for the call); the patched class runs it decorated (with_lora_scale).
+    Returns `forward`."""
+    setattr(forward, _LORA_SCALED, True)
+    return forward
 
-    decorated = []  # the decorated forward, once looked up
 
-    @functools.wraps(forward)
-    def scaled_forward(self, *args, **kwargs):
-        if not decorated:
-            try:
-                from diffusers.utils.peft_utils import apply_lora_scale
-            except ImportError:
-                decorated.append(forward)
-            else:
-                decorated.append(apply_lora_scale("attention_kwargs")(forward))
-        return decorated[0](self, *args, **kwargs)
-
-    return scaled_forward
+def with_lora_scale(forward):
+    """The forward a patched class runs for patch forward `forward`: a lora_scaled one decorated
+    with diffusers' apply_lora_scale("attention_kwargs") (a diffusers without it, which scales
+    inside forward: not supported here, as it is), any other as it is. Resolved when the class is
+    made, never inside a call: a lookup at the first call would change what torch.compile's guards
+    see between the first and the second call (one recompile)."""
+    if not getattr(forward, _LORA_SCALED, False):
+        return forward
+    try:
+        from diffusers.utils.peft_utils import apply_lora_scale
+    except ImportError:
+        return forward
+    return apply_lora_scale("attention_kwargs")(forward)
 
 
 def rope_bshd(x, cos_sin):

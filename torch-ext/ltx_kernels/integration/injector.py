@@ -20,8 +20,8 @@ How a module is patched, and why that way:
 Linears (linears.py): a patcher names the projections of one input that run as one GEMM
 (fuse_projections) and, for fp8=True, the block Linears that run in FP8 per preset (fp8_linears:
 the family's default preset, or the one inject_optimized_kernels was given); both are
-applied per model once its blocks are patched (finish_model), FP8 first, so that FP8 projections
-fuse their FP8 weights.
+applied per model once every model of the pipeline is patched (take_pending, finish_model), FP8
+first, so that FP8 projections fuse their FP8 weights.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 import torch
 
 from .._op_names import FUSED_BACKWARD_OPS, OPS
-from . import context_parallel, linears
+from . import context_parallel, diffusers_compat, linears
 from .module_checks import has_forward_hook, plain_tensor
 
 #: What inject_optimized_kernels can use, each of which can be disabled alone: the fused ops, by op
@@ -125,6 +125,9 @@ INT8_ATTENTION = "attention (8-bit)"
 
 # Attribute names stored on patched modules.
 _ORIGINAL_CLASS = "_ltx_kernels_original_class"
+# On a patched class: the patch forward it was made for (its `forward` may be that decorated:
+# diffusers_compat.with_lora_scale).
+_PATCH_FORWARD = "_ltx_kernels_patch_forward"
 _OPS = "_ltx_kernels_ops"
 _ORIGINAL_PROCESSOR = "_ltx_kernels_original_processor"
 # On a model injected after enable_parallelism / enable_cfg_parallel (beneath their hooks): the
@@ -327,10 +330,19 @@ class Injector:
             return
         self._projection_groups.append((name, owner, key, tuple(names), fusion))
 
-    def finish_model(self, fp8_bf16_blocks: int) -> None:
-        """Applies what the patchers named for one model: the FP8 Linears (all but those of the
-        first and last fp8_bf16_blocks blocks), then the fused projections."""
-        blocks, self._fp8_blocks = self._fp8_blocks, []
+    def take_pending(self) -> tuple[list, list]:
+        """What the patchers named since the last call (one model's FP8 Linears and projection
+        groups), applied by finish_model once every model of the pipeline is patched: a model
+        that fails to patch then leaves the others' weights as they were."""
+        pending = (self._fp8_blocks, self._projection_groups)
+        self._fp8_blocks, self._projection_groups = [], []
+        return pending
+
+    def finish_model(self, pending: tuple[list, list], fp8_bf16_blocks: int) -> None:
+        """Applies what the patchers named for one model (`pending`, from take_pending): the FP8
+        Linears (all but those of the first and last fp8_bf16_blocks blocks), then the fused
+        projections."""
+        blocks, groups = pending
         for index, (block_name, block_linears) in enumerate(blocks):
             kept = index < fp8_bf16_blocks or index >= len(blocks) - fp8_bf16_blocks
             for name, parent, attr in block_linears:
@@ -344,7 +356,6 @@ class Injector:
                 else:
                     linears.to_fp8(parent, attr, self.keep_bf16_weights, self.fp8_device)
                     self.report.patched[FP8_LINEAR] += 1
-        groups, self._projection_groups = self._projection_groups, []
         grouped = set()  # ids of the modules fused so far
         for name, owner, key, names, fusion in groups:
             members = {id(owner.get_submodule(n)) for n in names}
@@ -362,18 +373,30 @@ class Injector:
 
     def keep_attention_bf16(self, prefix: str, model: torch.nn.Module, count: int) -> None:
         """attention_bf16_blocks: our attention processors in the first and last `count` blocks
-        of `model` (instances of its repeated block classes, diffusers' `_repeated_blocks`, in
-        module order) attend as "auto" instead of "int8"."""
+        of `model` attend as "auto" instead of "int8". The blocks counted are the modules of its
+        block lists (ModuleLists, the outermost where they nest) that hold our processors, in
+        module order: not those holding none (HunyuanVideo's token refiner blocks, stock)."""
         if not count:
             return
-        classes = set(getattr(model, "_repeated_blocks", None) or ())
-        blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes]
-        for index, (block_name, block) in enumerate(blocks):
+        blocks = []  # (block name, [(module name, our processor)])
+        for list_name, block_list in model.named_modules():
+            if not isinstance(block_list, torch.nn.ModuleList) or any(
+                list_name.startswith(f"{block_name}.") for block_name, _ in blocks
+            ):
+                continue
+            for index, block in enumerate(block_list):
+                ours = [
+                    (name, module.processor)
+                    for name, module in block.named_modules()
+                    if isinstance(getattr(module, "processor", None), FusedAttnProcessor)
+                ]
+                if ours:
+                    blocks.append((".".join(p for p in (list_name, str(index)) if p), ours))
+        for index, (block_name, ours) in enumerate(blocks):
             if count <= index < len(blocks) - count:
                 continue
-            for name, module in block.named_modules():
-                processor = getattr(module, "processor", None)
-                if isinstance(processor, FusedAttnProcessor) and processor.attention == "int8":
+            for name, processor in ours:
+                if processor.attention == "int8":
                     processor.attention = "auto"
                     path = ".".join(p for p in (prefix, block_name, name) if p)
                     self.skip(INT8_ATTENTION, path, "kept bf16 (attention_bf16_blocks)")
@@ -503,7 +526,8 @@ _PATCHED_CLASSES: dict = {}
 
 
 def _patched_class(cls: type, forward) -> type:
-    """The same-named subclass of `cls` whose forward is `forward`, one per (cls, forward). Only
+    """The same-named subclass of `cls` whose forward is `forward` (with diffusers' LoRA scaling
+    where lora_scaled marked it: diffusers_compat.with_lora_scale), one per (cls, forward). Only
     injection makes its instances: calling it (`type(model).from_config(...)`,
     `from_pretrained`, `type(block)(...)`) builds a stock `cls`, which injection can then patch;
     pickle and copy.deepcopy, which find a class by its module and name (the original's), rebuild
@@ -514,7 +538,8 @@ def _patched_class(cls: type, forward) -> type:
             cls.__name__,
             (cls,),
             {
-                "forward": forward,
+                "forward": diffusers_compat.with_lora_scale(forward),
+                _PATCH_FORWARD: forward,
                 _ORIGINAL_CLASS: cls,
                 "__new__": _construct_original,
                 "__reduce_ex__": _reduce_patched,
@@ -539,8 +564,9 @@ def _reduce_patched(self, protocol):
     module and the name of the module attribute holding it: a patch forward may be a wrapper,
     which pickle cannot find by its own name), and its state."""
     cls = type(self)
-    module = sys.modules[cls.forward.__module__]
-    name = next((k for k, v in vars(module).items() if v is cls.forward), None)
+    forward = getattr(cls, _PATCH_FORWARD)
+    module = sys.modules[forward.__module__]
+    name = next((k for k, v in vars(module).items() if v is forward), None)
     if name is None:
         raise pickle.PicklingError(
             f"ltx_kernels: cannot pickle the injected {cls.__name__}: its forward is not an "
@@ -627,6 +653,12 @@ def check_restorable(name: str, module: torch.nn.Module) -> None:
             "first (pipe.remove_all_hooks(), model.disable_cache(), ...); under context "
             "parallelism, inject after enable_parallelism to be able to restore the model"
         )
+
+
+def restore_all(models) -> int:
+    """Undoes the patches on every module of `models` ((name, model) pairs), each owner of fused
+    projections before its members (module order); returns how many it restored."""
+    return sum(restore(module) for _, model in models for module in model.modules())
 
 
 def restore(module: torch.nn.Module) -> int:

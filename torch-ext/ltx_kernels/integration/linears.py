@@ -620,14 +620,16 @@ def _link(group: _Group, linears) -> None:
 
 
 def unfuse_all(owner: torch.nn.Module) -> None:
-    """Gives each member of owner's groups its own storage again and forgets the groups."""
-    for group in owner.__dict__.pop(_GROUPS, {}).values():
-        for attr in group.attrs:
-            for name in group.names:
-                member = base_linear(owner.get_submodule(name))
-                tensors = member._parameters if attr in member._parameters else member._buffers
-                if tensors.get(attr) is not None:  # (the same objects, as _link keeps them)
-                    tensors[attr].data = tensors[attr].data.clone()
+    """Gives each member of owner's groups its own storage again and forgets the groups. (Normal
+    tensors even under torch.inference_mode: the parameters stay trainable after it.)"""
+    with torch.inference_mode(False):
+        for group in owner.__dict__.pop(_GROUPS, {}).values():
+            for attr in group.attrs:
+                for name in group.names:
+                    member = base_linear(owner.get_submodule(name))
+                    tensors = member._parameters if attr in member._parameters else member._buffers
+                    if tensors.get(attr) is not None:  # (the same objects, as _link keeps them)
+                        tensors[attr].data = tensors[attr].data.clone()
 
 
 def fused_group(owner: torch.nn.Module, key: str, members=None, x=None) -> tuple | None:
