@@ -312,3 +312,62 @@ def test_expanded_output_gradients(device, op, kind):
         args, kwargs = _five_dim_case(op, dtype, device)
         constant = {1, 2} if op == "rope" else {4, 5} if op == "qk_rmsnorm_rope" else ()
         _check_gradients(op, args, kwargs, dtype, f"{op} {kind} {dtype}", kind, constant)
+
+
+# ------------------------------------------------------------------------------------------------
+# Empty dims
+# ------------------------------------------------------------------------------------------------
+GEMM_SIZES = [(3, 0, 5), (3, 4, 0), (3, 0, 0), (0, 4, 5), (0, 0, 5)]  # (M, K, N)
+
+
+def _gemm_args(op, m, k, n, bias, dtype, device):
+    x = torch.randn(2, m, k, device=device).to(dtype)
+    weight = torch.randn(n, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    if op == "linear_gelu":
+        return [x, weight, b]
+    lora_a = [torch.randn(2, k, device=device).to(dtype)]
+    lora_b = [torch.randn(n, 2, device=device).to(dtype)]
+    return [x, weight, b, lora_a, lora_b, [0.5], [0]]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("m, k, n", GEMM_SIZES)
+@pytest.mark.parametrize("op", ["linear_gelu", "lora_linear"])
+def test_empty_inner_and_output_dims(device, op, m, k, n, bias):
+    """K = 0: out = gelu(bias or 0) (linear_gelu), bias or 0 (lora_linear); N = 0 or M = 0: an
+    empty output; the gradients those of the float64 reference (zeros where they sum over an
+    empty dim)."""
+    for dtype in _dtypes(device):
+        args = _gemm_args(op, m, k, n, bias, dtype, device)
+        what = f"{op} M={m} K={k} N={n} {dtype}"
+        out = getattr(ltx_kernels, op)(*args)
+        assert out.shape == (2, m, n) and out.dtype == dtype, what
+        if dtype == torch.float64:
+            _assert_float64_matches(op, args, {}, what)
+        else:
+            want = getattr(reference, op)(*args)  # (K = 0: one rounding of gelu(bias) or bias)
+            torch.testing.assert_close(out, want, rtol=0, atol=0, msg=what)
+        leaves = _map_tensors(args, lambda _, t: t.detach().requires_grad_())
+        out = getattr(ltx_kernels, op)(*leaves)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, _tensors(leaves), grad, allow_unused=True)
+        leaves64 = _map_tensors(args, lambda _, t: t.detach().double().requires_grad_())
+        out64 = getattr(reference, op)(*leaves64, compute_dtype=torch.float64, round_output=False)
+        want = torch.autograd.grad(out64, _tensors(leaves64), grad.double(), allow_unused=True)
+        for index, (t, g, w) in enumerate(zip(_tensors(leaves), got, want, strict=True)):
+            w = torch.zeros_like(t, dtype=torch.float64) if w is None else w
+            assert g is not None and g.shape == t.shape and g.dtype == t.dtype, f"{what} {index}"
+            tolerance = GRAD_TOLERANCE[dtype] * max(1.0, w.norm().item())
+            assert (g.double() - w).norm().item() <= tolerance, f"{what} grad {index}"
+    if device == "cpu" and m * n:  # gradcheck where the output has elements
+        args = _map_tensors(
+            _gemm_args(op, m, k, n, bias, torch.float64, "cpu"), lambda _, t: t.requires_grad_()
+        )
+        inputs = _tensors(args)
+
+        def fn(*values):
+            values = iter(values)
+            return getattr(ltx_kernels, op)(*_map_tensors(args, lambda _, t: next(values)))
+
+        assert torch.autograd.gradcheck(fn, inputs, **GRADCHECK_TOLERANCE)
