@@ -371,3 +371,72 @@ def test_empty_inner_and_output_dims(device, op, m, k, n, bias):
             return getattr(ltx_kernels, op)(*_map_tensors(args, lambda _, t: next(values)))
 
         assert torch.autograd.gradcheck(fn, inputs, **GRADCHECK_TOLERANCE)
+
+
+@pytest.mark.parametrize("tables", [True, False], ids=["rope", "no_rope"])
+@pytest.mark.parametrize("across_heads", [True, False])
+def test_empty_head_dim(device, across_heads, tables):
+    """head_dim 0: empty outputs (and one scale per head of the quantized q: an empty row's), empty
+    gradients, no error."""
+    q, k = (torch.randn(2, 3, 4, 0, device=device) for _ in range(2))
+    weight_len = 0
+    weights = (torch.ones(weight_len, device=device),) * 2
+    cos, sin = (torch.randn(3, 0, device=device),) * 2 if tables else (None, None)
+    kwargs = {"across_heads": across_heads}
+    q_out, k_out = ltx_kernels.qk_rmsnorm_rope(q, k, *weights, cos, sin, **kwargs)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    codes, scale, k_out = ltx_kernels.qk_rmsnorm_rope_quant(q, k, *weights, cos, sin, **kwargs)
+    want_codes, want_scale, _ = reference.qk_rmsnorm_rope_quant(q, k, *weights, cos, sin, **kwargs)
+    assert codes.shape == q.shape and k_out.shape == k.shape
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, *weights)]
+    outputs = ltx_kernels.qk_rmsnorm_rope(*leaves, cos, sin, **kwargs)
+    (outputs[0].sum() + outputs[1].sum()).backward()
+    for t in leaves:
+        assert t.grad is not None and t.grad.shape == t.shape
+    if tables:
+        x = q.clone().requires_grad_()
+        out = ltx_kernels.rope(x, cos, sin)
+        out.sum().backward()
+        assert out.shape == q.shape and x.grad.shape == q.shape
+
+
+def _slice_dim(args, dim, like):
+    """args with dim `dim` of every tensor whose dims line up with `like`'s (x and the operands
+    broadcast to it, size > 1 in that dim) sliced to 0."""
+
+    def one(_, t):
+        offset = t.dim() - like.dim()
+        d = dim + offset if dim >= 0 else dim
+        if t.dim() >= 1 and 0 <= d < t.dim() and t.shape[d] == like.shape[dim] and t.shape[d] > 1:
+            return t.narrow(d, 0, 0)
+        return t
+
+    return _map_tensors(args, one)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("op", ltx_kernels.OPS)
+def test_empty_tensors_in_each_dim(device, op, dim):
+    """Each dim of the 5-dim case sliced to 0 in x and the operands that span it (the last dim:
+    the channels of x, weights and tables): outputs of the float64 reference's shape, gradients of
+    each input's shape, zero where the input is not empty (a sum over no rows)."""
+    args, kwargs = _five_dim_case(op, torch.float32, device)
+    x = args[0]
+    if dim == 4 and op in ("geglu", "rope", "qk_rmsnorm_rope"):
+        pytest.skip("an empty last dim of these is test_empty_head_dim's / has no halves")
+    empty = _slice_dim(args, dim, x)
+    constant = {1, 2} if op == "rope" else {4, 5} if op == "qk_rmsnorm_rope" else ()
+    leaves = _map_tensors(empty, lambda i, t: t.detach().requires_grad_(i not in constant))
+    outputs = _as_tuple(getattr(ltx_kernels, op)(*leaves, **kwargs))
+    want = _as_tuple(getattr(reference, op)(*leaves, **kwargs))
+    for o, w in zip(outputs, want, strict=True):
+        assert o.shape == w.shape and o.dtype == w.dtype
+    wanted = [t for t in _tensors(leaves) if t.requires_grad]
+    grads = torch.autograd.grad(
+        sum(o.sum() for o in outputs), wanted, allow_unused=True, materialize_grads=True
+    )
+    for t, g in zip(wanted, grads, strict=True):
+        assert g.shape == t.shape and g.dtype == t.dtype
+        if op not in ("linear_gelu", "lora_linear") or t.numel() == 0:
+            assert torch.count_nonzero(g) == 0

@@ -161,7 +161,7 @@ static RopeRows qk_rows(const char* op, const at::Tensor& q, const at::Tensor& k
             k.sizes(), ")");
   if (layout.token_rows) {
     for (const at::Tensor* t : {&q, &k})
-      LTX_CHECK(t->stride(-2) == layout.head_dim || layout.heads == 1, op,
+      LTX_CHECK(t->stride(-2) == layout.head_dim || layout.heads == 1 || t->numel() == 0, op,
                 ": with across_heads=True the ", t == &q ? "q" : "k",
                 " heads must be contiguous (stride(-2) == ", layout.head_dim, "), got strides ",
                 t->strides());
@@ -340,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_backw
   const at::Tensor grad_q = fitting_rows(dq), grad_k = fitting_rows(dk);
   if (layout.token_rows)
     for (const at::Tensor* g : {&grad_q, &grad_k})
-      LTX_CHECK(g->stride(-2) == layout.head_dim || layout.heads == 1, op,
+      LTX_CHECK(g->stride(-2) == layout.head_dim || layout.heads == 1 || g->numel() == 0, op,
                 ": with across_heads=True the ", g == &grad_q ? "grad_q" : "grad_k",
                 " heads must be contiguous (stride(-2) == ", layout.head_dim, "), got strides ",
                 g->strides());
