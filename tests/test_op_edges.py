@@ -15,6 +15,7 @@ import ltx_kernels
 from ltx_kernels import reference
 
 from helpers import assert_rounds_within, make_activation
+from test_attention_int8 import make_operands
 from test_autograd import GRAD_TOLERANCE, _map_tensors, _rel_l2, _tensors
 from test_gradcheck import FORWARD_TOLERANCE, TOLERANCE as GRADCHECK_TOLERANCE
 from test_norm_modulate import NormCase, run_and_check
@@ -440,3 +441,48 @@ def test_empty_tensors_in_each_dim(device, op, dim):
         assert g.shape == t.shape and g.dtype == t.dtype
         if op not in ("linear_gelu", "lora_linear") or t.numel() == 0:
             assert torch.count_nonzero(g) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Error messages name dtypes as torch does
+# ------------------------------------------------------------------------------------------------
+def _bad_dtype_calls():
+    x = torch.randn(2, 3, 8)
+    ok = make_operands(1, 4, 6, 2, 64, "cpu")  # (q8, q_scale, k8, k_scale, v8, v_scale)
+    q8, v8 = ok[0], ok[4]
+    return [
+        ("x must be .*, got int8", lambda: ltx_kernels.rmsnorm(x.to(torch.int8))),
+        (
+            "weight must be float32, float16 or bfloat16, got float64",
+            lambda: ltx_kernels.rmsnorm(x, torch.ones(8, dtype=torch.float64)),
+        ),
+        (
+            "scale must have x's dtype float32 .*, got bfloat16",
+            lambda: ltx_kernels.rmsnorm_modulate(x, x[0, 0].bfloat16(), None),
+        ),
+        (
+            "scale must be float16 or float32, got bfloat16",
+            lambda: ltx_kernels.rmsnorm_modulate(x.half(), x[0, 0].bfloat16(), None, upcast=True),
+        ),
+        (
+            "weight must have x's dtype float64, got float32",
+            lambda: ltx_kernels.linear_gelu(x.double(), torch.ones(4, 8)),
+        ),
+        ("q8 must be int8", lambda: ltx_kernels.attention_int8(q8.float(), *ok[1:])),
+        (
+            "v8 must be float8_e4m3fn",
+            lambda: ltx_kernels.attention_int8(*ok[:4], v8.view(torch.int8), ok[5]),
+        ),
+    ]
+
+
+C10_NAMES = ["Char", "Double", "Float", "Half", "BFloat16", "Float8_e4m3fn", "Int", "Long"]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_dtype_calls())))
+def test_error_messages_name_torch_dtypes(index):
+    match, call = _bad_dtype_calls()[index]
+    with pytest.raises(RuntimeError, match=match) as error:
+        call()
+    words = str(error.value).replace(",", " ").replace("'", " ").split()
+    assert not set(words) & set(C10_NAMES), str(error.value)
