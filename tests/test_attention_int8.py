@@ -364,10 +364,10 @@ def _bad_inputs(device):
         return tuple(t if n == i else a for n, a in enumerate(ok))
 
     return [
-        (with_(0, q8.float()), {}, "q8 must be Char"),
+        (with_(0, q8.float()), {}, "q8 must be int8"),
         (with_(0, q8[0]), {}, "q8 must be 4-D"),
         (with_(2, k8[:, :, :2]), {}, "k8 must have q8's batch, heads and head_dim"),
-        (with_(4, v8.view(torch.int8)), {}, "v8 must be Float8_e4m3fn"),
+        (with_(4, v8.view(torch.int8)), {}, "v8 must be float8_e4m3fn"),
         (with_(4, v8[..., :3]), {}, r"v8 must have shape \[batch, heads, head_dim, kv_len_padded"),
         # (as many columns as keys, but a group's keys may lie up to kv_len rounded up to 16)
         (with_(4, v8[..., :7]), {}, r"v8 must have shape .* >= 16\]"),

@@ -127,7 +127,7 @@ def test_float64_forward_matches_reference(op, case):
         if op == "rmsnorm":
             with pytest.raises(
                 RuntimeError,
-                match="ltx_kernels.rmsnorm: weight must have x's dtype Double, got Float",
+                match="ltx_kernels.rmsnorm: weight must have x's dtype float64, got float32",
             ):
                 ltx_kernels.rmsnorm(*args, **kwargs)
             return
@@ -140,6 +140,6 @@ def test_quant_ops_refuse_float64(op):
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     residual = (x,) if op.startswith("add_") else ()
     with pytest.raises(
-        RuntimeError, match=f"ltx_kernels.{op}: x must be float32, float16 or bfloat16, got Double"
+        RuntimeError, match=f"ltx_kernels.{op}: x must be float32, float16 or bfloat16, got float64"
     ):
         getattr(ltx_kernels, op)(x, *residual, None, None)

@@ -622,10 +622,10 @@ struct LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction>
     const Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
     const Tensor pre = at::linear(x, weight, optional(bias));
     const Tensor dpre = at::gelu_backward(grads[0], pre, "tanh");
-    const Tensor dpre_rows = dpre.reshape_symint({-1, dpre.sym_size(-1)});
+    const Tensor dpre_rows = as_rows(dpre);
     variable_list result(3);
     if (needs(ctx, 0)) result[0] = at::matmul(dpre, weight);
-    if (needs(ctx, 1)) result[1] = dpre_rows.t().mm(x.reshape_symint({-1, x.sym_size(-1)}));
+    if (needs(ctx, 1)) result[1] = dpre_rows.t().mm(as_rows(x));
     if (needs(ctx, 2)) result[2] = dpre_rows.sum(0);
     return result;
   }

@@ -40,7 +40,9 @@ inline std::string text(double v) {
   std::snprintf(buf, sizeof buf, "%g", v);
   return buf;
 }
-inline std::string text(c10::ScalarType t) { return c10::toString(t); }
+// A dtype by torch's name ("float32", "bfloat16", "int8"), as users write it, not c10's ("Float",
+// "BFloat16", "Char"): every message naming a dtype goes through here.
+inline std::string text(c10::ScalarType t) { return c10::getDtypeNames(t).first; }
 inline std::string text(const c10::Device& d) { return d.str(); }
 inline std::string text(c10::IntArrayRef dims) {
   std::string out = "[";
@@ -173,10 +175,33 @@ inline QuantOutput quant_output(const char* op, const at::Tensor& x, c10::string
   return out;
 }
 
-// The rows of t (all dims but the last) as at most LTX_MAX_ROW_DIMS (size, stride) levels:
-// size-1 dims are dropped and dims that step evenly into each other are merged, so any view whose
-// rows are evenly spaced, and [B, S, D]-style views with arbitrary strides, need no copy. An empty
-// tensor is zero rows at a non-NULL address (present, but nothing is read or written).
+// The rows of t (all dims but the last) as (size, stride) levels, outermost first: size-1 dims
+// are dropped and dims that step evenly into each other are merged, so any view whose rows are
+// evenly spaced, and [B, S, D]-style views with arbitrary strides, are one to three levels.
+using RowLevels = std::vector<std::pair<int64_t, int64_t>>;
+
+inline RowLevels row_levels(const at::Tensor& t) {
+  RowLevels levels;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    const int64_t size = t.size(d), stride = t.stride(d);
+    if (size == 1) continue;
+    if (!levels.empty() && levels.back().second == stride * size)
+      levels.back() = {levels.back().first * size, stride};
+    else
+      levels.emplace_back(size, stride);
+  }
+  return levels;
+}
+
+// Whether the launchers' ltx_rows_t describes t's rows in place (at most LTX_MAX_ROW_DIMS levels;
+// an empty tensor is zero rows).
+inline bool rows_fit(const at::Tensor& t) {
+  return t.numel() == 0 || row_levels(t).size() <= LTX_MAX_ROW_DIMS;
+}
+
+// The rows of t for the launchers, no copy: row_levels padded to LTX_MAX_ROW_DIMS. An empty tensor
+// is zero rows at a non-NULL address (present, but nothing is read or written). Rows spread over
+// more levels raise an error naming the op and the argument.
 inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t) {
   if (t.numel() == 0) {
     ltx_rows_t rows{};
@@ -186,15 +211,7 @@ inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t)
     rows.size[1] = rows.size[2] = 1;
     return rows;
   }
-  std::vector<std::pair<int64_t, int64_t>> levels;  // (size, stride), outermost first
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
-    const int64_t size = t.size(d), stride = t.stride(d);
-    if (size == 1) continue;
-    if (!levels.empty() && levels.back().second == stride * size)
-      levels.back() = {levels.back().first * size, stride};
-    else
-      levels.emplace_back(size, stride);
-  }
+  const RowLevels levels = row_levels(t);
   LTX_CHECK(levels.size() <= LTX_MAX_ROW_DIMS, op, ": ", name, " with shape ", t.sizes(),
             " and strides ", t.strides(), " has rows spread over more than ", LTX_MAX_ROW_DIMS,
             " unmergeable dimensions; pass ", name, ".contiguous() instead");
@@ -207,6 +224,23 @@ inline ltx_rows_t rows_of(const char* op, const char* name, const at::Tensor& t)
     rows.stride[d] = d < pad ? 0 : levels[d - pad].second;
   }
   return rows;
+}
+
+// t itself when rows_of describes its rows, else one contiguous copy of it (the caller keeps the
+// result alive through the launch). For what the op reads but the caller does not lay out: a
+// broadcast operand expanded to x's rows (a [B, 1, H, 1, C] scale of a [B, F, H, W, C] x has four
+// levels), an incoming gradient (autograd hands over expanded ones).
+inline at::Tensor fitting_rows(const at::Tensor& t) { return rows_fit(t) ? t : t.contiguous(); }
+
+// The copies fitting_rows made for the ltx_rows_t of one launch, held until it is enqueued (on
+// CUDA the caching allocator reuses a freed block only after the work queued on its stream).
+using Held = std::vector<at::Tensor>;
+
+// The rows of an operand the op reads (see fitting_rows): in place, or of its copy, kept in held.
+inline ltx_rows_t operand_rows(const char* op, const char* name, const at::Tensor& t, Held& held) {
+  if (rows_fit(t)) return rows_of(op, name, t);
+  held.push_back(t.contiguous());
+  return rows_of(op, name, held.back());
 }
 
 // An absent optional row operand (data NULL).
@@ -228,7 +262,7 @@ inline void check_like_x(const char* op, const char* name, const at::Tensor& t, 
 
 // A per-row operand that broadcasts to `shape` (x's shape, or x's leading dims + [last]): a
 // contiguous last dim of exactly shape.back() elements, leading dims of size 1 or equal. It is
-// expanded (stride-0 dims, no copy) and returned; rows_of then describes one row per x row.
+// expanded (stride-0 dims, no copy) and returned; operand_rows then describes one row per x row.
 inline at::Tensor broadcast_operand(const char* op, const char* name, const at::Tensor& t,
                                     const at::Tensor& x, c10::IntArrayRef shape,
                                     bool cpu_float64 = false) {

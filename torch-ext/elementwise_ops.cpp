@@ -11,8 +11,10 @@ at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y,
   check_activation(op, "x", x, /*cpu_float64=*/true);
   check_like_x(op, "y", y, x, is_float64(x));
   const ltx_rows_t x_rows = rows_of(op, "x", x), y_rows = rows_of(op, "y", y);
+  Held held;
   const ltx_rows_t gate_rows =
-      gate ? rows_of(op, "gate", broadcast_operand(op, "gate", *gate, x, x.sizes(), is_float64(x)))
+      gate ? operand_rows(op, "gate",
+                          broadcast_operand(op, "gate", *gate, x, x.sizes(), is_float64(x)), held)
            : no_rows();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const ltx_rows_t out_rows = rows_of(op, "out", out);
@@ -81,8 +83,9 @@ static at::Tensor gelu_backward_impl(const char* op, const at::Tensor& grad_out,
             ": grad_out must have the output's shape ", c10::IntArrayRef(shape), ", got ",
             grad_out.sizes());
   at::Tensor grad_x = at::empty(x.sizes(), x.options());
+  const at::Tensor dout = fitting_rows(grad_out);  // (an expanded gradient: copied if it must be)
   const ltx_rows_t dx_rows = rows_of(op, "grad_x", grad_x),
-                   dout_rows = rows_of(op, "grad_out", grad_out), x_rows = rows_of(op, "x", x);
+                   dout_rows = rows_of(op, "grad_out", dout), x_rows = rows_of(op, "x", x);
   run_launcher(
       op, ltx_check_gelu_backward(&dx_rows, &dout_rows, &x_rows, hidden, kind, gated ? 1 : 0), x,
       x.numel() / std::max<int64_t>(x.size(-1), 1), hidden,

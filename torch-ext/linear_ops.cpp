@@ -38,6 +38,12 @@ std::vector<int64_t> output_shape(const at::Tensor& x, int64_t out_features) {
 
 }  // namespace
 
+at::Tensor as_rows(const at::Tensor& t) {
+  c10::SymInt rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.sym_size(d);
+  return t.reshape_symint({rows, t.sym_size(-1)});
+}
+
 // linear_gelu: one cuBLASLt GEMM with its GELU(-tanh) + bias epilogue, reached through
 // at::_addmm_activation. float64 on the CPU (gradcheck runs on this code: addmm, then the GELU).
 at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
@@ -45,7 +51,7 @@ at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
   const char* op = "ltx_kernels.linear_gelu";
   check_linear(op, x, weight, bias, /*cpu_float64=*/true);
   const int64_t in_features = x.size(-1), out_features = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, in_features});
+  const at::Tensor x2 = as_rows(x);
   // The fused path only where cuBLASLt takes it: contiguous, 16-byte aligned operands with
   // 16-byte multiples as leading dimensions and more than one row. Elsewhere torch's fallback
   // for _addmm_activation missed the tanh-GELU tolerance in our device tests, so those shapes,
@@ -54,9 +60,10 @@ at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& weight,
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   };
   const int64_t elems_per_16_bytes = 16 / x.element_size();
-  const bool fused = x.is_cuda() && x2.is_contiguous() && weight.is_contiguous() && aligned(x2) &&
-                     aligned(weight) && (!bias || aligned(*bias)) &&
-                     in_features % elems_per_16_bytes == 0 &&
+  // (K = 0 or N = 0: not through cuBLASLt; addmm gives bias or 0 for an empty K.)
+  const bool fused = x.is_cuda() && in_features > 0 && out_features > 0 && x2.is_contiguous() &&
+                     weight.is_contiguous() && aligned(x2) && aligned(weight) &&
+                     (!bias || aligned(*bias)) && in_features % elems_per_16_bytes == 0 &&
                      out_features % elems_per_16_bytes == 0 && x2.size(0) > 1;
   at::Tensor out;
   if (fused) {
@@ -123,8 +130,8 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight,
                        at::TensorList lora_b, c10::ArrayRef<double> scaling,
                        c10::IntArrayRef offsets) {
   check_lora("ltx_kernels.lora_linear", x, weight, bias, lora_a, lora_b, scaling, offsets);
-  const int64_t in_features = x.size(-1), out_features = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, in_features});
+  const int64_t out_features = weight.size(0);
+  const at::Tensor x2 = as_rows(x);
   at::Tensor out = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
   if (lora_a.empty()) return out.view(output_shape(x, out_features));
   const at::Tensor t = at::mm(x2, stacked(lora_a, 0).t());  // [x A_0^T | x A_1^T | ...]
@@ -153,8 +160,7 @@ std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::T
   const size_t adapters = lora_a.size();
   // (Rows flattened without reading x's concrete sizes: under torch.compile(dynamic=True) a
   // concrete size of x would specialize the traced backward to its sequence length.)
-  const at::Tensor g = grad.reshape_symint({-1, grad.sym_size(-1)});
-  const at::Tensor x2 = x.reshape_symint({-1, x.sym_size(-1)});
+  const at::Tensor g = as_rows(grad), x2 = as_rows(x);
   auto any_wanted = [&](size_t first) {
     bool any = false;
     for (size_t j = 0; j < adapters; ++j) any = any || wanted[first + j];

@@ -28,12 +28,13 @@ at::Tensor rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
   return out;
 }
 
-// An optional per-row operand (scale, shift, gate) broadcast to x, described per row.
+// An optional per-row operand (scale, shift, gate) broadcast to x, described per row (a copy
+// kept in held where its broadcast has more levels than the launchers' rows).
 static ltx_rows_t optional_rows(const char* op, const char* name,
                                 const std::optional<at::Tensor>& t, const at::Tensor& x,
-                                bool cpu_float64) {
+                                bool cpu_float64, Held& held) {
   if (!t) return no_rows();
-  return rows_of(op, name, broadcast_operand(op, name, *t, x, x.sizes(), cpu_float64));
+  return operand_rows(op, name, broadcast_operand(op, name, *t, x, x.sizes(), cpu_float64), held);
 }
 
 // rmsnorm_modulate, layernorm_modulate, their add_ twins and the quantized forms of the four: one
@@ -50,15 +51,16 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_modulate(
   const bool float64 = !format && is_float64(x);
   const int64_t hidden = x.size(-1);
   ltx_norm_modulate_args_t args{};
+  Held held;
   args.x = rows_of(op, "x", x);
   args.y = args.gate = args.residual_out = no_rows();
-  args.scale = optional_rows(op, "scale", scale, x, float64);
-  args.shift = optional_rows(op, "shift", shift, x, float64);
+  args.scale = optional_rows(op, "scale", scale, x, float64, held);
+  args.shift = optional_rows(op, "shift", shift, x, float64, held);
   at::Tensor h;
   if (y) {
     check_like_x(op, "y", *y, x, float64);
     args.y = rows_of(op, "y", *y);
-    args.gate = optional_rows(op, "gate", gate, x, float64);
+    args.gate = optional_rows(op, "gate", gate, x, float64, held);
     h = at::empty(x.sizes(), x.options());
     args.residual_out = rows_of(op, "h", h);
   }
@@ -299,11 +301,12 @@ norm_modulate_backward(const std::optional<at::Tensor>& grad_out,
                    dbias_sum = sums_if(want_bias && bias);
 
   ltx_norm_backward_args_t args{};
+  Held held;  // (copies of operands and gradients whose rows the launcher cannot describe)
   auto rows_or_none = [&](const char* name, const std::optional<at::Tensor>& t) {
-    return t ? rows_of(op, name, *t) : no_rows();
+    return t ? operand_rows(op, name, *t, held) : no_rows();
   };
   auto row_operand = [&](const char* name, const std::optional<at::Tensor>& t) {
-    return t ? rows_of(op, name, broadcast_operand(op, name, *t, ref, ref.sizes(), true))
+    return t ? operand_rows(op, name, broadcast_operand(op, name, *t, ref, ref.sizes(), true), held)
              : no_rows();
   };
   auto output_rows = [&](const char* name, const at::Tensor& t, bool wanted) {

@@ -42,11 +42,12 @@ static int64_t rope_tables_width(const char* op, const std::optional<at::Tensor>
 }
 
 // Describes tensor t (already checked) with its cos/sin tables for the launcher.
+// Tables whose broadcast has more levels than the launchers' rows are copied into held.
 static ltx_rope_tensor_t rope_tensor(const char* op, const char* name, const at::Tensor& t,
                                      const at::Tensor& out, const std::optional<at::Tensor>& cos,
                                      const std::optional<at::Tensor>& sin,
                                      const std::optional<at::Tensor>& weight,
-                                     const RopeRows& layout, int64_t rot_dim,
+                                     const RopeRows& layout, int64_t rot_dim, Held& held,
                                      bool cpu_float64 = false) {
   ltx_rope_tensor_t r{};
   r.x = rows_of(op, name, launcher_rows_view(t, layout));
@@ -65,10 +66,10 @@ static ltx_rope_tensor_t rope_tensor(const char* op, const char* name, const at:
     const at::Tensor expanded = broadcast_operand(op, table_name, table, t, shape, cpu_float64);
     if (layout.token_rows && expanded.numel() > 0) {
       *head_strides[i] = expanded.stride(-2);
-      *rows[i] = rows_of(op, table_name, expanded.select(-2, 0));
+      *rows[i] = rows_of(op, table_name, expanded.select(-2, 0));  // ([B, S, r]: always fits)
     } else {
       *head_strides[i] = 0;
-      *rows[i] = rows_of(op, table_name, expanded);
+      *rows[i] = operand_rows(op, table_name, expanded, held);
     }
   }
   r.weight = weight ? ltx_vector_t{present_data(*weight), to_ltx_dtype(weight->scalar_type())}
@@ -121,8 +122,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const int64_t rot_dim = rope_tables_width(op, cos, sin, x, layout.head_dim, is_float64(x));
   at::Tensor out = at::empty(x.sizes(), x.options());
   ltx_qk_norm_rope_args_t args = qk_norm_rope_args(layout, rot_dim, false, interleaved, 0.0);
+  Held held;
   args.tensors[0] =
-      rope_tensor(op, "x", x, out, cos, sin, std::nullopt, layout, rot_dim, is_float64(x));
+      rope_tensor(op, "x", x, out, cos, sin, std::nullopt, layout, rot_dim, held, is_float64(x));
   args.num_tensors = 1;
   const int64_t row_len = layout.heads * layout.head_dim;
   run_launcher(
@@ -159,7 +161,7 @@ static RopeRows qk_rows(const char* op, const at::Tensor& q, const at::Tensor& k
             k.sizes(), ")");
   if (layout.token_rows) {
     for (const at::Tensor* t : {&q, &k})
-      LTX_CHECK(t->stride(-2) == layout.head_dim || layout.heads == 1, op,
+      LTX_CHECK(t->stride(-2) == layout.head_dim || layout.heads == 1 || t->numel() == 0, op,
                 ": with across_heads=True the ", t == &q ? "q" : "k",
                 " heads must be contiguous (stride(-2) == ", layout.head_dim, "), got strides ",
                 t->strides());
@@ -185,8 +187,11 @@ static void run_qk_rmsnorm_rope(const char* op, const at::Tensor& q, const at::T
   const int64_t row_len = layout.heads * layout.head_dim;
   const int64_t rot_dim = rope_tables_width(op, cos, sin, q, layout.head_dim, float64);
   ltx_qk_norm_rope_args_t args = qk_norm_rope_args(layout, rot_dim, true, interleaved, eps);
-  args.tensors[0] = rope_tensor(op, "q", q, q_out, cos, sin, q_weight, layout, rot_dim, float64);
-  args.tensors[1] = rope_tensor(op, "k", k, k_out, cos, sin, k_weight, layout, rot_dim, float64);
+  Held held;
+  args.tensors[0] =
+      rope_tensor(op, "q", q, q_out, cos, sin, q_weight, layout, rot_dim, held, float64);
+  args.tensors[1] =
+      rope_tensor(op, "k", k, k_out, cos, sin, k_weight, layout, rot_dim, held, float64);
   args.num_tensors = 2;
   args.quant = quant;
   // The pool splits the q rows, then the k rows.
@@ -292,10 +297,11 @@ static void run_backward(const char* op, ltx_qk_norm_rope_backward_args_t& args,
       names);
 }
 
-at::Tensor rope_backward(const at::Tensor& grad_out, const at::Tensor& cos, const at::Tensor& sin,
+at::Tensor rope_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
                          bool interleaved) {
   const char* op = "ltx_kernels.rope_backward";
-  check_activation(op, "grad_out", grad_out, /*cpu_float64=*/true);
+  check_activation(op, "grad_out", grad, /*cpu_float64=*/true);
+  const at::Tensor grad_out = fitting_rows(grad);  // (an expanded gradient: copied if it must be)
   const RopeRows layout = rotation_rows(grad_out, LTX_QK_NORM_ROPE_BACKWARD_MAX_ROW);
   check_backward_row(op, grad_out, layout.heads * layout.head_dim);
   const int64_t rot_dim = rope_tables_width(op, cos, sin, grad_out, layout.head_dim, true);
@@ -303,8 +309,9 @@ at::Tensor rope_backward(const at::Tensor& grad_out, const at::Tensor& cos, cons
   ltx_qk_norm_rope_backward_args_t args{};
   args.forward = qk_norm_rope_args(layout, rot_dim, false, interleaved, 0.0);
   // (a rotation's VJP does not read x: grad_out's rows describe it)
-  args.forward.tensors[0] =
-      rope_tensor(op, "grad_out", grad_out, grad_x, cos, sin, std::nullopt, layout, rot_dim, true);
+  Held held;
+  args.forward.tensors[0] = rope_tensor(op, "grad_out", grad_out, grad_x, cos, sin, std::nullopt,
+                                        layout, rot_dim, held, true);
   args.forward.num_tensors = 1;
   args.grad[0] = args.forward.tensors[0].x;
   const int64_t row_len = layout.heads * layout.head_dim;
@@ -321,17 +328,19 @@ at::Tensor rope_backward(const at::Tensor& grad_out, const at::Tensor& cos, cons
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_backward(
-    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& q, const at::Tensor& k,
     const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
     const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, double eps,
     bool across_heads, bool interleaved, std::array<bool, 2> weight_grads) {
   const char* op = "ltx_kernels.qk_rmsnorm_rope_backward";
   const RopeRows layout = qk_rows(op, q, k, q_weight, k_weight, across_heads, true);
-  check_like_x(op, "grad_q", grad_q, q, true, "q");
-  check_like_x(op, "grad_k", grad_k, k, true, "k");
+  check_like_x(op, "grad_q", dq, q, true, "q");
+  check_like_x(op, "grad_k", dk, k, true, "k");
+  // (expanded gradients: copied if they must be)
+  const at::Tensor grad_q = fitting_rows(dq), grad_k = fitting_rows(dk);
   if (layout.token_rows)
     for (const at::Tensor* g : {&grad_q, &grad_k})
-      LTX_CHECK(g->stride(-2) == layout.head_dim || layout.heads == 1, op,
+      LTX_CHECK(g->stride(-2) == layout.head_dim || layout.heads == 1 || g->numel() == 0, op,
                 ": with across_heads=True the ", g == &grad_q ? "grad_q" : "grad_k",
                 " heads must be contiguous (stride(-2) == ", layout.head_dim, "), got strides ",
                 g->strides());
@@ -356,9 +365,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_rmsnorm_rope_backw
   const std::optional<at::Tensor>* weights[2] = {&q_weight, &k_weight};
   const bool wanted[2] = {want_q_weight, want_k_weight};
   const char* names[2] = {"q", "k"};
+  Held held;
   for (int i = 0; i < 2; ++i) {
     args.forward.tensors[i] = rope_tensor(op, names[i], *inputs[i], grads[i], cos, sin, *weights[i],
-                                          layout, rot_dim, true);
+                                          layout, rot_dim, held, true);
     args.grad[i] =
         rows_of(op, i == 0 ? "grad_q" : "grad_k", launcher_rows_view(*out_grads[i], layout));
     if (wanted[i]) {

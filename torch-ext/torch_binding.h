@@ -115,6 +115,9 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, at::TensorList lora_a,
                        at::TensorList lora_b, c10::ArrayRef<double> scaling,
                        c10::IntArrayRef offsets);
+// t [..., K] as the rows of a GEMM, [M, K] with M the product of its leading dims, also when t is
+// empty (reshape({-1, K}) cannot infer M from 0 elements); symbolic under torch.compile.
+at::Tensor as_rows(const at::Tensor& t);
 // The gradients of lora_linear (wanted: x, weight, bias, each lora_a, each lora_b), which its
 // autograd (autograd_ops.cpp) returns.
 std::vector<at::Tensor> lora_linear_backward(const at::Tensor& grad, const at::Tensor& x,
