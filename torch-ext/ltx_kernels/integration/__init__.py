@@ -158,8 +158,9 @@ def inject_optimized_kernels(
     compiling. Returns an InjectionReport (printed when verbose). Raises on a model that is
     already injected. A pipeline is injected whole or not at all: a component that cannot be
     patched raises with every component as it was (classes, processors, weights: nothing is
-    quantized or fused before every component is patched); a model under two component names is
-    injected once."""
+    quantized or fused before every component is patched; a failure while quantizing restores the
+    models quantized before it as remove_optimized_kernels does, docs/injection.md); a model under
+    two component names is injected once."""
     from .. import _library
 
     _library()  # raises with the build error when the extension did not load
