@@ -42,7 +42,7 @@ inline std::string text(double v) {
 }
 // A dtype by torch's name ("float32", "bfloat16", "int8"), as users write it, not c10's ("Float",
 // "BFloat16", "Char"): every message naming a dtype goes through here.
-inline std::string text(c10::ScalarType t) { return c10::getDtypeNames(t).first; }
+inline std::string text(c10::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
 inline std::string text(const c10::Device& d) { return d.str(); }
 inline std::string text(c10::IntArrayRef dims) {
   std::string out = "[";
